@@ -1,0 +1,171 @@
+"""Cluster profiles: the machines a job runs on, read from YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+from pydantic import Field
+
+from trainer.yamlconfig import StrictModel, apply_overrides, load_yaml, parse_bytes, validate
+
+
+class AcceleratorSpec(StrictModel):
+    """One device (GPU, or a CPU process for local runs)."""
+
+    name: str = "gpu"
+    """A label, e.g. `A100-80GB`, `H100-SXM` or `cpu`."""
+    peak_tflops: float = Field(gt=0)
+    """Peak dense bf16 TFLOP/s of one device (one process's share of the cores for `cpu`)."""
+    memory: str
+    """Device memory with its unit, e.g. `80 GB` or `80 GiB`."""
+    memory_bandwidth: str = "2 TB/s"
+    """Device memory bandwidth with its unit, e.g. `2039 GB/s`."""
+    mfu: float = Field(0.45, gt=0, le=1)
+    """Fraction of peak that the model's matmuls achieve (the cost model's efficiency)."""
+
+    @pydantic.field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str) -> str:
+        parse_bytes(value)
+        return value
+
+    @pydantic.field_validator("memory_bandwidth")
+    @classmethod
+    def _bandwidth(cls, value: str) -> str:
+        parse_bytes(value, per_second=True)
+        return value
+
+    @property
+    def memory_bytes(self) -> float:
+        return parse_bytes(self.memory)
+
+    @property
+    def memory_bandwidth_bytes(self) -> float:
+        return parse_bytes(self.memory_bandwidth, per_second=True)
+
+
+class NetworkSpec(StrictModel):
+    """Link bandwidths, each with its unit so bits and bytes are never confused (`200 Gbit/s`, `600 GB/s`)."""
+
+    intra_node_bandwidth: str = "300 GB/s"
+    """Per-device bandwidth between devices of one node (NVLink), e.g. `300 GB/s`."""
+    inter_node_bandwidth: str = "200 Gbit/s"
+    """Per-node bandwidth between nodes (InfiniBand, Ethernet), e.g. `200 Gbit/s`."""
+    intra_node_latency_us: float = Field(5.0, ge=0)
+    """Latency of one intra-node collective step, microseconds."""
+    inter_node_latency_us: float = Field(10.0, ge=0)
+    """Latency of one inter-node message, microseconds."""
+
+    @pydantic.field_validator("intra_node_bandwidth", "inter_node_bandwidth")
+    @classmethod
+    def _rate(cls, value: str) -> str:
+        parse_bytes(value, per_second=True)
+        return value
+
+    @property
+    def intra_node_bytes_per_s(self) -> float:
+        return parse_bytes(self.intra_node_bandwidth, per_second=True)
+
+    @property
+    def inter_node_bytes_per_s(self) -> float:
+        return parse_bytes(self.inter_node_bandwidth, per_second=True)
+
+
+class StorageSpec(StrictModel):
+    """Where run directories live; every node must see this path (a shared filesystem or a PVC mount)."""
+
+    run_root: str = "runs"
+    """Directory under which `cona run` creates run directories."""
+    write_bandwidth: str = "1 GB/s"
+    """Checkpoint write bandwidth, used to predict switch cost before one is measured."""
+    read_bandwidth: str = "2 GB/s"
+    """Checkpoint read bandwidth."""
+
+    @pydantic.field_validator("write_bandwidth", "read_bandwidth")
+    @classmethod
+    def _rate(cls, value: str) -> str:
+        parse_bytes(value, per_second=True)
+        return value
+
+
+class SlurmSpec(StrictModel):
+    """How to submit to Slurm. Every value is shell-quoted into the batch script."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "04:00:00"
+    """`--time` of the training job."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` options, e.g. `--constraint=a100`."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell commands run before training (module loads, `source venv/bin/activate`)."""
+    use_submitit: bool = False
+    """Submit through submitit instead of a rendered sbatch script."""
+    signal_before_timeout_s: int = Field(120, ge=0)
+    """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints."""
+    rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
+    """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
+    python: str = "python3"
+    """Python interpreter on the compute nodes."""
+    gpus_per_node_flag: bool = True
+    """Request `--gpus-per-node`; false on CPU-only clusters."""
+
+
+class KubernetesSpec(StrictModel):
+    """How to run on Kubernetes."""
+
+    namespace: str = "default"
+    image: str = "ghcr.io/cona-project/cona:latest"
+    """Container image with cona and torch installed."""
+    pvc: str = "cona-runs"
+    """ReadWriteMany PersistentVolumeClaim that holds the run directories."""
+    mount_path: str = "/runs"
+    """Where the PVC is mounted in every pod (storage.run_root should lie under it)."""
+    service_account: str = "cona"
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, str | int]] = Field(default_factory=list)
+    workload: Literal["indexed-job", "jobset", "pytorchjob"] = "indexed-job"
+    """The training workload kind."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource name requested per pod."""
+
+
+class ClusterProfile(StrictModel):
+    """A cluster: nodes × devices, their speed and memory, the network, storage and backend settings."""
+
+    name: str
+    backend: Literal["local", "slurm", "kubernetes"]
+    nodes: int = Field(gt=0)
+    """Number of nodes the job may use."""
+    gpus_per_node: int = Field(gt=0)
+    """Devices per node (processes per node for CPU runs)."""
+    accelerator: AcceleratorSpec
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    slurm: SlurmSpec | None = None
+    kubernetes: KubernetesSpec | None = None
+    min_nodes: int | None = Field(None, gt=0)
+    """Elastic lower bound on nodes (torchrun --nnodes=MIN:MAX); default: nodes."""
+
+    @pydantic.model_validator(mode="after")
+    def _backend_section(self) -> ClusterProfile:
+        if self.backend == "slurm" and self.slurm is None:
+            self.slurm = SlurmSpec()
+        if self.backend == "kubernetes" and self.kubernetes is None:
+            raise ValueError("backend 'kubernetes' needs a kubernetes: section (namespace, image, pvc)")
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}")
+        return self
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterProfile:
+    """Load and validate a cluster profile; raises `trainer.yamlconfig.ConfigError` with a one-line message."""
+    data = apply_overrides(load_yaml(path), list(overrides), source="--profile-set")
+    return validate(ClusterProfile, data, source=str(path))

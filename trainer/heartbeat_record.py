@@ -1,0 +1,52 @@
+"""The heartbeat record that trainer rank 0 appends to `heartbeats/<attempt>.jsonl`. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Heartbeat:
+    """Progress and statistics over the last `heartbeat.interval_steps` optimizer steps."""
+
+    time: float
+    """Unix time of the record."""
+    attempt: int
+    strategy: dict[str, int]
+    step: int
+    """Optimizer steps completed (over the whole run)."""
+    samples: int
+    """Samples consumed so far (the data position)."""
+    tokens: int
+    train_loss: float
+    """Mean training loss over the window."""
+    lr: float
+    step_time_s: float
+    """Mean wall time per optimizer step over the window (excluding validation and checkpoints)."""
+    samples_per_s: float
+    local_sqnorm: float | None = None
+    """|G_small|²: squared norm of one replica's gradient before the dp reduction (mean over replicas)."""
+    local_batch: int | None = None
+    """B_small: samples behind local_sqnorm."""
+    global_sqnorm: float | None = None
+    """|G_big|²: squared norm of the reduced gradient."""
+    global_batch: int | None = None
+    """B_big: samples behind global_sqnorm (the gbs)."""
+    adam_local_sqnorm: float | None = None
+    """local_sqnorm preconditioned by Adam's second-moment estimate (for the Adam-aware noise scale)."""
+    adam_global_sqnorm: float | None = None
+    val_loss: float | None = None
+    """Validation loss, when measured at this step."""
+    val_perplexity: float | None = None
+    peak_memory_gb: float | None = None
+    event: str | None = None
+    """`start`, `resume`, `eval`, `checkpoint`, `exit` on special records, None on periodic ones."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Heartbeat:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,350 @@
+"""The job spec: what to train, on which data, to which target, under which policy.
+
+Torch-free, so the orchestrator can load and validate jobs on a login node. Every field is addressable from the
+command line as `--set section.field=value`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from trainer.yamlconfig import ConfigError, StrictModel, apply_overrides, load_yaml, validate
+
+ModelFamily = Literal["gpt", "llama", "bert"]
+
+# Full-size presets describe the published architectures; the `tiny-` ones train on a laptop CPU in seconds
+# on a byte-level corpus (vocabulary 256).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt3-1.3b": dict(family="gpt", num_layers=24, hidden_size=2048, num_heads=16, num_kv_heads=16,
+                      ffn_hidden_size=8192, vocab_size=50257, seq_len=2048),
+    "llama-3.2-1b": dict(family="llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=8192, vocab_size=128256, seq_len=2048, rope_theta=500000.0),
+    "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_heads=16, num_kv_heads=16,
+                       ffn_hidden_size=4096, vocab_size=30522, seq_len=512),
+    "tiny-gpt": dict(family="gpt", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
+                     ffn_hidden_size=256, vocab_size=256, seq_len=64),
+    "tiny-llama": dict(family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=192, vocab_size=256, seq_len=64, rope_theta=10000.0),
+    "tiny-bert": dict(family="bert", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
+                      ffn_hidden_size=256, vocab_size=256, seq_len=64),
+}  # fmt: skip
+
+
+class ModelSpec(StrictModel):
+    """The architecture. A `preset` fills every dimension; explicit fields override the preset's."""
+
+    preset: str | None = None
+    """One of the names in `trainer.job.PRESETS`, or None to give every dimension explicitly."""
+    family: ModelFamily | None = None
+    """`gpt` (learned positions, LayerNorm, GELU), `llama` (RoPE, RMSNorm, SwiGLU, GQA) or `bert` (MLM encoder)."""
+    num_layers: int | None = Field(None, gt=0)
+    """Number of transformer blocks."""
+    hidden_size: int | None = Field(None, gt=0)
+    """Model width h."""
+    num_heads: int | None = Field(None, gt=0)
+    """Attention heads a; must divide hidden_size."""
+    num_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); equals num_heads for GPT and BERT."""
+    ffn_hidden_size: int | None = Field(None, gt=0)
+    """Inner width of the MLP."""
+    vocab_size: int | None = Field(None, gt=0)
+    """Vocabulary size; 256 for byte-level corpora."""
+    seq_len: int | None = Field(None, gt=1)
+    """Training context length s (tokens per sample)."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama only)."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    mlm_probability: float = Field(0.15, gt=0, lt=1)
+    """Fraction of tokens masked for BERT's masked-language-model objective."""
+
+    @pydantic.field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESETS:
+            import difflib
+
+            close = difflib.get_close_matches(value, list(PRESETS), n=1, cutoff=0.4)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown preset; {hint}valid presets: {', '.join(PRESETS)}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _fill_from_preset(self) -> ModelSpec:
+        if self.preset is not None:
+            for key, value in PRESETS[self.preset].items():
+                if getattr(self, key) is None or (key == "rope_theta" and "rope_theta" not in self.model_fields_set):
+                    object.__setattr__(self, key, value)
+        missing = [
+            name
+            for name in ("family", "num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
+            if getattr(self, name) is None
+        ]
+        if missing:
+            raise ValueError(f"give model.preset or all of: {', '.join(missing)}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.family != "llama" and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"{self.family} uses full multi-head attention: num_kv_heads must equal num_heads")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count N, exactly as `trainer.model` builds it."""
+        h, f, v, s = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.seq_len
+        kv = self.num_kv_heads * self.head_dim
+        if self.family == "llama":  # bias-free, RMSNorm, SwiGLU, untied output
+            per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+            return v * h + self.num_layers * per_layer + h + v * h
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # attention, MLP, two LayerNorms
+        embeddings = v * h + s * h
+        if self.family == "gpt":  # final LayerNorm, untied output
+            return embeddings + self.num_layers * per_layer + 2 * h + v * h
+        # BERT: embedding LayerNorm, MLM transform (dense + LayerNorm), decoder tied to the embedding + bias
+        return embeddings + 2 * h + self.num_layers * per_layer + h * h + h + 2 * h + v
+
+
+class DataSpec(StrictModel):
+    """The training corpus and its held-out split."""
+
+    path: str = "data/shakespeare.txt"
+    """A text file, a directory of `.txt` files (byte-level, vocab 256), or a token file (`.bin`/`.npy`)."""
+    format: Literal["auto", "bytes", "tokens"] = "auto"
+    """`auto` picks `tokens` for `.bin`/`.npy` files and `bytes` otherwise."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a raw `.bin` token file."""
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    """Fraction at the end of the corpus held out for validation."""
+
+
+class OptimizerSpec(StrictModel):
+    """AdamW and a learning-rate schedule defined over samples, so it survives batch-size changes."""
+
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate at `batch.base_gbs`."""
+    min_lr: float = Field(1e-4, ge=0)
+    """Floor of the cosine decay."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Shape after warmup."""
+    warmup_samples: int = Field(1024, ge=0)
+    """Linear warmup length, in samples."""
+    decay_samples: int | None = Field(None, gt=0)
+    """Samples over which cosine decays to min_lr; defaults to target.max_samples."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "sqrt"
+    """How the peak LR follows the global batch: lr·(gbs/base_gbs)^k with k = 0, 1 or 1/2."""
+    lr_scaling_cap: float = Field(2.0, ge=1.0)
+    """Upper bound on the scaling factor (an uncapped rule hurts large batches early)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW decoupled weight decay."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+
+class BatchSpec(StrictModel):
+    """Bounds on the global and micro batch sizes the planner may choose."""
+
+    min_gbs: int = Field(8, gt=0)
+    """Smallest global batch (samples per optimizer step)."""
+    max_gbs: int = Field(512, gt=0)
+    """Largest global batch."""
+    base_gbs: int = Field(32, gt=0)
+    """The batch the LR is tuned for, and the one a static strategy uses."""
+    gbs_choices: list[int] | None = None
+    """Explicit global batches to consider; default: powers of two within [min_gbs, max_gbs] plus base_gbs."""
+    mbs_choices: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    """Micro-batch sizes to consider."""
+
+    @pydantic.model_validator(mode="after")
+    def _bounds(self) -> BatchSpec:
+        if self.min_gbs > self.max_gbs:
+            raise ValueError(f"min_gbs={self.min_gbs} is larger than max_gbs={self.max_gbs}")
+        if not self.min_gbs <= self.base_gbs <= self.max_gbs:
+            raise ValueError(f"base_gbs={self.base_gbs} must lie within [min_gbs, max_gbs]")
+        if not self.mbs_choices or any(m <= 0 for m in self.mbs_choices):
+            raise ValueError("mbs_choices must be a non-empty list of positive integers")
+        return self
+
+    def candidate_gbs(self) -> list[int]:
+        if self.gbs_choices:
+            return sorted({g for g in self.gbs_choices if self.min_gbs <= g <= self.max_gbs})
+        values = {self.base_gbs}
+        g = 1
+        while g <= self.max_gbs:
+            if g >= self.min_gbs:
+                values.add(g)
+            g *= 2
+        return sorted(values)
+
+
+class ParallelSpec(StrictModel):
+    """Knobs of the parallel layouts the planner may choose."""
+
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """Pipeline schedule; 1F1B and interleaved need at least as many micro-batches as stages."""
+    max_tp: int | None = Field(None, gt=0)
+    """Upper bound on the tensor-parallel degree (default: GPUs per node)."""
+    max_pp: int | None = Field(None, gt=0)
+    """Upper bound on the pipeline-parallel degree."""
+    sharded_dp: bool = True
+    """Shard parameters, gradients and optimizer state across data-parallel ranks (FSDP2)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward; lowers memory, costs one extra forward."""
+
+
+class TargetSpec(StrictModel):
+    """When the run is done."""
+
+    val_perplexity: float | None = Field(None, gt=1)
+    """Stop once validation perplexity reaches this value."""
+    max_samples: int = Field(200_000, gt=0)
+    """Hard budget in training samples."""
+    max_time_s: float | None = Field(None, gt=0)
+    """Optional wall-clock budget in seconds."""
+
+
+class EvalSpec(StrictModel):
+    """Validation: a fixed set of held-out windows, measured at a fixed interval of samples."""
+
+    interval_samples: int = Field(4096, gt=0)
+    """Measure validation loss each time this many more samples have been trained on."""
+    num_windows: int = Field(64, gt=0)
+    """Number of held-out windows (fixed for the whole run)."""
+    batch_size: int = Field(16, gt=0)
+    """Windows per forward pass during validation."""
+
+
+class CheckpointSpec(StrictModel):
+    """Periodic checkpoints (a switch, a stop signal and the end of training always write one)."""
+
+    interval_steps: int = Field(100, gt=0)
+    """Save every this many optimizer steps."""
+    keep: int = Field(2, gt=0)
+    """Keep the newest this many complete checkpoints."""
+
+
+class HeartbeatSpec(StrictModel):
+    """Rank 0's progress records for the orchestrator."""
+
+    interval_steps: int = Field(1, gt=0)
+    """Append one heartbeat every this many optimizer steps."""
+
+
+class ScheduleEntry(StrictModel):
+    """One step of a `schedule` policy: from `samples` on, train with `strategy`."""
+
+    samples: int = Field(ge=0)
+    strategy: str
+    """A strategy string such as `dp=2,tp=2,pp=1,mbs=2,gbs=16`."""
+
+
+class PolicySpec(StrictModel):
+    """How the orchestrator picks and changes strategies."""
+
+    name: Literal["cona", "static", "fixed", "schedule"] = "cona"
+    """`cona` switches online; `static` keeps the fastest strategy at base_gbs; `fixed` keeps `strategy`;
+    `schedule` follows `schedule`."""
+    strategy: str | None = None
+    """The strategy of the `fixed` policy."""
+    schedule: list[ScheduleEntry] = Field(default_factory=list)
+    """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
+    prior_noise_scale: float = Field(64.0, gt=0)
+    """B_noise assumed before the estimate is stable (samples)."""
+    noise_estimator: Literal["plain", "adam"] = "adam"
+    """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux)."""
+    noise_ema: float = Field(0.9, ge=0, lt=1)
+    """EMA factor per heartbeat for the numerator and denominator of B_noise."""
+    min_noise_samples: int = Field(8, ge=1)
+    """Heartbeats with gradient statistics needed before the estimate replaces the prior."""
+    decision_interval_s: float = Field(5.0, gt=0)
+    """Seconds between evaluations of the candidates."""
+    min_gain: float = Field(0.05, ge=0)
+    """δ: the best candidate must beat the current one by at least this fraction, net of switch cost."""
+    persistence: int = Field(2, ge=1)
+    """k: consecutive evaluations a candidate must win before a switch."""
+    min_dwell_s: float = Field(10.0, ge=0)
+    """Minimum time on a strategy before switching again."""
+    horizon_intervals: float = Field(12.0, gt=0)
+    """The horizon H is at most this many decision intervals."""
+    switch_cost_s: float = Field(20.0, ge=0)
+    """Switch cost assumed before one has been measured."""
+    max_restarts: int = Field(3, ge=0)
+    """Relaunches of a crashed or hung attempt before the run fails."""
+    heartbeat_timeout_s: float = Field(300.0, gt=0)
+    """A running attempt without a heartbeat for this long counts as hung."""
+
+    @pydantic.model_validator(mode="after")
+    def _policy_fields(self) -> PolicySpec:
+        if self.name == "fixed" and not self.strategy:
+            raise ValueError("policy 'fixed' needs policy.strategy, e.g. dp=2,tp=1,pp=2,mbs=2,gbs=32")
+        if self.name == "schedule":
+            if not self.schedule:
+                raise ValueError("policy 'schedule' needs policy.schedule: a list of {samples, strategy}")
+            starts = [e.samples for e in self.schedule]
+            if starts != sorted(starts) or starts[0] != 0:
+                raise ValueError("policy.schedule must start at samples 0 and increase")
+        return self
+
+
+class JobSpec(StrictModel):
+    """A training job. Load with `load_job`."""
+
+    name: str = "cona-job"
+    """A short name for run directories and cluster jobs."""
+    seed: int = 0
+    """Seeds the initialisation, the data order and BERT's masks."""
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+
+    @property
+    def decay_samples(self) -> int:
+        return self.optimizer.decay_samples or self.target.max_samples
+
+
+def job_from_dict(data: dict[str, Any], *, source: str = "job") -> JobSpec:
+    """Validate a job given as a mapping (for example `run.yaml`'s `job` section)."""
+    return validate(JobSpec, data, source=source)
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Load and validate a job YAML file, applying `--set dotted.key=value` overrides; raises `ConfigError`."""
+    data = load_yaml(path)
+    data = apply_overrides(data, list(overrides))
+    if "model" not in data:
+        raise ConfigError(f"{path}: missing required section 'model' (e.g. model: {{preset: tiny-gpt}})")
+    job = job_from_dict(data, source=str(path))
+    base = Path(path).resolve().parent
+    # A relative data path is read relative to the current directory when it exists there, else to the job file.
+    data_path = Path(job.data.path)
+    if not data_path.is_absolute() and not data_path.exists() and (base / data_path).exists():
+        job.data.path = str(base / data_path)
+    return job
+
+
+def job_to_dict(job: JobSpec) -> dict[str, Any]:
+    """The resolved job as plain data (for run.yaml); `job_from_dict` reads it back unchanged."""
+    return job.model_dump(mode="json")

@@ -1,0 +1,214 @@
+"""The run directory: the only channel between orchestrator and trainer (DESIGN.md §4). Torch-free.
+
+All writes are atomic (temp file in the same directory, fsync, rename) or single appends of a whole line;
+readers tolerate a torn last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainer.strategy import Strategy
+
+
+class ExitCode(enum.IntEnum):
+    """Trainer exit codes; anything not listed here is a crash."""
+
+    DONE = 0
+    """Target or budget reached; final checkpoint written."""
+    SWITCH = 42
+    """Checkpointed at a step boundary on a `switch` command; relaunch with the new strategy."""
+    STOPPED = 43
+    """Checkpointed on a `stop` command, SIGTERM or SIGUSR1 (preemption, time limit); resume later."""
+    BAD_WORLD = 44
+    """The world size does not fit the strategy (elastic shrink); replan for the GPUs present."""
+    CONFIG = 2
+    """Bad input (job, strategy, data path): the message on stderr says which."""
+
+
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON in `path`, or None when it does not exist."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write, so concurrent readers see whole lines or a torn tail."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path, *, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Records from byte `offset` on, and the offset after the last whole line.
+
+    A torn last line (no newline yet) is left for the next call; a corrupt whole line is skipped.
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    records = []
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records, offset + end
+
+
+@dataclasses.dataclass
+class ControlRecord:
+    """Orchestrator → trainer command. The trainer acts on each `seq` once."""
+
+    seq: int
+    command: str  # "switch" | "stop" | "checkpoint"
+    strategy: dict[str, int] | None = None
+    reason: str = ""
+
+    COMMANDS = ("switch", "stop", "checkpoint")
+
+    def __post_init__(self) -> None:
+        if self.command not in self.COMMANDS:
+            raise ValueError(f"control command {self.command!r} is not one of {', '.join(self.COMMANDS)}")
+
+
+@dataclasses.dataclass
+class RunDir:
+    """Paths and small helpers of one run directory."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    @property
+    def run_yaml(self) -> Path:
+        return self.root / "run.yaml"
+
+    @property
+    def state_json(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def control_json(self) -> Path:
+        return self.root / "control.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "orchestrator.lock"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeats"
+
+    @property
+    def samples_log(self) -> Path:
+        """Rank 0 appends the sample indices of every step here (for audits: none lost, none repeated)."""
+        return self.root / "samples"
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.root / "attempts" / str(attempt)
+
+    def heartbeat_file(self, attempt: int) -> Path:
+        return self.heartbeats / f"{attempt}.jsonl"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:08d}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoint directories, oldest first (a directory without its marker is not complete)."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and (p / COMPLETE_MARKER).exists()]
+        return sorted(found, key=lambda p: p.name)
+
+    def incomplete_checkpoints(self) -> list[Path]:
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(
+            p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and not (p / COMPLETE_MARKER).exists()
+        )
+
+    def latest_checkpoint(self) -> Path | None:
+        complete = self.complete_checkpoints()
+        return complete[-1] if complete else None
+
+    def latest_trainer_state(self) -> dict[str, Any] | None:
+        latest = self.latest_checkpoint()
+        return read_json(latest / TRAINER_STATE) if latest else None
+
+    def write_control(self, record: ControlRecord) -> None:
+        atomic_write_json(self.control_json, dataclasses.asdict(record))
+
+    def read_control(self) -> ControlRecord | None:
+        try:
+            data = read_json(self.control_json)
+        except (json.JSONDecodeError, OSError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        try:
+            return ControlRecord(**data)
+        except (TypeError, ValueError):
+            return None
+
+    def current_strategy(self) -> Strategy | None:
+        """The strategy the orchestrator last launched (from state.json)."""
+        state = read_json(self.state_json) or {}
+        return Strategy.from_dict(state["strategy"]) if state.get("strategy") else None
+
+    def current_attempt(self) -> int:
+        state = read_json(self.state_json) or {}
+        return int(state.get("attempt", 0))

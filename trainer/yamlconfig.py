@@ -1,0 +1,173 @@
+"""YAML loading, `--set` overrides and one-line validation errors, shared by job specs and cluster profiles.
+
+Torch-free: the orchestrator imports this on login nodes.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+
+class ConfigError(ValueError):
+    """A user error in a YAML file or an override; its message is one line meant for stderr."""
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping with `yaml.safe_load`, turning every failure into a `ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, source: str = "--set") -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides; the value is parsed as YAML so `1e-3`, `true`, `[1,2]` work."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{source} {item!r}: expected dotted.key=value, e.g. optimizer.lr=3e-4")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"{source} {item!r}: empty field name in {key!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"{source} {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _field_names(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The valid field names at `loc` (the parent of an unknown key), following nested models."""
+    current: Any = model
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, pydantic.BaseModel) and isinstance(part, str):
+            field = current.model_fields.get(part)
+            if field is None:
+                return []
+            current = field.annotation
+            # unwrap Optional[X] / X | None
+            args = [a for a in getattr(current, "__args__", ()) if a is not type(None)]
+            if args and not (isinstance(current, type) and issubclass(current, pydantic.BaseModel)):
+                models = [a for a in args if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+                current = models[0] if models else current
+        else:
+            return []
+    if isinstance(current, type) and issubclass(current, pydantic.BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _describe(model: type[pydantic.BaseModel], error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        valid = _field_names(model, loc[:-1])
+        name = str(loc[-1])
+        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        listing = f"valid fields here: {', '.join(valid)}" if valid else ""
+        return f"unknown field {path!r}; " + ("; ".join(x for x in (hint, listing) if x) or "remove it")
+    if kind == "missing":
+        return f"missing required field {path!r}"
+    msg = error["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    value = error.get("input")
+    shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    return f"field {path!r}: {msg}{shown}"
+
+
+def validate(model: type[ModelT], data: dict[str, Any], *, source: str) -> ModelT:
+    """Build `model` from `data`, answering the first problem as a one-line `ConfigError` naming its path."""
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+        first = _describe(model, errors[0])
+        more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        raise ConfigError(f"{source}: {first}{more}") from None
+
+
+class StrictModel(pydantic.BaseModel):
+    """Base of every config section: unknown keys are errors and every value is validated on assignment."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+_UNITS = {
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: Any, *, per_second: bool = False) -> float:
+    """Parse `"80 GB"`, `"80GiB"`, `"300 GB/s"`, `"200 Gbit/s"` or `"200 Gb/s"` into bytes (per second).
+
+    Units are required so that bits and bytes can never be confused.
+    """
+    if isinstance(value, bool) or not isinstance(value, str):
+        unit = "e.g. '200 Gbit/s' or '300 GB/s'" if per_second else "e.g. '80 GiB' or '80 GB'"
+        raise ValueError(f"give a number with a unit, {unit}")
+    text = value.strip().replace(" ", "")
+    if per_second:
+        if not (text.endswith("/s") or text.endswith("ps")):
+            raise ValueError(f"expected a rate such as '200 Gbit/s' or '300 GB/s', got {value!r}")
+        text = text[:-2]
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"cannot read a number in {value!r}") from None
+    bits = unit.endswith("bit") or (unit.endswith("b") and not unit.endswith("B"))
+    if unit.endswith("bit"):
+        unit = unit[:-3] + "b"
+    key = unit.lower()
+    if key not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r} in {value!r}; use B, KB, MB, GB, TB, GiB, Gbit (or Gb)")
+    factor = _UNITS[key] / (8 if bits and key != "b" else 1)
+    if key == "b" and bits:
+        factor = 1 / 8
+    if amount <= 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    return amount * factor
