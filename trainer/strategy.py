@@ -83,7 +83,7 @@ class Strategy:
             if key not in _FIELDS:
                 import difflib
 
-                close = difflib.get_close_matches(key, _FIELDS, n=1)
+                close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.4)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"strategy {text!r}: unknown field {key!r}{hint}; valid: {', '.join(_FIELDS)}")
             try:

@@ -115,7 +115,8 @@ def validate(model: type[ModelT], data: dict[str, Any], *, source: str) -> Model
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        errors = e.errors()
+        # A misspelled key usually also causes a "missing" error for the intended one: report the typo first.
+        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
         first = _describe(model, errors[0])
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise ConfigError(f"{source}: {first}{more}") from None

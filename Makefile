@@ -1,0 +1,36 @@
+# Everything a fresh machine needs. `make demo` runs the main job; `make test` runs the test suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch 2.13.0 lies on the project's build machines; elsewhere pip fetches it from PyPI.
+# Users with their own CUDA build can pass TORCH= (empty) to keep the torch they have.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint slurm-cluster clean-runs
+
+setup: $(VENV)/.installed data/shakespeare.txt
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+data/shakespeare.txt: | $(VENV)/.installed
+	$(PY) scripts/fetch_shakespeare.py $@
+
+demo: setup
+	$(VENV)/bin/cona plan --profile slurm/profiles/local-cpu.yaml --job examples/tiny-gpt.yaml --top 10
+
+slurm-cluster:
+	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh start; fi
+
+test: setup slurm-cluster
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check orchestrator trainer tests benchmarks || true
+
+clean-runs:
+	rm -rf runs

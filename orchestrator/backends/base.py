@@ -1,0 +1,119 @@
+"""The backend interface: launch a strategy as an attempt, poll it, cancel it, tell its end apart.
+
+A switch or stop is *asked* through the run directory's control.json (backend-independent); the backend only
+starts and watches processes. Backends never decide anything: the scheduler loop does.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any
+
+from trainer.rundir import ExitCode, RunDir
+from trainer.strategy import Strategy
+
+
+class AttemptStatus(enum.Enum):
+    PENDING = "pending"
+    """Submitted, not yet running (queued)."""
+    RUNNING = "running"
+    DONE = "done"
+    """Exited 0: target or budget reached."""
+    SWITCHED = "switched"
+    """Exited after checkpointing for a switch."""
+    STOPPED = "stopped"
+    """Exited after checkpointing for a stop, preemption or time limit."""
+    BAD_WORLD = "bad_world"
+    """The world it got does not fit its strategy."""
+    CRASHED = "crashed"
+    """Anything else: a non-protocol exit code, a killed process, a lost node, a cancelled job."""
+
+    @property
+    def finished(self) -> bool:
+        return self not in (AttemptStatus.PENDING, AttemptStatus.RUNNING)
+
+    @classmethod
+    def from_exit_code(cls, code: int | None) -> AttemptStatus:
+        mapping = {
+            ExitCode.DONE: cls.DONE,
+            ExitCode.SWITCH: cls.SWITCHED,
+            ExitCode.STOPPED: cls.STOPPED,
+            ExitCode.BAD_WORLD: cls.BAD_WORLD,
+        }
+        if code is None:
+            return cls.CRASHED
+        return mapping.get(code, cls.CRASHED)  # type: ignore[call-overload]
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One launch of the trainer under one strategy. `backend_id` is what the backend needs to find it again."""
+
+    number: int
+    strategy: Strategy
+    backend_id: str = ""
+    """Local: the torchrun PID. Slurm: the job id (plus the run-dir key). Kubernetes: the Job name."""
+    started_at: float = 0.0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "strategy": self.strategy.to_dict(),
+            "backend_id": self.backend_id,
+            "started_at": self.started_at,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attempt:
+        return cls(
+            number=int(data["number"]),
+            strategy=Strategy.from_dict(data["strategy"]),
+            backend_id=str(data.get("backend_id", "")),
+            started_at=float(data.get("started_at", 0.0)),
+            extra=dict(data.get("extra", {})),
+        )
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: AttemptStatus
+    exit_code: int | None = None
+    detail: str = ""
+    """A one-line human reason (e.g. `node n2 DOWN`, `exit code -9`)."""
+
+
+class Backend(abc.ABC):
+    """Starts and watches trainer attempts for one run directory."""
+
+    name: str = "abstract"
+
+    def __init__(self, *, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+
+    @abc.abstractmethod
+    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+        """Start the trainer for `attempt` under `strategy`.
+
+        `previous` is the attempt that just ended (switched/stopped/crashed), so a backend can reuse its
+        allocation when the node count stays the same (Slurm relaunches inside the running job).
+        """
+
+    @abc.abstractmethod
+    def poll(self, attempt: Attempt) -> Outcome:
+        """Where the attempt stands now; never blocks for long."""
+
+    @abc.abstractmethod
+    def cancel(self, attempt: Attempt) -> None:
+        """Kill the attempt (used for hangs and `cona stop --now`); idempotent."""
+
+    def adopt(self, attempt: Attempt) -> bool:
+        """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""
+        return not self.poll(attempt).status.finished
+
+    def close(self) -> None:
+        """Release anything held across attempts (an allocation) at the end of the run."""
+        return None

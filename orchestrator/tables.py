@@ -1,0 +1,51 @@
+"""Human-readable tables for the terminal (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.planner import Candidate
+from orchestrator.profile import ClusterProfile
+from trainer.job import JobSpec
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def print_plan(
+    *, profile: ClusterProfile, job: JobSpec, shown: list[Candidate], rejected: list[Candidate], num_feasible: int, num_total: int
+) -> None:
+    console = Console(width=160)
+    model = job.model
+    console.print(
+        f"[bold]{job.name}[/]: {model.preset or model.family} ({model.num_params / 1e6:,.1f}M parameters, "
+        f"seq {model.seq_len}) on [bold]{profile.name}[/]: {profile.nodes} node(s) × {profile.gpus_per_node} "
+        f"{profile.accelerator.name}"
+    )
+    console.print(f"{num_feasible} feasible of {num_total} candidates; fastest iteration first")
+    table = Table(show_lines=False)
+    for column in ("#", "dp", "tp", "pp", "mbs", "gbs", "iter time", "samples/s", "mem/device", "compute", "bubble", "comm"):
+        table.add_column(column, justify="right")
+    for i, c in enumerate(shown, 1):
+        p = c.prediction
+        assert p is not None
+        comm = p.tp_comm_s + p.p2p_s + p.dp_comm_s
+        table.add_row(
+            str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), _fmt_time(c.iter_time_s),
+            f"{c.samples_per_s:,.1f}", f"{c.memory_gb:.2f} GB", _fmt_time(p.compute_s),
+            _fmt_time(p.pipeline_bubble_s), _fmt_time(comm),
+        )  # fmt: skip
+    console.print(table)
+    if rejected:
+        rej = Table(title=f"{len(rejected)} rejected")
+        for column in ("dp", "tp", "pp", "mbs", "gbs", "reason"):
+            rej.add_column(column, justify="right" if column != "reason" else "left")
+        for c in rejected:
+            rej.add_row(str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), c.reason)
+        console.print(rej)

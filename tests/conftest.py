@@ -1,0 +1,28 @@
+"""Shared test fixtures. Paths are absolute so tests run from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+PROFILES = REPO / "slurm" / "profiles"
+
+
+def run_cona(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `cona` entry point in a subprocess (as a user would)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, env=full_env,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,165 @@
+"""Job specs and cluster profiles: every shipped file loads; every bad input gets one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.profile import load_profile
+from tests.conftest import EXAMPLES, REPO, run_cona
+from trainer.job import PRESETS, ModelSpec, load_job
+from trainer.strategy import Strategy
+from trainer.yamlconfig import ConfigError, parse_bytes
+
+ALL_PROFILES = sorted((REPO / "slurm" / "profiles").glob("*.yaml")) + sorted(
+    (REPO / "manifests" / "profiles").glob("*.yaml")
+)
+ALL_JOBS = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def test_shipped_files_exist():
+    names = {p.name for p in ALL_PROFILES}
+    assert {"local-cpu.yaml", "h100-k8s.yaml"} <= names
+    assert {f"{n}.yaml" for n in ("gpt3-1.3b", "llama-3.2-1b", "bert-large", "tiny-gpt", "tiny-llama", "tiny-bert")} <= {
+        p.name for p in ALL_JOBS
+    }
+
+
+@pytest.mark.parametrize("path", ALL_PROFILES, ids=lambda p: p.name)
+def test_profiles_load(path):
+    profile = load_profile(path)
+    assert profile.num_gpus == profile.nodes * profile.gpus_per_node
+    assert profile.accelerator.memory_bytes > 0
+
+
+@pytest.mark.parametrize("path", ALL_JOBS, ids=lambda p: p.name)
+def test_jobs_load(path):
+    job = load_job(path)
+    assert job.model.num_layers > 0
+    assert job.batch.min_gbs <= job.batch.base_gbs <= job.batch.max_gbs
+
+
+def test_presets_have_published_dimensions():
+    gpt = ModelSpec(preset="gpt3-1.3b")
+    assert (gpt.num_layers, gpt.hidden_size, gpt.num_heads, gpt.seq_len, gpt.vocab_size) == (24, 2048, 16, 2048, 50257)
+    llama = ModelSpec(preset="llama-3.2-1b")
+    assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.num_kv_heads, llama.ffn_hidden_size) == (
+        16, 2048, 32, 8, 8192,
+    )  # fmt: skip
+    assert llama.vocab_size == 128256
+    bert = ModelSpec(preset="bert-large")
+    assert (bert.num_layers, bert.hidden_size, bert.num_heads, bert.seq_len, bert.vocab_size) == (24, 1024, 16, 512, 30522)
+    assert 1.2e9 < gpt.num_params < 1.5e9
+    assert 3.0e8 < bert.num_params < 3.6e8
+    for name in PRESETS:
+        if name.startswith("tiny-"):
+            assert ModelSpec(preset=name).num_params < 1e6
+
+
+def test_explicit_fields_override_preset():
+    spec = ModelSpec(preset="tiny-gpt", num_layers=2)
+    assert spec.num_layers == 2 and spec.hidden_size == 64
+
+
+def test_set_overrides(tmp_path):
+    job = load_job(EXAMPLES / "tiny-gpt.yaml", ["optimizer.lr=3e-4", "batch.max_gbs=64", "policy.name=static"])
+    assert job.optimizer.lr == 3e-4 and job.batch.max_gbs == 64 and job.policy.name == "static"
+
+
+def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD_JOBS = [
+    ("model: {preset: tiny-gpt}\noptimiser: {lr: 1}\n", "unknown field 'optimiser'; did you mean 'optimizer'"),
+    ("model: {preset: tiny-gpt}\noptimizer: {lrr: 1}\n", "unknown field 'optimizer.lrr'; did you mean 'lr'"),
+    ("model: {preset: tiny-gtp}\n", "field 'model.preset': unknown preset; did you mean 'tiny-gpt'"),
+    ("model: {preset: tiny-gpt}\nbatch: {min_gbs: many}\n", "field 'batch.min_gbs': Input should be a valid integer"),
+    ("model: {preset: tiny-gpt}\nbatch: {min_gbs: 64, max_gbs: 8, base_gbs: 16}\n", "min_gbs=64 is larger than max_gbs=8"),
+    ("model: {preset: tiny-gpt}\noptimizer: {lr_scaling: cubic}\n", "field 'optimizer.lr_scaling'"),
+    ("model: {preset: tiny-gpt, num_heads: 3}\n", "num_heads=3 must divide hidden_size=64"),
+    ("model: {preset: tiny-gpt}\npolicy: {name: fixed}\n", "policy 'fixed' needs policy.strategy"),
+    ("seed: 1\n", "missing required section 'model'"),
+    ("model: {preset: tiny-gpt\n", "invalid YAML"),
+    ("- 1\n- 2\n", "expected a mapping"),
+    ("model: {family: gpt, num_layers: 2}\n", "give model.preset or all of"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD_JOBS)
+def test_bad_job_messages(tmp_path, text, expected):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    message = str(info.value)
+    assert expected in message
+    assert str(path) in message
+    assert "\n" not in message
+
+
+BAD_PROFILES = [
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nnetwork: {intra_node_bandwidth: 300}\n",
+     "field 'network.intra_node_bandwidth'"),
+    ("name: x\nbackend: locl\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n", "field 'backend'"),
+    ("name: x\nbackend: local\nnodes: 0\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n", "field 'nodes'"),
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 parsecs}\n", "unknown unit"),
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memroy: 8 GB}\n",
+     "unknown field 'accelerator.memroy'; did you mean 'memory'"),
+    ("name: x\nbackend: kubernetes\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
+     "needs a kubernetes: section"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD_PROFILES)
+def test_bad_profile_messages(tmp_path, text, expected):
+    path = _write(tmp_path, text, "profile.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_profile(path)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_units_are_unambiguous():
+    assert parse_bytes("80 GB") == 80e9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("200 Gbit/s", per_second=True) == 25e9
+    assert parse_bytes("200 Gb/s", per_second=True) == 25e9
+    assert parse_bytes("300 GB/s", per_second=True) == 300e9
+    with pytest.raises(ValueError):
+        parse_bytes("300", per_second=True)
+    with pytest.raises(ValueError):
+        parse_bytes("300 GB")  # no unit for the number alone is fine, but a rate needs /s
+        parse_bytes("300 GB", per_second=True)
+
+
+def test_strategy_parse_and_errors():
+    s = Strategy.parse("dp=2,tp=2,pp=1,mbs=2,gbs=16")
+    assert (s.dp, s.tp, s.pp, s.mbs, s.gbs, s.num_microbatches, s.world_size) == (2, 2, 1, 2, 16, 4, 4)
+    assert Strategy.parse(str(s)) == s
+    with pytest.raises(ValueError, match="did you mean 'dp'"):
+        Strategy.parse("db=2,mbs=1,gbs=2")
+    with pytest.raises(ValueError, match="multiple of dp·mbs"):
+        Strategy.parse("dp=4,mbs=4,gbs=8")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["plan", "--profile", "nope.yaml", "--job", "examples/tiny-gpt.yaml"], "nope.yaml: file not found"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "batch.mbs_choices=[0]"],
+         "mbs_choices"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "optimizer.lrr=1"],
+         "did you mean 'lr'"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "novalue"],
+         "expected dotted.key=value"),
+    ],
+)  # fmt: skip
+def test_cli_bad_input_is_one_line_exit_2(args, expected):
+    result = run_cona(*args)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

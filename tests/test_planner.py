@@ -1,0 +1,151 @@
+"""Strategy enumeration and the analytical cost model."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from orchestrator.costmodel import predict
+from orchestrator.planner import enumerate_candidates, evaluate, rank_by_iter_time, static_choice
+from orchestrator.profile import ClusterProfile, load_profile
+from tests.conftest import EXAMPLES, PROFILES, REPO, run_cona
+from trainer.job import load_job
+
+
+@pytest.fixture(scope="module")
+def a100() -> ClusterProfile:
+    return load_profile(PROFILES / "a100-4x8.yaml")
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return load_job(EXAMPLES / "gpt3-1.3b.yaml")
+
+
+def test_every_candidate_uses_all_devices_and_obeys_constraints(a100, gpt3):
+    candidates = enumerate_candidates(profile=a100, job=gpt3)
+    assert candidates
+    for c in candidates:
+        assert c.dp * c.tp * c.pp == a100.num_gpus
+        if c.feasible:
+            assert c.reason == ""
+            assert gpt3.model.num_heads % c.tp == 0 and gpt3.model.num_kv_heads % c.tp == 0
+            assert c.tp <= a100.gpus_per_node
+            assert gpt3.model.num_layers % c.pp == 0
+            assert c.gbs % (c.dp * c.mbs) == 0
+            assert gpt3.batch.min_gbs <= c.gbs <= gpt3.batch.max_gbs
+            assert c.pp == 1 or c.gbs // (c.dp * c.mbs) >= c.pp  # 1F1B micro-batch rule
+            assert c.memory_gb * 1e9 <= a100.accelerator.memory_bytes
+        else:
+            assert c.reason
+
+
+def test_rejections_name_their_reason(a100, gpt3):
+    reasons = {c.reason.split("=")[0] + ":" + c.reason for c in enumerate_candidates(profile=a100, job=gpt3) if not c.feasible}
+    text = " | ".join(reasons)
+    assert "would span nodes" in text
+    assert "does not divide num_layers" in text
+    assert "needs micro-batches ≥ pp" in text
+    assert "GB per device" in text
+
+
+def test_a100_gpt3_tp_within_node_and_fits_pure_sharded_dp(a100, gpt3):
+    ranked = rank_by_iter_time(enumerate_candidates(profile=a100, job=gpt3))
+    assert all(c.tp <= 8 for c in ranked)
+    pure_dp = [c for c in ranked if c.tp == 1 and c.pp == 1]
+    assert pure_dp, "gpt3-1.3b must fit on A100-80GB with tp=1, pp=1 under sharded data parallelism"
+    assert min(c.memory_gb for c in pure_dp) < 80
+
+
+def test_infeasible_when_model_states_exceed_memory(gpt3):
+    small = ClusterProfile.model_validate(
+        dict(name="tiny-gpus", backend="local", nodes=1, gpus_per_node=2,
+             accelerator=dict(peak_tflops=100, memory="8 GB"))
+    )  # fmt: skip
+    job = gpt3.model_copy(deep=True)
+    job.parallel.sharded_dp = False
+    c = evaluate(profile=small, job=job, dp=2, tp=1, pp=1, mbs=1, gbs=64)
+    assert not c.feasible and "GB per device" in c.reason
+    assert c.prediction.model_state_bytes > small.accelerator.memory_bytes  # states alone: 16 bytes × 1.4B
+
+
+def test_cost_is_monotonic(a100, gpt3):
+    def t(**kw):
+        return predict(profile=a100, job=gpt3, **kw).iter_time_s
+
+    # more samples per step take longer; bigger micro-batches use more memory
+    assert t(dp=8, tp=4, pp=1, mbs=1, gbs=64) < t(dp=8, tp=4, pp=1, mbs=1, gbs=128) < t(dp=8, tp=4, pp=1, mbs=1, gbs=256)
+    m1 = predict(profile=a100, job=gpt3, dp=8, tp=4, pp=1, mbs=1, gbs=256).memory_bytes
+    m4 = predict(profile=a100, job=gpt3, dp=8, tp=4, pp=1, mbs=4, gbs=256).memory_bytes
+    assert m4 > m1
+    # a faster network never makes a strategy slower
+    fast = a100.model_copy(deep=True)
+    fast.network.inter_node_bandwidth = "1600 Gbit/s"
+    assert predict(profile=fast, job=gpt3, dp=32, tp=1, pp=1, mbs=1, gbs=256).iter_time_s < t(
+        dp=32, tp=1, pp=1, mbs=1, gbs=256
+    )
+    # the pipeline bubble shrinks, relative to compute, as micro-batches grow in number
+    few = predict(profile=a100, job=gpt3, dp=8, tp=1, pp=4, mbs=1, gbs=32)
+    many = predict(profile=a100, job=gpt3, dp=8, tp=1, pp=4, mbs=1, gbs=256)
+    assert many.pipeline_bubble_s / many.compute_s < few.pipeline_bubble_s / few.compute_s
+
+
+def test_tensor_parallel_across_nodes_is_far_slower(a100, gpt3):
+    within = predict(profile=a100, job=gpt3, dp=2, tp=8, pp=2, mbs=1, gbs=256)
+    across = predict(profile=a100, job=gpt3, dp=2, tp=16, pp=1, mbs=1, gbs=256)
+    assert across.tp_comm_s > 10 * within.tp_comm_s
+
+
+def test_static_choice_is_fastest_at_base_gbs(a100, gpt3):
+    best = static_choice(profile=a100, job=gpt3)
+    assert best.gbs == gpt3.batch.base_gbs
+    same_gbs = [c for c in enumerate_candidates(profile=a100, job=gpt3) if c.feasible and c.gbs == best.gbs]
+    assert best.iter_time_s == min(c.iter_time_s for c in same_gbs)
+
+
+def test_ten_thousand_candidates_in_well_under_a_second(gpt3):
+    big = ClusterProfile.model_validate(
+        dict(name="big", backend="slurm", nodes=128, gpus_per_node=8,
+             accelerator=dict(peak_tflops=312, memory="80 GB"))
+    )  # fmt: skip
+    job = gpt3.model_copy(deep=True)
+    job.batch.max_gbs = 65536
+    job.batch.gbs_choices = list(range(64, 65536 + 1, 256))
+    start = time.perf_counter()
+    candidates = enumerate_candidates(profile=big, job=job)
+    ranked = rank_by_iter_time(candidates)
+    elapsed = time.perf_counter() - start
+    assert len(candidates) >= 10_000
+    assert ranked
+    assert elapsed < 1.0, f"{len(candidates)} candidates took {elapsed:.2f}s"
+
+
+def test_plan_json_golden():
+    result = run_cona(
+        "plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--all", "--top", "0", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for row in data:
+        assert {"dp", "tp", "pp", "mbs", "gbs", "feasible", "reason", "iter_time_s", "samples_per_s", "memory_gb"} <= set(row)
+    golden = REPO / "tests" / "golden" / "plan-local-cpu-tiny-gpt.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(data, indent=1) + "\n")
+    expected = json.loads(golden.read_text())
+    assert len(data) == len(expected)
+    for got, want in zip(data, expected, strict=True):
+        for key in ("dp", "tp", "pp", "mbs", "gbs", "feasible", "reason"):
+            assert got[key] == want[key]
+        for key in ("iter_time_s", "samples_per_s", "memory_gb"):
+            assert got[key] == (want[key] if want[key] is None else pytest.approx(want[key], rel=1e-9))
+
+
+@pytest.mark.parametrize("job", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_works_on_every_example(job):
+    profile = "slurm/profiles/local-cpu.yaml" if job.name.startswith("tiny") else "manifests/profiles/h100-k8s.yaml"
+    result = run_cona("plan", "--profile", profile, "--job", str(job), "--top", "3")
+    assert result.returncode == 0, result.stderr
+    assert "feasible of" in result.stdout
