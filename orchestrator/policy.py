@@ -1,0 +1,567 @@
+"""Policies: which strategy to start with, and when to switch to which (DESIGN.md §5).
+
+Every policy answers two questions through one interface, so the scheduler loop does not care which one runs:
+`initial` (the first strategy) and `decide` (called every `policy.decision_interval_s` with a `DecisionContext`;
+returns a `Decision`, switching or not, with a one-line reason and the numbers behind it for events.jsonl).
+
+- `cona` ranks every feasible candidate by progress per second R(c) = X(c)/(gbs(c) + B_noise) and switches when
+  a candidate is clearly better, net of the switch cost (the switch rule below).
+- `static` is what an offline searcher picks: the fastest predicted iteration at `batch.base_gbs`; never switches.
+- `fixed` keeps `policy.strategy`; never switches.
+- `schedule` replays `policy.schedule`: (samples, strategy) pairs, e.g. an oracle sequence found offline.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any
+
+from orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
+from orchestrator.profile import ClusterProfile
+from orchestrator.throughput import ThroughputModel
+from trainer.job import JobSpec, PolicySpec
+from trainer.strategy import Strategy
+
+DEFAULT_BLEND_EVALUATIONS = 3
+"""Evaluations with a stable estimate over which cona moves B_noise from the prior to the estimate."""
+
+
+@dataclasses.dataclass
+class DecisionContext:
+    """What the scheduler knows at one evaluation."""
+
+    now: float
+    """time.time() of the evaluation."""
+    samples: int
+    """Samples consumed so far (the data position)."""
+    current: Strategy
+    """The strategy running now."""
+    candidates: list[Candidate]
+    """Candidates for the devices present (infeasible ones are ignored)."""
+    throughput: ThroughputModel
+    noise_scale: float | None
+    """The estimator's B_noise, None while undefined (then the prior is used)."""
+    noise_stable: bool
+    """Whether the estimator considers its value settled (see `orchestrator.noise`)."""
+    switch_cost_s: float
+    """Measured switch cost (an average over past switches) or the prior `policy.switch_cost_s`."""
+    last_switch_time: float
+    """When the current strategy started (time.time())."""
+    remaining_time_s: float | None
+    """The scheduler's estimate of the time to the target; None when unknown."""
+
+
+@dataclasses.dataclass
+class Decision:
+    """The outcome of one evaluation."""
+
+    switch_to: Strategy | None
+    """The strategy to switch to, or None to stay."""
+    reason: str
+    """One line, with the numbers that decided it."""
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Plain JSON values: R(current), R(best), best strategy, ratio, threshold, horizon, B_noise used, wins, ..."""
+
+
+def progress_rate(candidate: Candidate, throughput: ThroughputModel, noise_scale: float) -> float:
+    """R(c) = X(c) / (gbs(c) + B_noise): the surrogate of optimisation progress per second.
+
+    With B_noise the gradient noise scale, a step of batch B makes 1/(1 + B_noise/B) of the progress of a
+    noise-free step (McCandlish et al. 2018), so progress per second is X/B · B/(B + B_noise) = X/(B + B_noise)
+    with X the calibrated throughput in samples/s. It ranks exactly as Pollux's goodput.
+
+    The learning-rate rule (`optimizer.lr_scaling`) is deliberately not part of R: the metric assumes each batch
+    size is trained with a suitable learning rate, which is what the scaling rule is for.
+    """
+    if noise_scale < 0 or not math.isfinite(noise_scale):
+        raise ValueError(f"noise scale must be finite and non-negative, got {noise_scale}")
+    return throughput.samples_per_s(candidate) / (candidate.gbs + noise_scale)
+
+
+def _same(candidate: Candidate, strategy: Strategy) -> bool:
+    return (candidate.dp, candidate.tp, candidate.pp, candidate.mbs, candidate.gbs) == (
+        strategy.dp,
+        strategy.tp,
+        strategy.pp,
+        strategy.mbs,
+        strategy.gbs,
+    )
+
+
+def find_candidate(candidates: list[Candidate], strategy: Strategy) -> Candidate | None:
+    """The feasible candidate with exactly these degrees and batch sizes, if any."""
+    for c in candidates:
+        if c.feasible and _same(c, strategy):
+            return c
+    return None
+
+
+def _devices(candidates: list[Candidate], profile: ClusterProfile) -> int:
+    return candidates[0].dp * candidates[0].tp * candidates[0].pp if candidates else profile.num_gpus
+
+
+def strategy_problem(
+    strategy: Strategy, *, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]
+) -> str:
+    """Why `strategy` cannot run with these candidates' devices, or '' if it can (the planner's own words)."""
+    if find_candidate(candidates, strategy) is not None:
+        return ""
+    problem = layout_reason(job=job, profile=profile, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
+    if problem:
+        return problem
+    devices = _devices(candidates, profile)
+    if strategy.world_size != devices:
+        return (
+            f"dp·tp·pp={strategy.world_size} but {devices} devices are present (every strategy uses them all)"
+        )
+    c = evaluate(
+        profile=profile,
+        job=job,
+        dp=strategy.dp,
+        tp=strategy.tp,
+        pp=strategy.pp,
+        mbs=strategy.mbs,
+        gbs=strategy.gbs,
+    )
+    return c.reason
+
+
+def _validated(
+    text: str, *, what: str, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]
+) -> Strategy:
+    try:
+        strategy = Strategy.parse(text)
+    except ValueError as e:
+        message = str(e)
+        if (
+            message.startswith("strategy ") and ": " in message
+        ):  # drop Strategy's own "strategy <text>: " prefix
+            message = message.split(": ", 1)[1]
+        raise ValueError(f"{what} {text!r}: {message}") from None
+    problem = strategy_problem(strategy, job=job, profile=profile, candidates=candidates)
+    if problem:
+        raise ValueError(f"{what} {strategy}: {problem}")
+    return strategy
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:.{digits}g}"
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+class Policy(abc.ABC):
+    """The interface the scheduler uses."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        """The strategy to start (or restart from scratch) with."""
+
+    @abc.abstractmethod
+    def decide(self, ctx: DecisionContext) -> Decision:
+        """Switch or stay, with the reason."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy's running state as plain JSON data (settings come from the job, not from here)."""
+        return {"name": self.name}
+
+    def from_dict(self, data: dict[str, Any]) -> Policy:
+        """Restore the state saved by `to_dict` into this policy (built from the same job); returns self."""
+        if data.get("name", self.name) != self.name:
+            raise ValueError(f"saved policy state is for {data.get('name')!r}, not {self.name!r}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- cona
+
+
+class ConaPolicy(Policy):
+    """Online strategy chaining: rank by R(c), switch when the gain clearly pays for the switch.
+
+    Switch rule: from the current c to c* only if
+
+    - R(c*)/R(c) ≥ (1 + δ)·H/(H − C_sw), with H = min(remaining time, horizon_intervals·decision_interval_s)
+      and C_sw the switch cost: over the horizon, c* must make δ more progress than c even though it trains
+      only H − C_sw of the H seconds. No switch at all when H ≤ C_sw (the switch could never pay back);
+    - c* has cleared that threshold in `persistence` consecutive evaluations ("wins"). Any candidate whose R is
+      within a factor (1 + δ) of the best counts as an equivalent winner, so two near-identical candidates that
+      alternate at the top do not reset each other's streaks; among equivalent candidates with enough wins the
+      one with the highest R now is chosen;
+    - at least `min_dwell_s` has passed since the last switch (wins keep counting while dwelling).
+
+    B_noise: the prior `prior_noise_scale` until the estimate is stable; then a geometric blend that moves from
+    the prior to the estimate over `blend_evaluations` evaluations with a stable estimate (1 = jump at once).
+    The weight never moves back: once trusted, even a momentarily unsettled EMA estimate is closer to the truth
+    than a guess made before training, and falling back to the prior late in training would pull towards small
+    batches. The blend avoids a step in R the moment the estimator first reports stable.
+    """
+
+    name = "cona"
+
+    def __init__(
+        self,
+        *,
+        prior_noise_scale: float,
+        min_gain: float,
+        persistence: int,
+        min_dwell_s: float,
+        decision_interval_s: float,
+        horizon_intervals: float,
+        blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
+    ) -> None:
+        if prior_noise_scale <= 0:
+            raise ValueError(f"prior_noise_scale must be positive, got {prior_noise_scale}")
+        if persistence < 1:
+            raise ValueError(f"persistence must be at least 1, got {persistence}")
+        if blend_evaluations < 1:
+            raise ValueError(f"blend_evaluations must be at least 1, got {blend_evaluations}")
+        self.prior_noise_scale = float(prior_noise_scale)
+        self.min_gain = float(min_gain)
+        self.persistence = int(persistence)
+        self.min_dwell_s = float(min_dwell_s)
+        self.decision_interval_s = float(decision_interval_s)
+        self.horizon_intervals = float(horizon_intervals)
+        self.blend_evaluations = int(blend_evaluations)
+        self._wins: dict[Strategy, int] = {}
+        self._noise_weight = 0.0
+        self._last_current: Strategy | None = None
+        self._evaluations = 0
+        self._switches = 0
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec, *, blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS) -> ConaPolicy:
+        return cls(
+            prior_noise_scale=spec.prior_noise_scale, min_gain=spec.min_gain, persistence=spec.persistence,
+            min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
+            horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    @property
+    def noise_weight(self) -> float:
+        """How much of the estimate (vs the prior) enters B_noise, in [0, 1]."""
+        return self._noise_weight
+
+    def noise_scale_used(self, estimate: float | None) -> float:
+        """B_noise for ranking: the prior, the estimate, or their geometric blend at the current weight."""
+        if estimate is None or estimate <= 0 or not math.isfinite(estimate) or self._noise_weight <= 0:
+            return self.prior_noise_scale
+        w = self._noise_weight
+        if w >= 1:
+            return estimate
+        return math.exp((1 - w) * math.log(self.prior_noise_scale) + w * math.log(estimate))
+
+    def horizon_s(self, remaining_time_s: float | None) -> float:
+        """H: the remaining time, capped at `horizon_intervals` decision intervals."""
+        cap = self.horizon_intervals * self.decision_interval_s
+        return cap if remaining_time_s is None else max(0.0, min(cap, remaining_time_s))
+
+    def threshold(self, *, horizon_s: float, switch_cost_s: float) -> float | None:
+        """(1 + δ)·H/(H − C_sw), or None when H ≤ C_sw (no switch can pay back)."""
+        if horizon_s <= switch_cost_s:
+            return None
+        return (1 + self.min_gain) * horizon_s / (horizon_s - switch_cost_s)
+
+    @staticmethod
+    def _ranked(
+        candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float, current: Strategy | None
+    ) -> list[tuple[float, Candidate]]:
+        rated = [(progress_rate(c, throughput, noise_scale), c) for c in candidates if c.feasible]
+        # Highest R first; ties prefer the current strategy (no pointless switch), then simpler layouts.
+        rated.sort(
+            key=lambda rc: (
+                -rc[0], not (current is not None and _same(rc[1], current)),
+                rc[1].pp, rc[1].tp, rc[1].mbs, rc[1].gbs, rc[1].dp,
+            )
+        )  # fmt: skip
+        return rated
+
+    # ------------------------------------------------------------------------------------------ policy
+
+    def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        """The best R under the prior noise scale: the first phase should not be spent on a poor guess."""
+        ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
+        if not ranked:
+            raise ValueError("no feasible candidate to start with")
+        return ranked[0][1].strategy
+
+    def decide(self, ctx: DecisionContext) -> Decision:
+        self._evaluations += 1
+        # A switch happened (or this is the first evaluation): wins are counted against the current strategy.
+        if ctx.current != self._last_current:
+            self._wins = {}
+            self._last_current = ctx.current
+        estimate = _finite(ctx.noise_scale)
+        if estimate is not None and estimate > 0 and ctx.noise_stable:
+            self._noise_weight = min(1.0, self._noise_weight + 1.0 / self.blend_evaluations)
+        noise = self.noise_scale_used(estimate)
+        if estimate is None or estimate <= 0 or self._noise_weight <= 0:
+            source = "prior"
+        else:
+            source = "estimate" if self._noise_weight >= 1 else "blend"
+
+        ranked = self._ranked(ctx.candidates, ctx.throughput, noise, ctx.current)
+        if not ranked:
+            return Decision(None, "no feasible candidate: staying", {"B_noise": noise})
+        r_best, best = ranked[0]
+        rate = {c: r for r, c in ranked}
+        metrics: dict[str, Any] = {
+            "B_noise": noise,
+            "B_noise_estimate": estimate,
+            "noise_stable": bool(ctx.noise_stable),
+            "noise_source": source,
+            "noise_weight": self._noise_weight,
+            "current": ctx.current.to_dict(),
+            "best": best.strategy.to_dict(),
+            "R_best": r_best,
+            "X_best": ctx.throughput.samples_per_s(best),
+            "switch_cost_s": ctx.switch_cost_s,
+            "persistence": self.persistence,
+            "dwell_s": ctx.now - ctx.last_switch_time,
+            "min_dwell_s": self.min_dwell_s,
+        }
+        noise_text = f"B_noise={_fmt(noise)} ({source})"
+
+        current = find_candidate(ctx.candidates, ctx.current)
+        if current is None:
+            # The running strategy is not among the feasible candidates (the devices changed, or it was started
+            # by hand): no comparison is possible, and staying on it is not an option the planner endorses.
+            self._wins = {}
+            self._switches += 1
+            metrics.update(R_current=None, ratio=None, threshold=None, wins=0)
+            return Decision(
+                best.strategy,
+                f"switch {ctx.current.short()} → {best.strategy.short()}: the current strategy is not a feasible "
+                f"candidate here; best R={_fmt(r_best)} at {noise_text}",
+                metrics,
+            )
+
+        r_cur = rate[current]
+        horizon = self.horizon_s(ctx.remaining_time_s)
+        threshold = self.threshold(horizon_s=horizon, switch_cost_s=ctx.switch_cost_s)
+        ratio = r_best / r_cur if r_cur > 0 else math.inf
+        metrics.update(
+            R_current=r_cur, X_current=ctx.throughput.samples_per_s(current), ratio=_finite(ratio),
+            threshold=threshold, H_s=horizon,
+        )  # fmt: skip
+
+        # Count wins: every candidate that clears the threshold now and is equivalent to the best.
+        wins: dict[Strategy, int] = {}
+        if threshold is not None and r_cur > 0:
+            for r, c in ranked:
+                if r * (1 + self.min_gain) < r_best or r / r_cur < threshold:
+                    break  # ranked by R: nothing further down qualifies either
+                s = c.strategy
+                if s != ctx.current:
+                    wins[s] = self._wins.get(s, 0) + 1
+        self._wins = wins
+        ready = [c for _, c in ranked if wins.get(c.strategy, 0) >= self.persistence]
+        target = ready[0] if ready else None
+        metrics["wins"] = wins.get((target or best).strategy, 0)
+        metrics["target"] = target.strategy.to_dict() if target else None
+
+        gain = f"R {_fmt(ratio, 4)}× current" + (f", threshold {_fmt(threshold, 4)}×" if threshold else "")
+        cost = f"H={_fmt(horizon)}s, C_sw={_fmt(ctx.switch_cost_s)}s"
+        if best.strategy == ctx.current:
+            return Decision(
+                None, f"stay on {ctx.current.short()}: best R={_fmt(r_best)} at {noise_text}", metrics
+            )
+        if threshold is None:
+            return Decision(
+                None,
+                f"stay on {ctx.current.short()}: best {best.strategy.short()} ({gain}) but horizon "
+                f"H={_fmt(horizon)}s ≤ switch cost {_fmt(ctx.switch_cost_s)}s; {noise_text}",
+                metrics,
+            )
+        if not wins:
+            return Decision(
+                None,
+                f"stay on {ctx.current.short()}: best {best.strategy.short()} {gain} (δ={self.min_gain}, {cost}); "
+                f"{noise_text}",
+                metrics,
+            )
+        if target is None:
+            return Decision(
+                None,
+                f"stay on {ctx.current.short()}: {best.strategy.short()} clears the threshold ({gain}) but has won "
+                f"{wins.get(best.strategy, 0)}/{self.persistence} evaluations; {noise_text}",
+                metrics,
+            )
+        dwell = ctx.now - ctx.last_switch_time
+        if dwell < self.min_dwell_s:
+            return Decision(
+                None,
+                f"stay on {ctx.current.short()}: {target.strategy.short()} is ready ({gain}) but dwell "
+                f"{_fmt(dwell)}s < min_dwell_s={_fmt(self.min_dwell_s)}s",
+                metrics,
+            )
+        r_target = rate[target]
+        metrics["R_target"] = r_target
+        self._wins = {}
+        self._switches += 1
+        return Decision(
+            target.strategy,
+            f"switch {ctx.current.short()} → {target.strategy.short()}: R {_fmt(r_target / r_cur, 4)}× current ≥ "
+            f"threshold {_fmt(threshold, 4)}× (δ={self.min_gain}, {cost}), won {wins[target.strategy]}/"
+            f"{self.persistence} evaluations; {noise_text}",
+            metrics,
+        )
+
+    # ------------------------------------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "wins": {str(s): n for s, n in sorted(self._wins.items())},
+            "noise_weight": self._noise_weight,
+            "last_current": self._last_current.to_dict() if self._last_current else None,
+            "evaluations": self._evaluations,
+            "switches": self._switches,
+        }
+
+    def from_dict(self, data: dict[str, Any]) -> ConaPolicy:
+        super().from_dict(data)
+        self._wins = {Strategy.parse(s): int(n) for s, n in (data.get("wins") or {}).items()}
+        self._noise_weight = min(1.0, max(0.0, float(data.get("noise_weight", 0.0))))
+        last = data.get("last_current")
+        self._last_current = Strategy.from_dict(last) if last else None
+        self._evaluations = int(data.get("evaluations", 0))
+        self._switches = int(data.get("switches", 0))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- baselines
+
+
+class _KeepPolicy(Policy):
+    """A policy that runs one strategy and never switches."""
+
+    def __init__(self, strategy: Strategy, *, why: str) -> None:
+        self.strategy = strategy
+        self._why = why
+
+    def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        return self.strategy
+
+    def decide(self, ctx: DecisionContext) -> Decision:
+        metrics = {"policy": self.name, "current": ctx.current.to_dict(), "best": self.strategy.to_dict()}
+        return Decision(None, f"{self.name} policy keeps {ctx.current.short()} ({self._why})", metrics)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "strategy": self.strategy.to_dict()}
+
+
+class StaticPolicy(_KeepPolicy):
+    """The offline searcher's choice: lowest predicted iteration time at `batch.base_gbs`; never switches."""
+
+    name = "static"
+
+    def __init__(self, *, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]) -> None:
+        self.job, self.profile = job, profile
+        chosen = static_choice(profile=profile, job=job, num_devices=_devices(candidates, profile))
+        super().__init__(chosen.strategy, why=f"fastest predicted iteration at base_gbs={job.batch.base_gbs}")
+
+    def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        """Re-pick for the devices at hand (they may differ from those at construction)."""
+        devices = _devices(candidates, self.profile)
+        if devices != self.strategy.world_size:
+            chosen = static_choice(profile=self.profile, job=self.job, num_devices=devices)
+            self.strategy = chosen.strategy
+        return self.strategy
+
+
+class FixedPolicy(_KeepPolicy):
+    """`policy.strategy`, validated against the planner; never switches."""
+
+    name = "fixed"
+
+    def __init__(self, strategy: Strategy) -> None:
+        super().__init__(strategy, why="policy.strategy")
+
+
+class SchedulePolicy(Policy):
+    """Follows `policy.schedule`: from each entry's `samples` on, its strategy."""
+
+    name = "schedule"
+
+    def __init__(self, entries: list[tuple[int, Strategy]]) -> None:
+        if not entries:
+            raise ValueError("policy 'schedule' needs at least one entry")
+        starts = [n for n, _ in entries]
+        if starts != sorted(starts) or starts[0] != 0:
+            raise ValueError("policy.schedule must start at samples 0 and increase")
+        self.entries = list(entries)
+
+    def entry_at(self, samples: int) -> tuple[int, int, Strategy]:
+        """(index, threshold, strategy) of the entry in force at `samples`."""
+        index = 0
+        for i, (start, _) in enumerate(self.entries):
+            if samples >= start:
+                index = i
+        start, strategy = self.entries[index]
+        return index, start, strategy
+
+    def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        return self.entry_at(samples)[2]
+
+    def decide(self, ctx: DecisionContext) -> Decision:
+        index, start, strategy = self.entry_at(ctx.samples)
+        metrics = {
+            "policy": self.name, "current": ctx.current.to_dict(), "best": strategy.to_dict(),
+            "entry": index, "entry_samples": start, "samples": ctx.samples,
+        }  # fmt: skip
+        if strategy == ctx.current:
+            following = self.entries[index + 1][0] if index + 1 < len(self.entries) else None
+            nxt = f"; next entry at samples {following}" if following is not None else "; last entry"
+            return Decision(None, f"schedule keeps {ctx.current.short()} (entry {index}{nxt})", metrics)
+        return Decision(
+            strategy,
+            f"schedule: samples {ctx.samples} ≥ {start} (entry {index} of {len(self.entries)}) → {strategy.short()}",
+            metrics,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "entries": [[n, s.to_dict()] for n, s in self.entries]}
+
+
+# ---------------------------------------------------------------------------------------------------- factory
+
+
+def make_policy(job: JobSpec, *, profile: ClusterProfile, candidates: list[Candidate]) -> Policy:
+    """The policy `job.policy.name` names, with every strategy it mentions validated up front.
+
+    Raises ValueError with a one-line message naming the bad setting and the planner's reason.
+    """
+    spec = job.policy
+    if spec.name == "cona":
+        return ConaPolicy.from_spec(spec)
+    if spec.name == "static":
+        return StaticPolicy(job=job, profile=profile, candidates=candidates)
+    if spec.name == "fixed":
+        if not spec.strategy:
+            raise ValueError("policy 'fixed' needs policy.strategy, e.g. dp=2,tp=1,pp=2,mbs=2,gbs=32")
+        strategy = _validated(
+            spec.strategy, what="policy.strategy", job=job, profile=profile, candidates=candidates
+        )
+        return FixedPolicy(strategy)
+    if spec.name == "schedule":
+        entries = [
+            (e.samples, _validated(e.strategy, what=f"policy.schedule[{i}] (samples={e.samples})", job=job,
+                                   profile=profile, candidates=candidates))
+            for i, e in enumerate(spec.schedule)
+        ]  # fmt: skip
+        return SchedulePolicy(entries)
+    raise ValueError(f"unknown policy {spec.name!r}; valid: cona, static, fixed, schedule")

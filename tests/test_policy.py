@@ -1,0 +1,407 @@
+"""The policies: cona's metric and switch rule, and the static, fixed and schedule baselines."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from orchestrator.costmodel import Prediction
+from orchestrator.planner import Candidate, enumerate_candidates, static_choice
+from orchestrator.policy import (
+    ConaPolicy,
+    DecisionContext,
+    FixedPolicy,
+    SchedulePolicy,
+    StaticPolicy,
+    make_policy,
+    progress_rate,
+)
+from orchestrator.profile import load_profile
+from orchestrator.throughput import ThroughputModel
+from tests.conftest import EXAMPLES, PROFILES
+from trainer.job import job_from_dict, job_to_dict, load_job
+from trainer.strategy import Strategy
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+
+A, B = 0.1, 0.01  # iteration time a + b·gbs: a fixed overhead makes small batches less efficient
+
+
+def candidate(
+    gbs: int, *, dp: int = 4, tp: int = 1, pp: int = 1, mbs: int = 2, slowdown: float = 1.0
+) -> Candidate:
+    t = (A + B * gbs) * slowdown
+    prediction = Prediction(
+        compute_s=t, tp_comm_s=0.0, pipeline_bubble_s=0.0, p2p_s=0.0, dp_comm_s=0.0, optimizer_s=0.0,
+        memory_bytes=1e9, model_state_bytes=5e8, activation_bytes=5e8,
+    )  # fmt: skip
+    return Candidate(dp, tp, pp, mbs, gbs, True, "", prediction)
+
+
+FAMILY = [candidate(g) for g in (8, 16, 32, 64, 128)]
+G = {c.gbs: c for c in FAMILY}
+# With X(g) = g/(a + b·g), R(g) = X/(g + B_noise) peaks at g* = √(a·B_noise/b) = √(10·B_noise).
+TIE_32_64 = 204.8  # the B_noise at which gbs 32 and 64 have the same R
+
+
+def cona(**overrides) -> ConaPolicy:
+    settings = dict(
+        prior_noise_scale=100.0, min_gain=0.05, persistence=2, min_dwell_s=10.0, decision_interval_s=5.0,
+        horizon_intervals=12.0, blend_evaluations=1,
+    )  # fmt: skip
+    settings.update(overrides)
+    return ConaPolicy(**settings)
+
+
+def context(
+    current: Strategy, *, now: float = 1000.0, since: float = 0.0, noise: float | None = None, stable: bool = True,
+    cost: float = 5.0, remaining: float | None = None, samples: int = 0, throughput: ThroughputModel | None = None,
+    candidates: list[Candidate] | None = None,
+) -> DecisionContext:  # fmt: skip
+    candidates = FAMILY if candidates is None else candidates
+    return DecisionContext(
+        now=now, samples=samples, current=current, candidates=candidates,
+        throughput=throughput or ThroughputModel(candidates=candidates), noise_scale=noise, noise_stable=stable,
+        switch_cost_s=cost, last_switch_time=since, remaining_time_s=remaining,
+    )  # fmt: skip
+
+
+def best_gbs(noise_scale: float, candidates: list[Candidate] = FAMILY) -> int:
+    tm = ThroughputModel(candidates=candidates)
+    return max(candidates, key=lambda c: progress_rate(c, tm, noise_scale)).gbs
+
+
+# ---------------------------------------------------------------------------------------------------- the metric
+
+
+def test_progress_rate_is_throughput_over_batch_plus_noise_scale():
+    tm = ThroughputModel(candidates=FAMILY)
+    c = G[32]
+    assert progress_rate(c, tm, 50.0) == pytest.approx((32 / (A + B * 32)) / (32 + 50.0))
+    with pytest.raises(ValueError):
+        progress_rate(c, tm, -1.0)
+
+
+def test_small_noise_favours_small_batches_and_large_noise_large_ones():
+    assert best_gbs(1.0) == 8
+    assert best_gbs(100.0) == 32
+    assert best_gbs(400.0) == 64
+    assert best_gbs(5000.0) == 128
+    ordered = [best_gbs(b) for b in (1, 10, 30, 100, 300, 1000, 3000, 10000)]
+    assert ordered == sorted(ordered)  # the best batch grows with the noise scale
+
+
+def test_throughput_matters():
+    fast, slow = candidate(32), candidate(32, dp=2, tp=2, slowdown=1.5)
+    tm = ThroughputModel(candidates=[fast, slow])
+    assert progress_rate(fast, tm, 100.0) > progress_rate(slow, tm, 100.0)
+    # Measurements override the cost model: the "fast" one turns out slow on this machine.
+    tm.observe(fast.strategy, 3 * fast.iter_time_s)
+    tm.observe(slow.strategy, slow.iter_time_s)
+    assert progress_rate(fast, tm, 100.0) < progress_rate(slow, tm, 100.0)
+    # A slow layout loses even at its best batch size: X counts, not only gbs.
+    family = [*FAMILY, candidate(32, dp=2, tp=2, slowdown=1.2)]
+    assert ConaPolicy._ranked(family, ThroughputModel(candidates=family), 100.0, None)[0][1] is G[32]
+
+
+def test_cold_start_picks_the_best_rate_under_the_prior():
+    tm = ThroughputModel(candidates=FAMILY)
+    assert cona(prior_noise_scale=100.0).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 32
+    assert cona(prior_noise_scale=2000.0).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 128
+    assert cona(prior_noise_scale=0.5).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 8
+
+
+# ---------------------------------------------------------------------------------------------------- switch rule
+
+
+def test_clear_gain_switches_after_persistence():
+    policy = cona(persistence=2)
+    tm = ThroughputModel(candidates=FAMILY)
+    first = policy.decide(context(G[8].strategy, noise=1600.0, throughput=tm))
+    assert first.switch_to is None and "won 1/2" in first.reason
+    second = policy.decide(context(G[8].strategy, noise=1600.0, throughput=tm, now=1005.0))
+    assert second.switch_to == G[128].strategy
+    assert second.reason.startswith("switch d4t1p1 m2 g8 → d4t1p1 m2 g128")
+    m = second.metrics
+    assert m["ratio"] >= m["threshold"] == pytest.approx(1.05 * 60 / 55)
+    assert m["best"] == G[128].strategy.to_dict() and m["wins"] == 2 and m["B_noise"] == 1600.0
+    json.dumps(m)  # events.jsonl material
+
+
+@pytest.mark.parametrize(("cost", "switches"), [(2.0, True), (20.0, False)])
+def test_gain_must_outweigh_the_switch_cost(cost, switches):
+    # B_noise 1600: R(128)/R(32) ≈ 1.15, above δ = 5%; the threshold is 1.05·H/(H − C) with H = 60 s.
+    policy = cona()
+    decisions = [
+        policy.decide(context(G[32].strategy, noise=1600.0, cost=cost, now=1000.0 + 5 * i)) for i in range(6)
+    ]
+    switched = [d for d in decisions if d.switch_to is not None]
+    assert bool(switched) == switches
+    if not switches:
+        assert all("threshold" in d.reason for d in decisions)
+        assert decisions[-1].metrics["ratio"] == pytest.approx(1.15, abs=0.01)
+
+
+def test_small_gain_below_min_gain_never_switches():
+    policy = cona(min_gain=0.05)
+    for i in range(10):  # R(128)/R(64) ≈ 1.03 at B_noise 1600, even with a free switch
+        d = policy.decide(context(G[64].strategy, noise=1600.0, cost=0.0, now=1000.0 + 5 * i))
+        assert d.switch_to is None
+    assert d.metrics["ratio"] == pytest.approx(1.033, abs=0.005)
+
+
+@pytest.mark.parametrize(
+    ("remaining", "cost", "horizon_intervals"),
+    [(4.0, 5.0, 12.0), (None, 60.0, 12.0), (None, 20.0, 3.0), (0.0, 0.0, 12.0)],
+)
+def test_no_switch_when_the_cost_exceeds_the_horizon(remaining, cost, horizon_intervals):
+    policy = cona(horizon_intervals=horizon_intervals)
+    for i in range(5):  # a huge gain (B_noise 10⁵ makes gbs 128 ≈ 2× better than gbs 8)
+        d = policy.decide(
+            context(G[8].strategy, noise=1e5, cost=cost, remaining=remaining, now=1000.0 + 5 * i)
+        )
+        assert d.switch_to is None and "horizon" in d.reason
+        assert d.metrics["threshold"] is None and d.metrics["ratio"] > 2
+
+
+def test_short_remaining_time_raises_the_threshold():
+    policy = cona()
+    d = policy.decide(context(G[32].strategy, noise=1600.0, cost=2.0, remaining=10.0))
+    assert d.metrics["H_s"] == 10.0 and d.metrics["threshold"] == pytest.approx(1.05 * 10 / 8)
+    assert d.switch_to is None
+
+
+def test_dwell_time_is_respected_and_wins_keep_counting():
+    policy = cona(min_dwell_s=30.0, persistence=2)
+    decisions = [
+        policy.decide(context(G[8].strategy, noise=1600.0, since=1000.0, now=1000.0 + 5 * i))
+        for i in range(6)
+    ]
+    assert [d.switch_to for d in decisions] == [None] * 6  # dwell 0..25 s < 30 s
+    assert "dwell" in decisions[-1].reason and decisions[-1].metrics["wins"] == 6
+    d = policy.decide(context(G[8].strategy, noise=1600.0, since=1000.0, now=1030.0))
+    assert d.switch_to == G[128].strategy  # the moment dwell passes
+
+
+def test_persistence_counts_consecutive_wins_only():
+    policy = cona(persistence=3)
+    noises = [1600.0, 1600.0, 10.0, 1600.0, 1600.0, 1600.0]  # the third evaluation interrupts the streak
+    outcomes = [
+        policy.decide(context(G[8].strategy, noise=n, now=1000.0 + 5 * i)).switch_to
+        for i, n in enumerate(noises)
+    ]
+    assert outcomes[:5] == [None] * 5
+    assert outcomes[5] == G[128].strategy
+
+
+def test_equivalent_winners_do_not_reset_each_others_wins():
+    # Two near-identical strategies at gbs 128 alternate at the top (measurement noise); each is an equivalent
+    # winner, so the switch happens after `persistence` evaluations anyway.
+    twin = candidate(128, dp=2, tp=2)
+    candidates = [*FAMILY, twin]
+    tm = ThroughputModel(candidates=candidates, window=1)
+    policy = cona(persistence=2)
+    outcomes = []
+    for i in range(2):
+        faster, slower = (G[128], twin) if i % 2 else (twin, G[128])
+        tm.observe(faster.strategy, 1.38 * 0.99)
+        tm.observe(slower.strategy, 1.38 * 1.01)
+        outcomes.append(
+            policy.decide(context(G[8].strategy, noise=1600.0, throughput=tm, now=1000.0 + 5 * i))
+        )
+    assert outcomes[0].switch_to is None
+    assert outcomes[1].switch_to in (G[128].strategy, twin.strategy)
+
+
+def simulate(policy: ConaPolicy, *, evaluations: int, noise_of, start: Candidate, seed: int, cost: float = 5.0,
+             throughput_noise: float = 0.1, noise_noise: float = 0.3,
+             candidates: list[Candidate] = FAMILY) -> list[tuple[int, Strategy]]:  # fmt: skip
+    """A scheduler loop in miniature: each evaluation observes the running strategy's step time (±10 %) and
+    gets a B_noise estimate that wobbles ±30 % independently (rougher than a real EMA); switches take effect at
+    once. Returns the (evaluation, strategy) switches."""
+    rng = np.random.default_rng(seed)
+    tm = ThroughputModel(candidates=candidates)
+    current, since, switches = start.strategy, 0.0, []
+    by_strategy = {c.strategy: c for c in candidates}
+    for i in range(evaluations):
+        now = 5.0 * i
+        tm.observe(current, by_strategy[current].iter_time_s * math.exp(rng.normal(0, throughput_noise)))
+        noise = noise_of(i) * math.exp(rng.normal(0, noise_noise))
+        d = policy.decide(context(current, noise=noise, cost=cost, throughput=tm, now=now, since=since,
+                                  candidates=candidates))  # fmt: skip
+        if d.switch_to is not None:
+            switches.append((i, d.switch_to))
+            current, since = d.switch_to, now
+    return switches
+
+
+def test_no_flapping_on_noisy_inputs_around_a_tie():
+    # gbs 32 and 64 tie at B_noise 204.8; the estimate wobbles ±30 % and step times ±10 % around it.
+    pair = [G[32], G[64]]
+    switches = simulate(cona(persistence=2), evaluations=400, noise_of=lambda i: TIE_32_64, start=G[32], seed=0,
+                        candidates=pair)  # fmt: skip
+    assert len(switches) <= 1
+    # The same inputs make a naive argmax policy (no margin, no persistence, free switches) flap constantly.
+    naive = cona(min_gain=0.0, persistence=1, min_dwell_s=0.0)
+    flaps = simulate(naive, evaluations=400, noise_of=lambda i: TIE_32_64, start=G[32], seed=0, cost=0.0,
+                     candidates=pair)  # fmt: skip
+    assert len(flaps) > 20
+
+
+def test_chains_to_larger_batches_as_the_noise_scale_grows():
+    # B_noise grows 100× over the run: the chain goes up in gbs a few times and never back down. (Window-mean
+    # step times ±5 %, an EMA estimate ±15 %: with the rougher inputs of the tie test a near-tie right after a
+    # switch can, rarely, send it one step back.)
+    switches = simulate(cona(), evaluations=300, noise_of=lambda i: 10.0 * 100 ** (i / 300), start=G[8], seed=1,
+                        throughput_noise=0.05, noise_noise=0.15)  # fmt: skip
+    sizes = [s.gbs for _, s in switches]
+    assert 2 <= len(sizes) <= 5
+    assert sizes == sorted(sizes) and sizes[-1] >= 32  # at the end 64 beats 32 by 10 %: below the threshold
+
+
+def test_noise_scale_blends_from_prior_to_estimate():
+    policy = cona(prior_noise_scale=100.0, blend_evaluations=3)
+    used = []
+    for i, (noise, stable) in enumerate([(1e4, False), (1e4, True), (1e4, True), (1e4, False), (1e4, True),
+                                         (1e4, True), (None, True)]):  # fmt: skip
+        d = policy.decide(context(G[32].strategy, noise=noise, stable=stable, now=1000.0 + 5 * i))
+        used.append(d.metrics["B_noise"])
+    assert used[0] == 100.0  # unstable: the prior
+    assert used[1] == pytest.approx(100.0 ** (2 / 3) * 1e4 ** (1 / 3))
+    assert used[2] == pytest.approx(100.0 ** (1 / 3) * 1e4 ** (2 / 3))
+    assert used[3] == used[2]  # an unsettled estimate does not move the weight back
+    assert used[4] == pytest.approx(1e4) and used[5] == pytest.approx(1e4)
+    assert used[6] == 100.0  # no estimate at all: the prior
+
+
+def test_current_strategy_outside_the_candidates_switches_at_once():
+    stray = Strategy(dp=8, tp=1, pp=1, mbs=1, gbs=64)
+    d = cona().decide(context(stray, noise=None, since=999.0))
+    assert d.switch_to == G[32].strategy and "not a feasible candidate" in d.reason
+
+
+def test_wins_survive_an_orchestrator_restart():
+    policy = cona(persistence=2)
+    assert policy.decide(context(G[8].strategy, noise=1600.0)).switch_to is None
+    saved = json.loads(json.dumps(policy.to_dict()))
+    restored = cona(persistence=2).from_dict(saved)
+    assert restored.decide(context(G[8].strategy, noise=1600.0, now=1005.0)).switch_to == G[128].strategy
+    with pytest.raises(ValueError, match="static"):
+        cona().from_dict({"name": "static"})
+
+
+# ---------------------------------------------------------------------------------------------------- baselines
+
+
+@pytest.fixture(scope="module")
+def setup():
+    profile = load_profile(PROFILES / "local-cpu.yaml")
+    job = load_job(EXAMPLES / "tiny-gpt.yaml")
+    candidates = [c for c in enumerate_candidates(profile=profile, job=job) if c.feasible]
+    return profile, job, candidates
+
+
+def with_policy(job, **policy):
+    data = job_to_dict(job)
+    data["policy"].update(policy)
+    return job_from_dict(data)
+
+
+def test_make_policy_cona_uses_the_job_settings(setup):
+    profile, job, candidates = setup
+    policy = make_policy(job, profile=profile, candidates=candidates)
+    assert isinstance(policy, ConaPolicy)
+    assert (
+        policy.prior_noise_scale == job.policy.prior_noise_scale
+        and policy.persistence == job.policy.persistence
+    )
+    tm = ThroughputModel(candidates=candidates)
+    first = policy.initial(candidates=candidates, throughput=tm, samples=0)
+    assert first in [c.strategy for c in candidates]
+
+
+def test_static_is_the_planners_choice_and_never_switches(setup):
+    profile, job, candidates = setup
+    policy = make_policy(with_policy(job, name="static"), profile=profile, candidates=candidates)
+    assert isinstance(policy, StaticPolicy)
+    expected = static_choice(profile=profile, job=job).strategy
+    tm = ThroughputModel(candidates=candidates)
+    assert policy.initial(candidates=candidates, throughput=tm, samples=0) == expected
+    assert expected.gbs == job.batch.base_gbs
+    for noise in (None, 1.0, 1e6):
+        ctx = context(expected, noise=noise, cost=0.0, throughput=tm, candidates=candidates)
+        assert policy.decide(ctx).switch_to is None
+
+
+def test_fixed_keeps_its_strategy(setup):
+    profile, job, candidates = setup
+    chosen = candidates[len(candidates) // 2].strategy
+    policy = make_policy(
+        with_policy(job, name="fixed", strategy=str(chosen)), profile=profile, candidates=candidates
+    )
+    assert isinstance(policy, FixedPolicy)
+    tm = ThroughputModel(candidates=candidates)
+    assert policy.initial(candidates=candidates, throughput=tm, samples=0) == chosen
+    d = policy.decide(context(chosen, noise=1e6, cost=0.0, throughput=tm, candidates=candidates))
+    assert d.switch_to is None and "fixed" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "dp=1,tp=3,pp=1,mbs=2,gbs=16",
+            "policy.strategy dp=1,tp=3,pp=1,mbs=2,gbs=16: tp=3 does not divide num_heads=4",
+        ),
+        ("dp=2,tp=1,pp=1,mbs=2,gbs=16", "dp·tp·pp=2 but 4 devices are present"),
+        ("dp=4,tp=1,pp=1,mbs=2,gbs=4096", "gbs=4096 outside batch bounds"),
+        ("dp=1,tp=1,pp=4,mbs=8,gbs=16", "1f1b needs micro-batches ≥ pp"),
+        (
+            "dp=4,tp=1,pp=1,mbs=3,gbs=16",
+            "policy.strategy 'dp=4,tp=1,pp=1,mbs=3,gbs=16': gbs=16 must be a multiple",
+        ),
+        ("dp=4,tq=1,mbs=2,gbs=16", "unknown field 'tq'"),
+    ],
+)
+def test_bad_fixed_strategy_is_a_one_line_error(setup, text, message):
+    profile, job, candidates = setup
+    with pytest.raises(ValueError) as info:
+        make_policy(with_policy(job, name="fixed", strategy=text), profile=profile, candidates=candidates)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_schedule_follows_its_entries(setup):
+    profile, job, candidates = setup
+    s1, s2, s3 = (candidates[i].strategy for i in (0, len(candidates) // 2, -1))
+    schedule = [{"samples": 0, "strategy": str(s1)}, {"samples": 1000, "strategy": str(s2)},
+                {"samples": 5000, "strategy": str(s3)}]  # fmt: skip
+    policy = make_policy(
+        with_policy(job, name="schedule", schedule=schedule), profile=profile, candidates=candidates
+    )
+    assert isinstance(policy, SchedulePolicy)
+    tm = ThroughputModel(candidates=candidates)
+    assert policy.initial(candidates=candidates, throughput=tm, samples=0) == s1
+    assert policy.initial(candidates=candidates, throughput=tm, samples=1200) == s2  # a restart mid-run
+
+    def decide(current, samples):
+        return policy.decide(context(current, samples=samples, throughput=tm, candidates=candidates))
+
+    assert decide(s1, 999).switch_to is None
+    d = decide(s1, 1000)
+    assert d.switch_to == s2 and "1000" in d.reason
+    assert decide(s2, 4000).switch_to is None
+    assert decide(s1, 6000).switch_to == s3  # two thresholds passed at once: straight to the latest
+    assert decide(s3, 10**6).switch_to is None
+
+
+def test_bad_schedule_entry_is_named(setup):
+    profile, job, candidates = setup
+    good = str(candidates[0].strategy)
+    schedule = [{"samples": 0, "strategy": good}, {"samples": 100, "strategy": "dp=1,tp=3,pp=1,mbs=2,gbs=16"}]
+    with pytest.raises(ValueError, match=r"policy.schedule\[1\] \(samples=100\) .*tp=3 does not divide"):
+        make_policy(
+            with_policy(job, name="schedule", schedule=schedule), profile=profile, candidates=candidates
+        )

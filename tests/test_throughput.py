@@ -1,0 +1,126 @@
+"""Online calibration of the cost model by measured step times."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from orchestrator.costmodel import Prediction
+from orchestrator.planner import Candidate, enumerate_candidates
+from orchestrator.profile import load_profile
+from orchestrator.throughput import ThroughputModel
+from tests.conftest import EXAMPLES, PROFILES
+from trainer.job import load_job
+from trainer.strategy import Strategy
+
+
+def candidate(dp: int, tp: int, pp: int, mbs: int, gbs: int, iter_time_s: float) -> Candidate:
+    prediction = Prediction(
+        compute_s=iter_time_s, tp_comm_s=0.0, pipeline_bubble_s=0.0, p2p_s=0.0, dp_comm_s=0.0, optimizer_s=0.0,
+        memory_bytes=1e9, model_state_bytes=5e8, activation_bytes=5e8,
+    )  # fmt: skip
+    return Candidate(dp, tp, pp, mbs, gbs, True, "", prediction)
+
+
+A16 = candidate(4, 1, 1, 2, 16, 0.10)
+A32 = candidate(4, 1, 1, 2, 32, 0.18)
+A64 = candidate(4, 1, 1, 2, 64, 0.34)
+B32 = candidate(2, 2, 1, 2, 32, 0.25)
+C32 = candidate(1, 2, 2, 4, 32, 0.40)
+ALL = [A16, A32, A64, B32, C32]
+
+
+def test_uncalibrated_model_returns_predictions():
+    model = ThroughputModel(candidates=ALL)
+    assert model.calibration_factor == 1.0
+    for c in ALL:
+        assert model.estimate(c) == (pytest.approx(c.iter_time_s), "calibrated")
+        assert model.samples_per_s(c) == pytest.approx(c.gbs / c.iter_time_s)
+
+
+def test_measured_strategy_returns_its_median_time():
+    model = ThroughputModel(candidates=ALL, window=5)
+    model.observe(A32.strategy, 2.0)  # warm-up window: an outlier
+    for t in (0.50, 0.52, 0.48, 0.51):
+        model.observe(A32.strategy, t)
+    assert model.estimate(A32) == (pytest.approx(0.51), "measured")  # the outlier does not drag it up
+    assert model.measured_time_s(A32.strategy) == pytest.approx(0.51)
+    assert model.num_observations(A32.strategy) == 5
+    assert model.samples_per_s(A32) == pytest.approx(32 / 0.51)
+    assert model.samples_per_s_of(A32.strategy) == pytest.approx(32 / 0.51)
+    # The window follows a real change of speed.
+    for _ in range(5):
+        model.observe(A32.strategy, 0.30)
+    assert model.iter_time_s(A32) == pytest.approx(0.30)
+
+
+def test_bad_observations_are_ignored():
+    model = ThroughputModel(candidates=ALL)
+    for t in (0.0, -1.0, math.nan, math.inf):
+        model.observe(A32.strategy, t)
+    assert model.measured_time_s(A32.strategy) is None
+    assert model.iter_time_s(A32) == pytest.approx(A32.iter_time_s)
+
+
+def test_same_layout_extrapolates_by_the_predicted_ratio():
+    model = ThroughputModel(candidates=ALL)
+    model.observe(A32.strategy, 0.36)  # 2× the prediction
+    assert model.estimate(A64) == (pytest.approx(0.36 * 0.34 / 0.18), "layout")
+    assert model.estimate(A16) == (pytest.approx(0.36 * 0.10 / 0.18), "layout")
+    # Other layouts get the global factor (here 2.0).
+    assert model.estimate(B32) == (pytest.approx(0.25 * 2.0), "calibrated")
+
+
+def test_nearest_measured_gbs_of_the_layout_is_used():
+    model = ThroughputModel(candidates=ALL)
+    model.observe(A16.strategy, 0.30)  # 3× prediction
+    model.observe(A64.strategy, 0.68)  # 2× prediction
+    assert model.estimate(A32)[0] == pytest.approx(0.30 * 0.18 / 0.10)  # 16 and 64 equally near: smaller
+    near64 = candidate(4, 1, 1, 2, 128, 0.66)
+    model.set_candidates([*ALL, near64])
+    assert model.estimate(near64)[0] == pytest.approx(0.68 * 0.66 / 0.34)
+
+
+def test_global_factor_is_the_geometric_mean_of_measured_over_predicted():
+    model = ThroughputModel(candidates=ALL)
+    model.observe(A32.strategy, 0.18 * 2)
+    model.observe(B32.strategy, 0.25 * 8)
+    assert model.calibration_factor == pytest.approx(4.0)
+    assert model.estimate(C32) == (pytest.approx(0.40 * 4.0), "calibrated")
+
+
+def test_candidate_without_prediction_is_infinitely_slow():
+    rejected = Candidate(4, 1, 1, 2, 30, False, "gbs=30 is not a multiple of dp·mbs=8", None)
+    model = ThroughputModel(candidates=[*ALL, rejected])
+    assert model.iter_time_s(rejected) == math.inf and model.samples_per_s(rejected) == 0.0
+    assert model.samples_per_s_of(Strategy(dp=8, tp=1, pp=1, mbs=1, gbs=64)) is None  # unknown strategy
+
+
+def test_state_survives_a_restart_through_json():
+    model = ThroughputModel(candidates=ALL, window=4)
+    for t in (0.4, 0.5, 0.45):
+        model.observe(A32.strategy, t)
+    model.observe(B32.strategy, 0.6)
+    restored = ThroughputModel.from_dict(json.loads(json.dumps(model.to_dict())), candidates=ALL)
+    for c in ALL:
+        assert restored.estimate(c) == model.estimate(c)
+    assert restored.num_observations(A32.strategy) == 3
+    restored.observe(A32.strategy, 0.3)
+    model.observe(A32.strategy, 0.3)
+    assert restored.iter_time_s(A32) == model.iter_time_s(A32)
+
+
+def test_calibrates_real_planner_candidates():
+    profile = load_profile(PROFILES / "local-cpu.yaml")
+    job = load_job(EXAMPLES / "tiny-gpt.yaml")
+    feasible = [c for c in enumerate_candidates(profile=profile, job=job) if c.feasible]
+    model = ThroughputModel(candidates=feasible)
+    running = feasible[0]
+    model.observe(running.strategy, running.iter_time_s * 3)
+    for c in feasible:
+        t, source = model.estimate(c)
+        assert 0 < t < math.inf
+        same_layout = (c.dp, c.tp, c.pp, c.mbs) == (running.dp, running.tp, running.pp, running.mbs)
+        assert source == ("measured" if c is running else "layout" if same_layout else "calibrated")
