@@ -47,6 +47,119 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_overrides(policy: str | None) -> list[str]:
+    """`--policy cona|static|fixed:<strategy>|schedule` as job overrides."""
+    if policy is None:
+        return []
+    name, _, strategy = policy.partition(":")
+    valid = ("cona", "static", "fixed", "schedule")
+    if name not in valid:
+        import difflib
+
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"--policy {policy!r}: {hint}valid: cona, static, fixed:<strategy>, schedule")
+    overrides = [f"policy.name={name}"]
+    if name == "fixed":
+        if not strategy:
+            raise UserError("--policy fixed needs a strategy, e.g. --policy fixed:dp=2,tp=1,pp=2,mbs=2,gbs=32")
+        overrides.append(f"policy.strategy={strategy}")
+    return overrides
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from orchestrator.backends import make_backend
+    from orchestrator.live import LiveView
+    from orchestrator.profile import load_profile
+    from orchestrator.runstate import RunLock, create_run, load_run
+    from orchestrator.scheduler import RunFailed, Scheduler
+    from trainer.job import load_job
+    from trainer.rundir import RunDir
+
+    if args.resume:
+        run_dir = RunDir(Path(args.resume))
+        if args.profile or args.job:
+            raise UserError("--resume takes the profile and job from the run directory; drop --profile/--job")
+        profile, job = load_run(run_dir)
+    else:
+        if not args.profile or not args.job:
+            raise UserError("give --profile and --job (or --resume RUN_DIR)")
+        profile = load_profile(args.profile)
+        job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
+        if run_dir.run_yaml.exists():
+            profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
+        else:
+            create_run(run_dir=run_dir, profile=profile, job=job)
+    view = LiveView(run_dir=run_dir, job=job, quiet=args.quiet)
+    with RunLock(run_dir.lock):
+        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir),
+                              on_update=view.update)  # fmt: skip
+        view.begin(scheduler)
+        try:
+            state = scheduler.run()
+        except RunFailed as e:
+            view.end(scheduler)
+            raise UserError(str(e)) from None
+        view.end(scheduler)
+    if not args.no_report and state.get("status") in ("done", "stopped"):
+        from orchestrator.report import write_report
+
+        png, md = write_report(run_dir)
+        print(f"report: {md} and {png}")
+    return 0 if state.get("status") in ("done", "stopped") else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator.live import status_summary
+    from trainer.rundir import RunDir
+
+    summary = status_summary(RunDir(Path(args.run_dir)))
+    if args.json:
+        print(json.dumps(summary, indent=1, sort_keys=True))
+    else:
+        from orchestrator.live import print_status
+
+        print_status(summary)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator.runstate import load_run, log_event
+    from trainer.rundir import ControlRecord, RunDir
+
+    run_dir = RunDir(Path(args.run_dir))
+    load_run(run_dir)  # a clear error when this is not a run directory
+    current = run_dir.read_control()
+    seq = (current.seq if current else 0) + 1
+    run_dir.write_control(ControlRecord(seq=seq, command="stop", reason="cona stop"))
+    log_event(run_dir, "stop-command", seq=seq)
+    print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator.report import write_report
+    from orchestrator.runstate import load_run
+    from trainer.rundir import RunDir
+
+    run_dir = RunDir(Path(args.run_dir))
+    load_run(run_dir)
+    png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
+    print(f"wrote {md} and {png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cona",

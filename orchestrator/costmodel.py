@@ -116,7 +116,11 @@ def predict(*, profile: ClusterProfile, job: JobSpec, dp: int, tp: int, pp: int,
         bw, lat = (inter_bw_per_device, inter_lat) if layout.dp_crosses_nodes else (intra_bw, intra_lat)
         shard_bytes = BYTES_PER_ELEMENT * num_params / (tp * pp)
         factor = 3.0 if job.parallel.sharded_dp else 2.0
-        dp_comm = factor * (dp - 1) / dp * shard_bytes / bw + 2 * (dp - 1) * lat * layers_per_stage
+        dp_comm = factor * (dp - 1) / dp * shard_bytes / bw
+        # Sharded DP gathers each layer's parameters again for every micro-batch (forward and backward);
+        # on slow-latency links (gloo on CPU) these per-layer collectives dominate small models.
+        num_collectives = (2 * num_micro + 1) * layers_per_stage if job.parallel.sharded_dp else layers_per_stage
+        dp_comm += num_collectives * (dp - 1) * lat
     hidden_behind_backward = (2 / 3) * compute_per_micro  # overlap with the last micro-batch's backward
     dp_comm_s = max(0.0, dp_comm - hidden_behind_backward)
 

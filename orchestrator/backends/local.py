@@ -1,0 +1,128 @@
+"""The local backend: `torchrun --standalone` on this machine (CPU + gloo when there is no GPU).
+
+Each attempt runs in its own process session under a tiny shell wrapper that records torchrun's exit code in
+`attempts/<n>/exit_code`, so an orchestrator that was killed and restarted can still tell how the attempt ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from trainer.rundir import RunDir
+from trainer.strategy import Strategy
+
+EXIT_CODE_FILE = "exit_code"
+
+
+def _process_start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (field 22 of /proc/pid/stat), to tell a reused PID from ours."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields after the closing parenthesis are fixed.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+class LocalBackend(Backend):
+    """Runs each attempt as `torchrun --standalone --nproc-per-node=dp·tp·pp -m trainer` on this machine."""
+
+    name = "local"
+
+    def __init__(self, *, run_dir: RunDir, python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+        super().__init__(run_dir=run_dir)
+        self.python = python or sys.executable
+        self.extra_env = dict(extra_env or {})
+        self._children: dict[int, subprocess.Popen] = {}
+
+    def command(self, *, attempt: int, strategy: Strategy) -> list[str]:
+        return [
+            self.python, "-m", "torch.distributed.run",
+            "--standalone", "--nnodes=1", f"--nproc-per-node={strategy.world_size}", "--max-restarts=0",
+            "-m", "trainer", "--run-dir", str(self.run_dir.root.resolve()), "--attempt", str(attempt),
+        ]  # fmt: skip
+
+    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+        attempt_dir = self.run_dir.attempt_dir(attempt)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        exit_file = attempt_dir / EXIT_CODE_FILE
+        exit_file.unlink(missing_ok=True)
+        log = attempt_dir / "torchrun.log"
+        cmd = shlex.join(self.command(attempt=attempt, strategy=strategy))
+        # The wrapper outlives an orchestrator restart and writes the exit code atomically.
+        wrapper = f'{cmd}; rc=$?; echo $rc > {shlex.quote(str(exit_file))}.tmp && mv {shlex.quote(str(exit_file))}.tmp {shlex.quote(str(exit_file))}; exit $rc'
+        env = {**os.environ, **self.extra_env}
+        # Two cores shared by several processes: one thread each avoids oversubscription.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", wrapper], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True, cwd=str(self.run_dir.root),
+            )  # fmt: skip
+        self._children[proc.pid] = proc
+        return Attempt(
+            number=attempt,
+            strategy=strategy,
+            backend_id=str(proc.pid),
+            started_at=time.time(),
+            extra={"start_time": _process_start_time(proc.pid), "log": str(log)},
+        )
+
+    def _reap(self, pid: int) -> None:
+        child = self._children.get(pid)
+        if child is not None and child.poll() is not None:
+            self._children.pop(pid, None)
+
+    def _ours_and_alive(self, attempt: Attempt) -> bool:
+        pid = int(attempt.backend_id)
+        self._reap(pid)
+        if not _alive(pid):
+            return False
+        recorded = attempt.extra.get("start_time")
+        return recorded is None or recorded == _process_start_time(pid)
+
+    def poll(self, attempt: Attempt) -> Outcome:
+        if self._ours_and_alive(attempt):
+            return Outcome(AttemptStatus.RUNNING)
+        exit_file = self.run_dir.attempt_dir(attempt.number) / EXIT_CODE_FILE
+        try:
+            code = int(exit_file.read_text().strip())
+        except (OSError, ValueError):
+            return Outcome(AttemptStatus.CRASHED, None, "the attempt's processes are gone without an exit code")
+        status = AttemptStatus.from_exit_code(code)
+        detail = f"torchrun exited {code}" if status is AttemptStatus.CRASHED else ""
+        return Outcome(status, code, detail)
+
+    def cancel(self, attempt: Attempt) -> None:
+        pid = int(attempt.backend_id)
+        if not self._ours_and_alive(attempt):
+            return
+        # The wrapper leads its own session: signal the whole group (shell, torchrun, workers).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.time() + 15
+        while time.time() < deadline and self._ours_and_alive(attempt):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        self._reap(pid)

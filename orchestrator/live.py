@@ -1,0 +1,167 @@
+"""What a person watching a run sees: the live line of `cona run` and the summary of `cona status`."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.runstate import read_events, read_state
+from trainer.job import JobSpec
+from trainer.rundir import RunDir, read_jsonl
+
+if TYPE_CHECKING:
+    from orchestrator.scheduler import LiveStatus, Scheduler
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def status_line(live: LiveStatus | dict[str, Any]) -> str:
+    """One line: step, samples, loss, perplexity, noise scale, current and best strategy, time to target."""
+    get = live.get if isinstance(live, dict) else lambda k, d=None: getattr(live, k, d)
+    parts = [f"attempt {get('attempt')}", f"step {get('step')}", f"samples {get('samples'):,}"]
+    if get("train_loss") is not None:
+        parts.append(f"loss {get('train_loss'):.3f}")
+    if get("val_perplexity") is not None:
+        parts.append(f"val ppl {get('val_perplexity'):.2f}")
+    noise = get("noise_scale")
+    parts.append(f"B_noise {noise:.0f} ({get('noise_source')})" if noise is not None else "B_noise prior")
+    parts.append(f"on {get('strategy')}")
+    if get("samples_per_s"):
+        parts.append(f"{get('samples_per_s'):.0f} samples/s")
+    best, gain = get("best"), get("best_gain")
+    if best and best != get("strategy") and gain is not None:
+        parts.append(f"best {best} ({gain:+.0%})")
+    parts.append(f"switches {get('switches')}")
+    parts.append(f"ETA {_duration(get('eta_s'))}")
+    return " | ".join(parts)
+
+
+class LiveView:
+    """Prints a status line at most every `interval_s` and every decision as it happens."""
+
+    def __init__(self, *, run_dir: RunDir, job: JobSpec, quiet: bool = False, interval_s: float = 2.0) -> None:
+        self.run_dir = run_dir
+        self.job = job
+        self.quiet = quiet
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._events_offset = 0
+
+    def begin(self, scheduler: Scheduler) -> None:
+        print(f"cona: run directory {self.run_dir.root}", flush=True)
+        print(
+            f"cona: {self.job.name}, policy {self.job.policy.name}, {len(scheduler.candidates)} feasible strategies "
+            f"on {scheduler.profile.name} ({scheduler.profile.backend} backend)",
+            flush=True,
+        )
+        _, self._events_offset = read_jsonl(self.run_dir.events)
+
+    def _print_events(self) -> None:
+        events, self._events_offset = read_jsonl(self.run_dir.events, offset=self._events_offset)
+        for e in events:
+            kind = e.get("event")
+            if kind == "launch":
+                print(f"cona: launch attempt {e['attempt']} with {_short(e['strategy'])} ({e.get('reason', '')})", flush=True)
+            elif kind == "switch":
+                print(f"cona: switch {_short(e['from'])} → {_short(e['to'])}: {e.get('reason', '')}", flush=True)
+            elif kind == "switch-complete":
+                print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
+            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget"):
+                detail = {k: v for k, v in e.items() if k not in ("time", "event")}
+                print(f"cona: {kind}: {detail}", flush=True)
+
+    def update(self, live: LiveStatus) -> None:
+        self._print_events()
+        if self.quiet:
+            return
+        now = time.time()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            print(f"cona: {status_line(live)}", flush=True)
+
+    def end(self, scheduler: Scheduler) -> None:
+        self._print_events()
+        state = scheduler.state
+        live = scheduler.live
+        ppl = f"{live.val_perplexity:.2f}" if live.val_perplexity else "n/a"
+        print(
+            f"cona: run {state.get('status')} after {_duration(live.elapsed_s)}: {live.samples:,} samples, "
+            f"val perplexity {ppl}, {live.switches} switch(es), {int(state.get('attempt', 0))} attempt(s)"
+            + (f"; {state['reason']}" if state.get("reason") else ""),
+            file=sys.stdout,
+            flush=True,
+        )
+
+
+def _short(strategy: dict[str, int]) -> str:
+    return f"d{strategy['dp']}t{strategy['tp']}p{strategy['pp']} m{strategy['mbs']} g{strategy['gbs']}"
+
+
+def status_summary(run_dir: RunDir) -> dict[str, Any]:
+    """Everything `cona status` shows, from the run directory alone (works while the run goes on)."""
+    from orchestrator.runstate import load_run
+
+    profile, job = load_run(run_dir)
+    state = read_state(run_dir)
+    events = read_events(run_dir)
+    switches = [e for e in events if e.get("event") == "switch"]
+    live = state.get("live", {})
+    return {
+        "run_dir": str(run_dir.root),
+        "job": job.name,
+        "profile": profile.name,
+        "policy": job.policy.name,
+        "status": state.get("status", "created"),
+        "attempt": state.get("attempt", 0),
+        "strategy": state.get("strategy"),
+        "step": live.get("step", 0),
+        "samples": live.get("samples", 0),
+        "train_loss": live.get("train_loss"),
+        "val_loss": live.get("val_loss"),
+        "val_perplexity": live.get("val_perplexity"),
+        "target_val_perplexity": job.target.val_perplexity,
+        "noise_scale": live.get("noise_scale"),
+        "noise_source": live.get("noise_source", "prior"),
+        "samples_per_s": live.get("samples_per_s"),
+        "eta_s": live.get("eta_s"),
+        "switches": [
+            {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
+        ],
+        "last_decision": state.get("last_decision"),
+        "reason": state.get("reason"),
+        "latest_checkpoint": str(run_dir.latest_checkpoint()) if run_dir.latest_checkpoint() else None,
+        "updated": state.get("updated"),
+    }
+
+
+def print_status(summary: dict[str, Any]) -> None:
+    strategy = summary["strategy"]
+    print(f"run        {summary['run_dir']}")
+    print(f"job        {summary['job']} on {summary['profile']}, policy {summary['policy']}")
+    print(f"status     {summary['status']}" + (f" ({summary['reason']})" if summary.get("reason") else ""))
+    print(f"attempt    {summary['attempt']} with {_short(strategy) if strategy else '-'}")
+    ppl = summary.get("val_perplexity")
+    target = summary.get("target_val_perplexity")
+    print(
+        f"progress   step {summary['step']}, {summary['samples']:,} samples, val perplexity "
+        f"{f'{ppl:.2f}' if ppl else 'n/a'}" + (f" (target {target})" if target else "")
+    )
+    noise = summary.get("noise_scale")
+    print(f"noise      B_noise {f'{noise:.1f}' if noise else 'n/a'} ({summary.get('noise_source')})")
+    print(f"switches   {len(summary['switches'])}")
+    for s in summary["switches"]:
+        print(f"           {_short(s['from'])} → {_short(s['to'])}: {s['reason']}")
+    if summary.get("last_decision"):
+        print(f"decision   {summary['last_decision']['reason']}")
+    print(f"checkpoint {summary.get('latest_checkpoint') or '-'}")

@@ -1,0 +1,128 @@
+"""`cona report`: a PNG (validation loss vs wall time with switches, noise scale vs samples, throughput per
+strategy) and a Markdown summary, from the run directory alone."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from orchestrator.runstate import load_run, read_events, read_state
+from trainer.rundir import RunDir, read_jsonl
+
+
+def _heartbeats(run_dir: RunDir) -> list[dict[str, Any]]:
+    beats = []
+    if run_dir.heartbeats.is_dir():
+        for path in sorted(run_dir.heartbeats.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
+            beats.extend(read_jsonl(path)[0])
+    return sorted(beats, key=lambda b: b.get("time", 0))
+
+
+def _short(s: dict[str, int]) -> str:
+    return f"d{s['dp']}t{s['tp']}p{s['pp']} m{s['mbs']} g{s['gbs']}"
+
+
+def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from orchestrator.noise import NoiseScaleEstimator
+
+    profile, job = load_run(run_dir)
+    state = read_state(run_dir)
+    events = read_events(run_dir)
+    beats = _heartbeats(run_dir)
+    out_dir = out_dir or run_dir.root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = min([e["time"] for e in events if e.get("event") == "start"] or [b["time"] for b in beats[:1]] or [0.0])
+
+    evals = [b for b in beats if b.get("val_loss") is not None]
+    switches = [e for e in events if e.get("event") == "switch"]
+    pol = job.policy
+    noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
+    noise_series = []
+    for b in beats:
+        noise.update(_as_heartbeat(b))
+        if noise.value is not None:
+            noise_series.append((b["samples"], noise.value))
+    per_strategy: dict[str, list[float]] = defaultdict(list)
+    for b in beats:
+        if b.get("samples_per_s") and not b.get("event"):
+            per_strategy[_short(b["strategy"])].append(b["samples_per_s"])
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    ax = axes[0]
+    if evals:
+        ax.plot([b["time"] - t0 for b in evals], [b["val_loss"] for b in evals], marker="o", ms=3, label="validation loss")
+    for i, s in enumerate(switches):
+        ax.axvline(s["time"] - t0, color="tab:red", ls="--", lw=1, label="switch" if i == 0 else None)
+        ax.annotate(_short(s["to"]), (s["time"] - t0, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7)
+    if job.target.val_perplexity:
+        ax.axhline(math.log(job.target.val_perplexity), color="tab:green", ls=":", label="target")
+    ax.set(xlabel="wall time (s)", ylabel="validation loss (nats/token)", title="Validation loss")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    if noise_series:
+        ax.plot(*zip(*noise_series, strict=True), color="tab:purple")
+    ax.set(xlabel="samples", ylabel="B_noise (samples)", title=f"Gradient noise scale ({pol.noise_estimator})")
+    ax = axes[2]
+    names = list(per_strategy)
+    ax.bar(range(len(names)), [sum(v) / len(v) for v in per_strategy.values()], color="tab:blue")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="samples/s", title="Measured throughput per strategy")
+    fig.suptitle(f"{job.name} on {profile.name} — policy {pol.name}")
+    fig.tight_layout()
+    png = out_dir / "report.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+    md = out_dir / "report.md"
+    lines = [
+        f"# {job.name} — {state.get('status', 'unknown')}",
+        "",
+        f"- profile: `{profile.name}` ({profile.backend}, {profile.nodes}×{profile.gpus_per_node} {profile.accelerator.name})",
+        f"- policy: `{pol.name}`; attempts: {state.get('attempt', 0)}; switches: {len(switches)}",
+    ]
+    if beats:
+        last = beats[-1]
+        lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; "
+                     f"wall time: {last['time'] - t0:.1f} s")  # fmt: skip
+    if evals:
+        best = min(evals, key=lambda b: b["val_loss"])
+        lines.append(f"- best validation loss {best['val_loss']:.4f} (perplexity {math.exp(best['val_loss']):.3f}) "
+                     f"at {best['samples']:,} samples")  # fmt: skip
+    if job.target.val_perplexity:
+        reached = [b for b in evals if math.exp(b["val_loss"]) <= job.target.val_perplexity]
+        lines.append(
+            f"- target perplexity {job.target.val_perplexity}: "
+            + (f"reached at {reached[0]['time'] - t0:.1f} s, {reached[0]['samples']:,} samples" if reached else "not reached")
+        )
+    lines += ["", "## Strategies", "", "| # | from (s) | strategy | samples/s (mean) | why |", "|---|---|---|---|---|"]
+    launches = [e for e in events if e.get("event") == "launch"]
+    for e in launches:
+        name = _short(e["strategy"])
+        rates = per_strategy.get(name, [])
+        mean = f"{sum(rates) / len(rates):.1f}" if rates else "-"
+        lines.append(f"| {e['attempt']} | {e['time'] - t0:.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
+    if switches:
+        lines += ["", "## Switch decisions", ""]
+        for s in switches:
+            lines.append(f"- {s['time'] - t0:.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {s.get('reason', '')}")
+    costs = state.get("switch_costs") or []
+    if costs:
+        lines.append("")
+        lines.append(f"Measured switch cost (decision → first step of the new strategy): "
+                     f"{', '.join(f'{c:.1f} s' for c in costs)}")  # fmt: skip
+    lines += ["", "![report](report.png)", ""]
+    md.write_text("\n".join(lines))
+    return png, md
+
+
+def _as_heartbeat(record: dict[str, Any]):
+    from trainer.heartbeat_record import Heartbeat
+
+    return Heartbeat.from_dict(record)

@@ -1,0 +1,395 @@
+"""The scheduler loop: tail heartbeats → update statistics → rank candidates → switch → relaunch (DESIGN.md §3).
+
+All state that must survive an orchestrator restart lives in state.json; everything decided is logged in
+events.jsonl with its numbers. The loop never runs two attempts at once: it launches only after the previous
+attempt is known to have ended, and the run lock keeps a second orchestrator out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.backends.base import Attempt, AttemptStatus, Backend
+from orchestrator.noise import NoiseScaleEstimator
+from orchestrator.planner import Candidate, enumerate_candidates
+from orchestrator.policy import DecisionContext, Policy, make_policy, progress_rate
+from orchestrator.profile import ClusterProfile
+from orchestrator.runstate import log_event, read_state, write_state
+from orchestrator.throughput import ThroughputModel
+from trainer.heartbeat_record import Heartbeat
+from trainer.job import JobSpec
+from trainer.rundir import ControlRecord, RunDir, read_jsonl
+from trainer.strategy import Strategy
+
+
+@dataclasses.dataclass
+class LiveStatus:
+    """What the live view shows; also the body of `cona status --json`."""
+
+    status: str = "starting"
+    attempt: int = 0
+    strategy: str = ""
+    step: int = 0
+    samples: int = 0
+    train_loss: float | None = None
+    val_loss: float | None = None
+    val_perplexity: float | None = None
+    noise_scale: float | None = None
+    noise_source: str = "prior"
+    samples_per_s: float | None = None
+    best: str = ""
+    best_gain: float | None = None
+    eta_s: float | None = None
+    switches: int = 0
+    restarts: int = 0
+    elapsed_s: float = 0.0
+
+
+class RunFailed(Exception):
+    """The run cannot go on (too many crashes, no feasible strategy); the message says why."""
+
+
+class Scheduler:
+    """Drives one run to its target on one backend."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: RunDir,
+        profile: ClusterProfile,
+        job: JobSpec,
+        backend: Backend,
+        poll_interval_s: float = 0.5,
+        on_update: Callable[[LiveStatus], None] | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.profile = profile
+        self.job = job
+        self.backend = backend
+        self.poll_interval_s = poll_interval_s
+        self.on_update = on_update or (lambda status: None)
+        self.candidates: list[Candidate] = [
+            c for c in enumerate_candidates(profile=profile, job=job) if c.feasible
+        ]
+        if not self.candidates:
+            raise RunFailed(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
+        pol = job.policy
+        self.noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
+        self.throughput = ThroughputModel(candidates=self.candidates)
+        self.policy: Policy = make_policy(job, profile=profile, candidates=self.candidates)
+        self.live = LiveStatus()
+        self.state: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------------------- state
+
+    def _save(self) -> None:
+        self.state["noise"] = self.noise.to_dict()
+        self.state["throughput"] = self.throughput.to_dict()
+        self.state["policy"] = self.policy.to_dict()
+        self.state["live"] = dataclasses.asdict(self.live)
+        self.state["updated"] = time.time()
+        write_state(self.run_dir, self.state)
+
+    def _restore(self) -> None:
+        self.state = read_state(self.run_dir)
+        if "noise" in self.state:
+            self.noise = NoiseScaleEstimator.from_dict(self.state["noise"])
+        if "throughput" in self.state:
+            self.throughput = ThroughputModel.from_dict(self.state["throughput"], candidates=self.candidates)
+        if "policy" in self.state:
+            self.policy.from_dict(self.state["policy"])
+        if "live" in self.state:
+            known = {f.name for f in dataclasses.fields(LiveStatus)}
+            self.live = LiveStatus(**{k: v for k, v in self.state["live"].items() if k in known})
+
+    @property
+    def current(self) -> Attempt | None:
+        attempts = self.state.get("attempts") or []
+        return Attempt.from_dict(attempts[-1]) if attempts else None
+
+    def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str) -> Attempt:
+        number = int(self.state.get("attempt", 0)) + 1
+        # state.json is what the trainer reads for its attempt number and strategy: write it before launching.
+        self.state.update(attempt=number, strategy=strategy.to_dict(), status="running")
+        self.state.setdefault("attempts", [])
+        self._save()
+        self.run_dir.attempt_dir(number).mkdir(parents=True, exist_ok=True)
+        attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
+        self.state["attempts"].append(attempt.to_dict())
+        self.state["heartbeat_offset"] = 0
+        self.state["launched_at"] = time.time()
+        self.state["last_heartbeat_time"] = None
+        self._save()
+        log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
+                  backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
+        self.live.attempt, self.live.strategy = number, strategy.short()
+        return attempt
+
+    def _send(self, command: str, *, strategy: Strategy | None = None, reason: str = "") -> int:
+        seq = int(self.state.get("control_seq", 0)) + 1
+        existing = self.run_dir.read_control()
+        if existing is not None and existing.seq >= seq:
+            seq = existing.seq + 1  # `cona stop` may have written one meanwhile
+        self.run_dir.write_control(
+            ControlRecord(seq=seq, command=command, strategy=strategy.to_dict() if strategy else None, reason=reason)
+        )
+        self.state["control_seq"] = seq
+        return seq
+
+    # ----------------------------------------------------------------------------------------------- heartbeats
+
+    def _tail_heartbeats(self, attempt: Attempt) -> list[Heartbeat]:
+        path = self.run_dir.heartbeat_file(attempt.number)
+        records, offset = read_jsonl(path, offset=int(self.state.get("heartbeat_offset", 0)))
+        self.state["heartbeat_offset"] = offset
+        beats = []
+        for record in records:
+            try:
+                beats.append(Heartbeat.from_dict(record))
+            except TypeError:
+                log_event(self.run_dir, "bad-heartbeat", attempt=attempt.number, record=str(record)[:200])
+        return beats
+
+    def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
+        for hb in beats:
+            self.state["last_heartbeat_time"] = time.time()
+            self.live.step, self.live.samples = hb.step, hb.samples
+            if hb.train_loss is not None:
+                self.live.train_loss = hb.train_loss
+            if hb.val_loss is not None:
+                self.live.val_loss, self.live.val_perplexity = hb.val_loss, math.exp(min(hb.val_loss, 50))
+                history = self.state.setdefault("val_history", [])
+                history.append({"time": hb.time, "samples": hb.samples, "val_loss": hb.val_loss})
+            if hb.event in ("start", "resume"):
+                self._switch_completed(attempt, hb)
+                continue
+            if hb.event is None and hb.step_time_s and hb.step_time_s > 0:
+                # The first window after a launch includes warm-up (allocations, first collectives): skip it.
+                seen = self.state.setdefault("windows_seen", {})
+                key = str(attempt.number)
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] > 1:
+                    self.throughput.observe(attempt.strategy, hb.step_time_s)
+                    self.live.samples_per_s = hb.samples_per_s
+            self.noise.update(hb)
+        self.live.noise_scale = self.noise.value
+        self.live.noise_source = "estimate" if self.noise.stable else "prior"
+
+    def _switch_completed(self, attempt: Attempt, hb: Heartbeat) -> None:
+        pending = self.state.get("switch_started")
+        if not pending or pending.get("to_attempt") != attempt.number:
+            return
+        cost = max(0.0, hb.time - pending["time"])
+        costs = self.state.setdefault("switch_costs", [])
+        costs.append(cost)
+        self.state["switch_started"] = None
+        log_event(self.run_dir, "switch-complete", attempt=attempt.number, switch_cost_s=round(cost, 3))
+
+    def _switch_cost(self) -> float:
+        costs = self.state.get("switch_costs") or []
+        if not costs:
+            return self.job.policy.switch_cost_s
+        # Recent switches say the most about the next one (same model, same storage).
+        recent = costs[-3:]
+        return sum(recent) / len(recent)
+
+    def _remaining_time(self, attempt: Attempt) -> float | None:
+        rate = self.throughput.samples_per_s_of(attempt.strategy)
+        estimates = []
+        if rate and rate > 0:
+            estimates.append(max(0, self.job.target.max_samples - self.live.samples) / rate)
+        target = self.job.target.val_perplexity
+        history = self.state.get("val_history") or []
+        if target and len(history) >= 2:
+            (a, b) = history[-min(len(history), 4)], history[-1]
+            dt = b["time"] - a["time"]
+            drop = a["val_loss"] - b["val_loss"]
+            gap = b["val_loss"] - math.log(target)
+            if dt > 0 and drop > 0 and gap > 0:
+                estimates.append(gap / (drop / dt))
+        if self.job.target.max_time_s:
+            estimates.append(max(0.0, self.job.target.max_time_s - self._elapsed()))
+        return min(estimates) if estimates else None
+
+    def _elapsed(self) -> float:
+        return time.time() - float(self.state.get("run_started", time.time()))
+
+    # ----------------------------------------------------------------------------------------------- decisions
+
+    def _evaluate(self, attempt: Attempt) -> None:
+        if self.state.get("switch_requested") or self.state.get("stop_requested"):
+            return
+        ctx = DecisionContext(
+            now=time.time(),
+            samples=self.live.samples,
+            current=attempt.strategy,
+            candidates=self.candidates,
+            throughput=self.throughput,
+            noise_scale=self.noise.value,
+            noise_stable=self.noise.stable,
+            switch_cost_s=self._switch_cost(),
+            last_switch_time=float(self.state.get("strategy_since", attempt.started_at)),
+            remaining_time_s=self._remaining_time(attempt),
+        )
+        decision = self.policy.decide(ctx)
+        self.live.eta_s = ctx.remaining_time_s
+        best = decision.metrics.get("best")
+        self.live.best = Strategy.from_dict(best).short() if isinstance(best, dict) else ""
+        ratio = decision.metrics.get("ratio")
+        self.live.best_gain = (ratio - 1.0) if isinstance(ratio, int | float) else None
+        self.state["last_decision"] = {"time": ctx.now, "reason": decision.reason, "metrics": decision.metrics}
+        if decision.switch_to is None or decision.switch_to == attempt.strategy:
+            return
+        seq = self._send("switch", strategy=decision.switch_to, reason=decision.reason)
+        self.state["switch_requested"] = {
+            "time": ctx.now, "to": decision.switch_to.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
+        }  # fmt: skip
+        log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
+                  to=decision.switch_to.to_dict(), reason=decision.reason, metrics=decision.metrics,
+                  samples=self.live.samples, noise_scale=self.noise.value, switch_cost_s=ctx.switch_cost_s)  # fmt: skip
+        self._save()
+
+    def _user_stop_requested(self) -> bool:
+        record = self.run_dir.read_control()
+        return record is not None and record.command == "stop" and record.seq > int(self.state.get("control_seq", 0))
+
+    # ----------------------------------------------------------------------------------------------- the loop
+
+    def start_or_resume(self) -> Attempt | None:
+        self._restore()
+        if self.state.get("status") in ("done", "failed", "stopped") and self.state.get("final"):
+            return None
+        self.state.setdefault("run_started", time.time())
+        attempt = self.current
+        if attempt is None:
+            strategy = self.policy.initial(candidates=self.candidates, throughput=self.throughput, samples=0)
+            self.state["strategy_since"] = time.time()
+            log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
+                      profile=self.profile.name, num_candidates=len(self.candidates),
+                      prior_noise_scale=self.job.policy.prior_noise_scale)  # fmt: skip
+            return self._launch(strategy, previous=None, why="initial strategy")
+        if self.backend.adopt(attempt):
+            log_event(self.run_dir, "adopt", attempt=attempt.number, backend_id=attempt.backend_id)
+        else:
+            log_event(self.run_dir, "resume", attempt=attempt.number, note="orchestrator restarted; attempt not running")
+        return attempt
+
+    def run(self) -> dict[str, Any]:
+        """Run to the end; returns the final state. Raises RunFailed with a clear reason."""
+        attempt = self.start_or_resume()
+        if attempt is None:
+            return self.state
+        next_decision = time.time() + self.job.policy.decision_interval_s
+        while True:
+            beats = self._tail_heartbeats(attempt)
+            self._absorb(attempt, beats)
+            self.live.elapsed_s = self._elapsed()
+            self.live.status = "running"
+            self.live.restarts = int(self.state.get("restarts_in_row", 0))
+            if beats:
+                self._save()
+            if self._user_stop_requested():
+                self.state["stop_requested"] = True
+                self.state["control_seq"] = self.run_dir.read_control().seq  # type: ignore[union-attr]
+                log_event(self.run_dir, "stop-requested", attempt=attempt.number)
+                self._save()
+            max_time = self.job.target.max_time_s
+            if max_time and self._elapsed() > max_time and not self.state.get("stop_requested"):
+                self._send("stop", reason=f"time budget of {max_time:.0f}s reached")
+                self.state["stop_requested"] = True
+                self.state["time_budget_reached"] = True
+                log_event(self.run_dir, "time-budget", elapsed_s=round(self._elapsed(), 1))
+                self._save()
+
+            outcome = self.backend.poll(attempt)
+            if outcome.status.finished:
+                # Read the heartbeats written just before the exit.
+                self._absorb(attempt, self._tail_heartbeats(attempt))
+                next_attempt = self._handle_end(attempt, outcome.status, outcome.exit_code, outcome.detail)
+                if next_attempt is None:
+                    return self.state
+                attempt = next_attempt
+                next_decision = time.time() + self.job.policy.decision_interval_s
+                continue
+
+            self._check_hang(attempt)
+            if time.time() >= next_decision and self.state.get("last_heartbeat_time"):
+                self._evaluate(attempt)
+                next_decision = time.time() + self.job.policy.decision_interval_s
+            self.on_update(self.live)
+            time.sleep(self.poll_interval_s)
+
+    def _check_hang(self, attempt: Attempt) -> None:
+        timeout = self.job.policy.heartbeat_timeout_s
+        last = self.state.get("last_heartbeat_time") or self.state.get("launched_at") or attempt.started_at
+        if time.time() - float(last) > timeout:
+            log_event(self.run_dir, "heartbeat-gap", attempt=attempt.number, seconds=round(time.time() - float(last), 1),
+                      timeout_s=timeout)  # fmt: skip
+            self.backend.cancel(attempt)
+            self.state["hang_cancelled"] = attempt.number
+            self._save()
+
+    def _finish(self, status: str, **fields: Any) -> None:
+        self.state.update(status=status, final=True, finished_at=time.time(), **fields)
+        self.live.status = status
+        self._save()
+        self.backend.close()
+
+    def _handle_end(self, attempt: Attempt, status: AttemptStatus, code: int | None, detail: str) -> Attempt | None:
+        log_event(self.run_dir, "attempt-end", attempt=attempt.number, status=status.value, exit_code=code,
+                  detail=detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
+        if status is AttemptStatus.DONE:
+            self._finish("done", samples=self.live.samples, val_perplexity=self.live.val_perplexity)
+            log_event(self.run_dir, "done", samples=self.live.samples, val_perplexity=self.live.val_perplexity,
+                      elapsed_s=round(self._elapsed(), 2), switches=self.live.switches)  # fmt: skip
+            return None
+        if status is AttemptStatus.SWITCHED:
+            self.state["restarts_in_row"] = 0
+            requested = self.state.get("switch_requested")
+            if not requested:
+                # A switch record from a previous orchestrator life: follow what control.json asked for.
+                record = self.run_dir.read_control()
+                if record is None or record.strategy is None:
+                    raise RunFailed(f"attempt {attempt.number} exited for a switch, but control.json names no strategy")
+                requested = {"time": time.time(), "to": record.strategy}
+            target = Strategy.from_dict(requested["to"])
+            self.state["switch_requested"] = None
+            self.state["switch_started"] = {"time": requested["time"], "to_attempt": int(self.state["attempt"]) + 1}
+            self.state["strategy_since"] = time.time()
+            self.live.switches += 1
+            return self._launch(target, previous=attempt, why="switch")
+        if status is AttemptStatus.STOPPED and self.state.get("stop_requested"):
+            reason = "time budget reached" if self.state.get("time_budget_reached") else "stopped on request"
+            self._finish("stopped", reason=reason)
+            log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples)
+            return None
+        if status is AttemptStatus.STOPPED:
+            # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
+            self.state["restarts_in_row"] = 0
+            return self._launch(attempt.strategy, previous=attempt, why="resume after preemption")
+        # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
+        restarts = int(self.state.get("restarts_in_row", 0)) + 1
+        self.state["restarts_in_row"] = restarts
+        self.state["switch_requested"] = None
+        limit = self.job.policy.max_restarts
+        what = "hang" if self.state.get("hang_cancelled") == attempt.number else status.value
+        if restarts > limit:
+            reason = f"attempt {attempt.number} {what} ({detail or f'exit {code}'}); gave up after {limit} restarts"
+            self._finish("failed", reason=reason)
+            log_event(self.run_dir, "failed", reason=reason)
+            raise RunFailed(f"{reason}; logs: {self.run_dir.attempt_dir(attempt.number)}")
+        backoff = min(30.0, 2.0 ** (restarts - 1))
+        log_event(self.run_dir, "failure", attempt=attempt.number, kind=what, detail=detail, exit_code=code,
+                  restart=restarts, backoff_s=backoff)  # fmt: skip
+        self._save()
+        time.sleep(backoff)
+        return self._launch(attempt.strategy, previous=attempt, why=f"relaunch after {what}")
+
+
+def describe_rate(candidate: Candidate, throughput: ThroughputModel, noise_scale: float) -> float:
+    """R(c) for tables: calibrated samples/s over (gbs + B_noise)."""
+    return progress_rate(candidate, throughput, noise_scale)
