@@ -1,0 +1,389 @@
+"""cona's Slurm job helper: the run-directory side of the batch script (stdlib only; `agent` also needs torch).
+
+The rendered batch script (orchestrator/templates/cona.sbatch.tmpl) writes this file into the run directory and
+calls it as `python helper.py <command> ...`; nothing here imports cona, so a running job keeps working while the
+orchestrator is upgraded. One copy of this text exists: this file; the script embeds it verbatim.
+
+Commands:
+  next    --run-dir D --submission S [--after N] [--timeout T] [--job J] [--restarts R] [--port-base B]
+          Wait (bounded) until the orchestrator hands this job an attempt and print
+          `ATTEMPT NNODES NPROC PORT RDZV_ID`; exit 3 on timeout, 4 when the run moved on to another job.
+  agent   --node-dir DIR -- <torchrun arguments>
+          Run torchrun in this process, survive the step's SIGTERM/SIGUSR1 (they reach every trainer process
+          directly), record the trainer's own exit code in DIR/<SLURM_NODEID>.json and exit 0 for protocol codes
+          (0, 42, 43, 44) so `srun --kill-on-bad-exit` only fires on crashes.
+  finish  --run-dir D --attempt N --nnodes K --submission S --srun-rc R [--signal SIG] [--job J] [--restarts R]
+          [--requeue-by scontrol|none]
+          [--restarts-now K]
+          Combine the node records into attempts/N/exit.json and print the next action: `done`, `stop`, `wait`,
+          `requeue` (ask Slurm to requeue the job), `requeued` (Slurm is requeuing it already: K > R) or
+          `exit CODE`.
+
+Exit codes of the trainer (trainer/rundir.py ExitCode): 0 done, 42 switch, 43 stopped, 44 bad world, else crash.
+"""
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+DONE, SWITCH, STOPPED, BAD_WORLD = 0, 42, 43, 44
+PROTOCOL = (DONE, SWITCH, STOPPED, BAD_WORLD)
+PORT_RANGE = 1000
+
+
+def _atomic_write_json(path, data):
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path):
+    """The JSON object in `path`, or None when missing, torn or not an object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _args(argv, flags):
+    """Parse `--name value` pairs (every flag takes a value); unknown flags are an error."""
+    out = dict(flags)
+    i = 0
+    while i < len(argv):
+        name = argv[i]
+        if name == "--":
+            out["--"] = argv[i + 1 :]
+            break
+        key = name[2:].replace("-", "_") if name.startswith("--") else None
+        if key not in flags or i + 1 >= len(argv):
+            raise SystemExit(f"slurm_helper: bad argument {name!r}")
+        out[key] = argv[i + 1]
+        i += 2
+    return out
+
+
+def _attempt_dir(run_dir, attempt):
+    return os.path.join(run_dir, "attempts", str(attempt))
+
+
+def _launches(run_dir, submission):
+    """{attempt: launch record} of the launch.json files addressed to `submission`."""
+    found = {}
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "attempts", "*", "launch.json")):
+        record = _read_json(path)
+        if not record or record.get("submission") != submission:
+            continue
+        try:
+            found[int(record["attempt"])] = record
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def _state_attempt(run_dir):
+    state = _read_json(os.path.join(run_dir, "state.json")) or {}
+    try:
+        return int(state.get("attempt", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def rendezvous_port(base, run_dir, job, attempt, restarts):
+    """base + a stable hash of (run dir, job id, attempt, restart count) modulo the range: concurrent jobs differ."""
+    key = f"{os.path.abspath(run_dir)}\0{job}\0{attempt}\0{restarts}"
+    span = max(1, min(PORT_RANGE, 65535 - int(base)))
+    return int(base) + int(hashlib.sha256(key.encode()).hexdigest(), 16) % span
+
+
+def _rdzv_id(run_dir, attempt, job, restarts):
+    name = "".join(
+        c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(os.path.abspath(run_dir))
+    )
+    return f"{name[:40] or 'run'}-{attempt}-{job}-{restarts}"
+
+
+def cmd_next(argv):
+    a = _args(
+        argv,
+        {
+            "run_dir": None,
+            "submission": "",
+            "after": "",
+            "timeout": "300",
+            "job": "0",
+            "restarts": "0",
+            "port_base": "29500",
+            "nnodes": "1",
+            "gpus_per_node": "1",
+        },
+    )
+    run_dir, submission = a["run_dir"], a["submission"]
+    after = int(a["after"]) if a["after"] != "" else None
+    deadline = time.monotonic() + float(a["timeout"])
+
+    # A manual `sbatch` of a rendered script (no submission): run state.json's attempt once.
+    if not submission:
+        state = _read_json(os.path.join(run_dir, "state.json")) or {}
+        strategy = state.get("strategy") or {}
+        attempt = _state_attempt(run_dir)
+        if after is not None or attempt < 0 or not strategy:
+            return 3
+        nnodes = int(a["nnodes"])
+        world = int(strategy.get("dp", 1)) * int(strategy.get("tp", 1)) * int(strategy.get("pp", 1))
+        if world % nnodes:
+            sys.stderr.write(f"cona: world size {world} does not split over {nnodes} nodes\n")
+            return 2
+        record = {"attempt": attempt, "nnodes": nnodes, "nproc_per_node": world // nnodes}
+        return _print_next(a, record)
+
+    while True:
+        launches = _launches(run_dir, submission)
+        state_attempt = _state_attempt(run_dir)
+        mine = sorted(launches)
+        if after is None and mine:
+            newest = mine[-1]
+            done = _read_json(os.path.join(_attempt_dir(run_dir, newest), "exit.json")) or {}
+            if done.get("submission") == submission and not done.get("requeued"):
+                after = newest  # (re)started after this attempt had ended: wait for the next hand-off
+        candidates = [n for n in mine if after is None or n > after]
+        if candidates:
+            attempt = candidates[-1]
+            if state_attempt == attempt:
+                return _print_next(a, launches[attempt])
+            if state_attempt > attempt:
+                sys.stderr.write(
+                    f"cona: the run moved on to attempt {state_attempt}; not running {attempt}\n"
+                )
+                return 4
+        elif mine and state_attempt > mine[-1]:
+            sys.stderr.write(f"cona: attempt {state_attempt} runs in another job; this one is not needed\n")
+            return 4
+        if time.monotonic() >= deadline:
+            return 3
+        time.sleep(0.5)
+
+
+def _print_next(a, record):
+    attempt = int(record["attempt"])
+    port = rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"])
+    rdzv_id = _rdzv_id(a["run_dir"], attempt, a["job"], a["restarts"])
+    print(f"{attempt} {int(record['nnodes'])} {int(record['nproc_per_node'])} {port} {rdzv_id}")
+    return 0
+
+
+def _begin(run_dir, attempt, job, restarts, submission, nodelist):
+    """Clear the node records of an earlier run of this attempt and note where it runs now."""
+    adir = _attempt_dir(run_dir, attempt)
+    for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    previous = os.path.join(adir, "exit.json")
+    if os.path.exists(previous):
+        os.replace(previous, os.path.join(adir, f"exit.{int(time.time() * 1000)}.json"))
+    _atomic_write_json(
+        os.path.join(adir, "slurm.json"),
+        {
+            "job_id": job,
+            "restarts": int(restarts),
+            "submission": submission,
+            "nodelist": nodelist,
+            "started_at": time.time(),
+        },
+    )
+
+
+def cmd_begin(argv):
+    a = _args(
+        argv,
+        {"run_dir": None, "attempt": None, "job": "0", "restarts": "0", "submission": "", "nodelist": ""},
+    )
+    _begin(a["run_dir"], int(a["attempt"]), a["job"], a["restarts"], a["submission"], a["nodelist"])
+    return 0
+
+
+def _code_of(failure_exitcode):
+    code = int(failure_exitcode)
+    return 128 - code if code < 0 else code  # killed by signal N → 128 + N, like a shell
+
+
+def cmd_agent(argv):
+    a = _args(argv, {"node_dir": None})
+    torchrun_args = a.get("--") or []
+    seen = []
+
+    def note(signum, frame):  # the step's signals reach every trainer process directly; the agent stays
+        seen.append(signum)
+
+    # torchrun would turn SIGTERM into "kill the workers after 30 s" and lose their exit codes; Slurm already
+    # delivers SIGTERM/SIGUSR1 to every process of the step, trainers included. PET_SIGNALS_TO_HANDLE is
+    # torchrun's --signals-to-handle (torch >= 2.9); older versions install their handler unconditionally, so
+    # that handler is wrapped as well.
+    os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, note)
+    try:
+        from torch.distributed.elastic.multiprocessing import api as elastic_api
+
+        original = elastic_api._terminate_process_handler
+
+        def terminate_handler(signum, frame):
+            if signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+                note(signum, frame)
+            else:
+                original(signum, frame)
+
+        elastic_api._terminate_process_handler = terminate_handler
+    except (ImportError, AttributeError):
+        pass
+
+    code, ranks, detail = 0, {}, ""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
+    except ImportError as e:
+        code, detail = 1, f"cannot import torch.distributed.run: {e}"
+    else:
+        try:
+            torchrun_main(torchrun_args)
+        except ChildFailedError as e:
+            first_rank, first = e.get_first_failure()
+            code = _code_of(first.exitcode)
+            ranks = {str(r): _code_of(f.exitcode) for r, f in e.failures.items()}
+            detail = f"first failure: rank {first_rank}"
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # an agent error (rendezvous, store): a crash
+            code, detail = 1, f"{type(e).__name__}: {e}"
+    node = os.environ.get("SLURM_NODEID", "0")
+    _atomic_write_json(
+        os.path.join(a["node_dir"], f"{node}.json"),
+        {
+            "node": node,
+            "host": os.environ.get("SLURMD_NODENAME", ""),
+            "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "code": code,
+            "ranks": ranks,
+            "detail": detail,
+            "signals": [signal.Signals(s).name for s in seen],
+            "time": time.time(),
+        },
+    )
+    sys.stdout.flush()
+    return 0 if code in PROTOCOL else (code if 0 < code < 256 else 1)
+
+
+def _combine(records, nnodes, srun_rc):
+    """One exit code for the attempt from the per-node records (None for a node that left none)."""
+    codes = [records.get(str(i), {}).get("code") for i in range(nnodes)]
+    present = [c for c in codes if c is not None]
+    crashes = [c for c in present if c not in PROTOCOL]
+    if crashes:
+        return crashes[0], "a node's trainer crashed"
+    if len(present) < nnodes:
+        missing = [str(i) for i, c in enumerate(codes) if c is None]
+        return (srun_rc if srun_rc not in PROTOCOL else 1), f"no exit record from node(s) {','.join(missing)}"
+    if len(set(present)) > 1:
+        return present[0], f"nodes disagree ({','.join(map(str, present))}); node 0 decides"
+    return present[0], ""
+
+
+def cmd_finish(argv):
+    a = _args(
+        argv,
+        {
+            "run_dir": None,
+            "attempt": None,
+            "nnodes": "1",
+            "submission": "",
+            "srun_rc": "0",
+            "signal": "",
+            "job": "0",
+            "restarts": "0",
+            "requeue_by": "scontrol",
+            "restarts_now": "",
+        },
+    )
+    run_dir, attempt = a["run_dir"], int(a["attempt"])
+    restarts = int(a["restarts"])
+    adir = _attempt_dir(run_dir, attempt)
+    records = {}
+    for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
+        record = _read_json(path)
+        # A node that lost its slurmd may write late, after this attempt was started again: not ours.
+        if record is None or str(record.get("job_id", a["job"])) != a["job"]:
+            continue
+        if int(record.get("restarts", restarts)) != restarts:
+            continue
+        records[str(record.get("node", os.path.basename(path)[:-5]))] = record
+    code, why = _combine(records, int(a["nnodes"]), int(a["srun_rc"]))
+    control = _read_json(os.path.join(run_dir, "control.json")) or {}
+    requested_stop = control.get("command") == "stop"
+    slurm_requeued = a["restarts_now"].isdigit() and int(a["restarts_now"]) > restarts
+    if slurm_requeued:
+        # Slurm itself requeued the job (node failure, preemption with PreemptMode=REQUEUE, an admin's
+        # `scontrol requeue`): the attempt runs again from its last checkpoint when the job restarts.
+        action, why = "requeued", (why + "; " if why else "") + "the job was requeued by Slurm"
+    elif code == DONE:
+        action = "done"
+    elif code in (SWITCH, BAD_WORLD):
+        action = "wait"
+    elif code == STOPPED:
+        # A stop the orchestrator asked for ends the job; a preemption or time-limit signal requeues it.
+        preempted = bool(a["signal"]) or not requested_stop
+        action = "requeue" if preempted and a["requeue_by"] != "none" else "stop"
+    else:
+        action = f"exit {code if 0 < code < 256 else 1}"
+    _atomic_write_json(
+        os.path.join(adir, "exit.json"),
+        {
+            "attempt": attempt,
+            "code": code,
+            "detail": why,
+            "action": action.split()[0],
+            "requeued": action in ("requeue", "requeued"),
+            "job_id": a["job"],
+            "restarts": restarts,
+            "submission": a["submission"],
+            "srun_rc": int(a["srun_rc"]),
+            "signal": a["signal"],
+            "nodes": records,
+            "time": time.time(),
+        },
+    )
+    print(action)
+    return 0
+
+
+COMMANDS = {"next": cmd_next, "begin": cmd_begin, "agent": cmd_agent, "finish": cmd_finish}
+
+
+def main(argv):
+    if not argv or argv[0] not in COMMANDS:
+        sys.stderr.write(f"usage: slurm_helper.py {{{'|'.join(COMMANDS)}}} ...\n")
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
