@@ -42,6 +42,10 @@ class Heartbeat:
     peak_memory_gb: float | None = None
     event: str | None = None
     """`start`, `resume`, `eval`, `checkpoint`, `exit` on special records, None on periodic ones."""
+    exit_code: int | None = None
+    """On `exit` records: the trainer's `ExitCode` (torchrun itself exits 1 whatever its workers return)."""
+    reason: str | None = None
+    """On `exit`/`checkpoint` records: why (`switch seq 3`, `SIGTERM`, `max_steps`, `target val_perplexity`…)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -161,6 +161,22 @@ class RunDir:
     def attempt_dir(self, attempt: int) -> Path:
         return self.root / "attempts" / str(attempt)
 
+    def exit_file(self, attempt: int) -> Path:
+        """`attempts/<n>/exit.json`: the trainer's exit code and reason, written by rank 0 just before it exits.
+
+        torchrun exits 1 whenever a worker exits non-zero, so this file (or the `exit` heartbeat) is where the
+        orchestrator reads SWITCH/STOPPED/BAD_WORLD/CONFIG. A process killed outright leaves none.
+        """
+        return self.attempt_dir(attempt) / "exit.json"
+
+    def read_exit(self, attempt: int) -> dict[str, Any] | None:
+        """{"exit_code": int, "reason": str, "step": int, "time": float}, or None (no protocol exit recorded)."""
+        try:
+            data = read_json(self.exit_file(attempt))
+        except (json.JSONDecodeError, OSError):
+            return None
+        return data if isinstance(data, dict) else None
+
     def heartbeat_file(self, attempt: int) -> Path:
         return self.heartbeats / f"{attempt}.jsonl"
 

@@ -1,0 +1,192 @@
+"""Checkpoints that reshard between any two layouts.
+
+Layout of `RunDir.checkpoint_dir(step)` = `checkpoints/step-<8 digits>/`:
+
+    .metadata, __<rank>_0.distcp   DCP (`torch.distributed.checkpoint`) of {"model": …, "optim": …}: the state
+                                   dicts of `get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))`
+                                   of every stage, keyed by the full model's parameter names
+    trainer_state.json             step, samples, tokens, LR position, strategy, val history, control seq, RNG…
+    COMPLETE                       written last by rank 0 after a barrier (fsync'd, then the directory fsync'd):
+                                   JSON {"step", "time", "files": {name: size}}
+
+A checkpoint counts only with its COMPLETE marker, and only if every file listed there still has its size and
+trainer_state.json parses (`verify_checkpoint`). Resuming takes the newest valid one and warns, naming it, about
+each newer directory it skips; a DCP read error falls back to the next older one. After a save, only the newest
+`checkpoint.keep` complete checkpoints are kept, and older incomplete directories are deleted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from trainer.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def warn(message: str) -> None:
+    print(f"cona trainer: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _state(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list]:
+    """The DCP state of all stages, plus each stage's (model keys, optimizer keys) to hand back on load."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    keys = []
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        m, o = get_state_dict(part, optimizer, options=_OPTIONS)
+        model_sd.update(m)
+        optim_sd.update(o)
+        keys.append((list(m), list(o)))
+    return {"model": model_sd, "optim": optim_sd}, keys
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def set_rng_state(encoded: str) -> None:
+    import numpy as np
+
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.uint8).copy()))
+
+
+def save_checkpoint(
+    run_dir: RunDir,
+    *,
+    step: int,
+    parts: list[torch.nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Collective: every rank writes its shards; rank 0 the trainer state, then (after a barrier) the marker."""
+    rank = dist.get_rank()
+    path = run_dir.checkpoint_dir(step)
+    if rank == 0:
+        if path.exists():  # a leftover of an attempt that died while writing it (or a corrupt one we skipped)
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    dist.barrier()
+    state, _keys = _state(parts, optimizers)
+    dcp.save(state, checkpoint_id=str(path))
+    if rank == 0:
+        atomic_write_json(path / TRAINER_STATE, trainer_state)
+    dist.barrier()  # every rank's shards are on storage before the marker says so
+    if rank == 0:
+        files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
+        files.pop(COMPLETE_MARKER, None)
+        atomic_write_json(path / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
+        _fsync_dir(path)
+        prune_checkpoints(run_dir, keep=keep, newest=path)
+    return path
+
+
+def prune_checkpoints(run_dir: RunDir, *, keep: int, newest: Path) -> None:
+    """Keep the newest `keep` complete checkpoints; drop incomplete directories older than `newest`."""
+    complete = run_dir.complete_checkpoints()
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in run_dir.incomplete_checkpoints():
+        if partial.name < newest.name:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if `path` is a complete, intact checkpoint; else why not (one line)."""
+    marker = path / COMPLETE_MARKER
+    if not marker.exists():
+        return "no COMPLETE marker (it was being written when the trainer stopped)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its COMPLETE marker is unreadable"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
+    if ".metadata" not in files or TRAINER_STATE not in files:
+        return "it lacks .metadata or trainer_state.json"
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{TRAINER_STATE} is corrupt"
+    return None
+
+
+def resume_candidates(run_dir: RunDir) -> list[Path]:
+    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable."""
+    if not run_dir.checkpoints.is_dir():
+        return []
+    candidates = []
+    for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            candidates.append(path)
+        elif not candidates:
+            warn(f"skipping checkpoint {path}: {problem}")
+    return candidates
+
+
+def load_checkpoint(
+    path: Path, *, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """Collective: load model and optimizer state (resharded to this layout) and return the trainer state."""
+    state, keys = _state(parts, optimizers)
+    dcp.load(state, checkpoint_id=str(path))
+    for part, optimizer, (model_keys, optim_keys) in zip(parts, optimizers, keys, strict=True):
+        set_state_dict(
+            part,
+            optimizer,
+            model_state_dict={k: state["model"][k] for k in model_keys},
+            optim_state_dict={k: state["optim"][k] for k in optim_keys},
+            options=_OPTIONS,
+        )
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def read_checkpoint_tensors(path: Path | str) -> dict[str, Any]:
+    """The whole checkpoint as plain tensors in one process (for tests and tools): {"model.<fqn>": …, …}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(target))
+        full = torch.load(target, weights_only=False)
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+        else:
+            flat[prefix] = value
+
+    walk("", full)
+    return flat

@@ -1,0 +1,225 @@
+"""Gradient statistics for the gradient noise scale (DESIGN.md §5), at the cost of a few scalars per step.
+
+Definitions (the loss is the mean over the global batch's target tokens, see `trainer.parallel`):
+
+* **global**: |G_big|², the squared norm of the gradient the optimizer sees (after the dp reduction), B_big = gbs.
+* **local** with dp > 1: |G_small|² averaged over the dp replicas, where G_small is the gradient of the mean loss
+  over one replica's gbs/dp samples *before* the dp reduction; B_small = gbs/dp. FSDP2 hands every rank's
+  unreduced (micro-batch-accumulated) gradients to a custom reduce-scatter (`StatsReduceScatter`), which takes
+  their squared norm and then reduces as usual.
+* **local** with dp = 1: the micro-batch gradients are the small batches: B_small = mbs and local = mean over the
+  step's micro-batches of |G_micro|², G_micro the gradient of the mean loss over one micro-batch. Parameter hooks
+  see each micro-batch's gradient before it is accumulated. With a single micro-batch (gbs = mbs) there is no
+  small batch and the local fields are omitted.
+* **Adam variants**: the same norms with every element divided by AdamW's current denominator
+  sqrt(v̂) + eps, v̂ = exp_avg_sq / (1 − β₂^t) (bias-corrected, as AdamW applies it), t the optimizer steps so far.
+  Omitted before the first optimizer step. Under sharded dp a rank holds v̂ only for its own shard, so
+  `adam_local` sums, over the dp ranks, the rank's own replica's preconditioned gradient restricted to its own shard:
+  every element comes from exactly one replica, so it is an unbiased estimate of E|P·G_small|² (the same
+  expectation the plain local norm has) without moving a gradient-sized tensor.
+
+Under tp and pp the squared norms are sums over shards and stages of the local pieces; a parameter replicated over
+r ranks (a LayerNorm under tp, a bias of a row-parallel linear) is weighted 1/r, so it counts once. The replication
+of a DTensor parameter is dp·tp over the product of the mesh sizes along which it is *not* Replicate (FSDP2's
+`_StridedShard` is a shard: `is_shard()` is False for it, which is why placements are tested for Replicate).
+A plain tensor is replicated over all dp·tp ranks of its stage. The per-rank pieces ride on the trainer's single
+per-step all-reduce (a SUM); normalisation happens after it (`finalize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+try:  # the hook FSDP2 calls with the unreduced gradients of one parameter group
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # pragma: no cover - other torch versions: local statistics under dp > 1 are omitted
+    DefaultReduceScatter = None  # type: ignore[assignment,misc]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece of a (D)Tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def replication(param: torch.Tensor, *, dp: int, tp: int) -> int:
+    """On how many ranks of one pipeline stage the same values of this parameter's local piece live."""
+    shards = 1
+    if isinstance(param, DTensor):
+        for dim, placement in enumerate(param.placements):
+            if not isinstance(placement, Replicate):
+                shards *= param.device_mesh.size(dim)
+    return max(1, (dp * tp) // shards)
+
+
+@dataclasses.dataclass
+class AdamView:
+    """Reads AdamW's preconditioner for a parameter (its local piece)."""
+
+    optimizers: list[torch.optim.Optimizer]
+
+    def __post_init__(self) -> None:
+        self._group: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    self._group[id(param)] = (optimizer, group)
+
+    def ready(self) -> bool:
+        """True once every optimizer has taken a step (AdamW's second moment exists)."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if "exp_avg_sq" not in optimizer.state.get(param, {}):
+                        return False
+        return True
+
+    def denominator(self, param: torch.Tensor) -> torch.Tensor | None:
+        found = self._group.get(id(param))
+        if found is None:
+            return None
+        optimizer, group = found
+        state = optimizer.state.get(param, {})
+        if "exp_avg_sq" not in state:
+            return None
+        step = float(state["step"])
+        correction = 1.0 - group["betas"][1] ** step
+        return (local_tensor(state["exp_avg_sq"]).float() / correction).sqrt_().add_(group["eps"])
+
+
+class GradStats:
+    """Collects the local pieces of one step's gradient statistics on this rank."""
+
+    def __init__(self, *, dp: int, tp: int, num_microbatches: int, device: torch.device) -> None:
+        self.dp, self.tp = dp, tp
+        self.num_microbatches = num_microbatches
+        self.device = device
+        self.micro_mode = dp == 1
+        self.adam: AdamView | None = None
+        self.use_adam = False
+        self.local_sq = torch.zeros((), dtype=torch.float64, device=device)
+        self.local_adam = torch.zeros((), dtype=torch.float64, device=device)
+        self._hooks: list = []
+
+    @property
+    def has_local(self) -> bool:
+        """Whether this layout has a small batch at all (dp > 1, or dp = 1 with several micro-batches)."""
+        return self.dp > 1 or self.num_microbatches > 1
+
+    @property
+    def local_batch_divisor(self) -> int:
+        return self.dp if not self.micro_mode else self.num_microbatches
+
+    def begin_step(self, *, use_adam: bool) -> None:
+        self.local_sq.zero_()
+        self.local_adam.zero_()
+        self.use_adam = use_adam and self.adam is not None
+
+    # dp = 1: per-micro-batch parameter hooks ---------------------------------------------------------------
+
+    def attach_param_hooks(self, params: Iterable[nn.Parameter]) -> None:
+        for param in params:
+            weight = 1.0 / replication(param, dp=self.dp, tp=self.tp)
+            self._hooks.append(param.register_hook(self._make_hook(param, weight)))
+
+    def _make_hook(self, param: nn.Parameter, weight: float) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                piece = local_tensor(grad).float()
+                self.local_sq += weight * piece.pow(2).sum()
+                if self.use_adam:
+                    denom = self.adam.denominator(param)  # type: ignore[union-attr]
+                    if denom is not None:
+                        self.local_adam += weight * (piece / denom).pow(2).sum()
+
+        return hook
+
+    # dp > 1: FSDP2's reduce-scatter input ---------------------------------------------------------------------
+
+    def attach_fsdp(self, module: nn.Module) -> bool:
+        """Install `StatsReduceScatter` on every FSDP module under `module`; False if this torch lacks the hook."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if DefaultReduceScatter is None:
+            return False
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_custom_reduce_scatter(StatsReduceScatter(self, sub))
+        return True
+
+    def observe_unreduced(self, module: nn.Module, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Add the squared norm of this rank's unreduced gradients of one FSDP parameter group.
+
+        FSDP2 lays the flat input out as [dp rows] × [for each parameter: its padded dim-0 chunk for that row].
+        """
+        fsdp_params = module._get_fsdp_state()._fsdp_param_groups[0].fsdp_params
+        rows = flat.view(group.size(), -1)
+        own_row = rows[group.rank()]
+        with torch.no_grad():
+            weights = [1.0 / replication(fp.sharded_param, dp=self.dp, tp=self.tp) for fp in fsdp_params]
+            uniform = all(w == 1.0 for w in weights)
+            if uniform:  # one pass over the buffer (padding is zero-filled by FSDP's chunk_cat)
+                self.local_sq += flat.float().pow(2).sum() / self.dp
+            offset = 0
+            for fp, weight in zip(fsdp_params, weights, strict=True):
+                width = fp.padded_sharded_param_size.numel()
+                if not uniform:
+                    self.local_sq += weight * rows[:, offset : offset + width].float().pow(2).sum() / self.dp
+                if self.use_adam:
+                    denom = self.adam.denominator(fp.sharded_param)  # type: ignore[union-attr]
+                    if denom is not None and denom.numel():
+                        own = own_row[offset : offset + denom.numel()].float()
+                        self.local_adam += weight * (own / denom.reshape(-1)).pow(2).sum()
+                offset += width
+            if offset != rows.shape[1]:
+                raise RuntimeError(f"FSDP reduce-scatter layout changed: {offset} != {rows.shape[1]} per row")
+
+    # After the reduction --------------------------------------------------------------------------------------
+
+    def global_terms(self, params: Iterable[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's weighted pieces of |G_big|² and its Adam-preconditioned variant."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        adam = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for param in params:
+                if param.grad is None:
+                    continue
+                weight = 1.0 / replication(param, dp=self.dp, tp=self.tp)
+                piece = local_tensor(param.grad).float()
+                sq += weight * piece.pow(2).sum()
+                if self.use_adam:
+                    denom = self.adam.denominator(param)  # type: ignore[union-attr]
+                    if denom is not None:
+                        adam += weight * (piece / denom).pow(2).sum()
+        return sq, adam
+
+    def local_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's pieces of the local norms, already divided so that the world SUM is the final value."""
+        if self.micro_mode:
+            # Hooks saw g_k = ∂(loss_k / global count); G_micro = M·g_k, and local = mean_k |G_micro|² = M·Σ|g_k|².
+            scale = float(self.num_microbatches)
+            return self.local_sq * scale, self.local_adam * scale
+        return self.local_sq, self.local_adam
+
+    def local_batch(self, strategy_gbs: int, mbs: int) -> int:
+        return mbs if self.micro_mode else strategy_gbs // self.dp
+
+
+if DefaultReduceScatter is not None:
+
+    class StatsReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
+        """FSDP2's default reduce-scatter, after taking the statistics of its (unreduced) input."""
+
+        def __init__(self, stats: GradStats, module: nn.Module) -> None:
+            super().__init__()
+            self.stats = stats
+            self.module = module
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[override]
+            self.stats.observe_unreduced(self.module, input_tensor, group)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)

@@ -1,0 +1,137 @@
+"""`python -m trainer`: one attempt of one strategy, launched by torchrun (or alone, as a world of one).
+
+    torchrun --standalone --nproc-per-node=4 -m trainer --run-dir RUN [--job JOB.yaml] [--strategy dp=2,tp=2,...]
+             [--max-steps N] [--attempt N] [--set section.field=value ...]
+
+Without --job the job is `run.yaml`'s `job:` mapping; without --strategy the strategy is state.json's; without
+--attempt the attempt is state.json's. --max-steps is an absolute optimizer step of the run (see trainer.train).
+No flag is a prefix of a torchrun flag, so they can never be mistaken for torchrun's own.
+
+Exit codes (trainer.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal, --max-steps), 44 the world
+size does not fit the strategy, 2 bad input (one line on stderr saying what to fix). torchrun itself exits 1 when
+a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat (`event: exit`) for the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from trainer.rundir import ExitCode, RunDir
+from trainer.strategy import Strategy
+from trainer.yamlconfig import ConfigError
+
+FLAGS = ("--run-dir", "--job", "--strategy", "--max-steps", "--attempt", "--set", "--dump-loaded-state")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit CONFIG, no usage dump
+        _fail(f"{message} (see python -m trainer --help)")
+
+
+def _fail(message: str, code: ExitCode = ExitCode.CONFIG) -> NoReturn:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"cona trainer: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(int(code))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _Parser(prog="python -m trainer", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared by all nodes)")
+    parser.add_argument("--job", type=Path, help="job YAML (default: run.yaml's `job:` in the run directory)")
+    parser.add_argument("--strategy", help="e.g. dp=2,tp=2,pp=1,mbs=2,gbs=16 (default: state.json's strategy)")
+    parser.add_argument("--max-steps", type=int, help="stop (after a checkpoint) at this absolute optimizer step")
+    parser.add_argument("--attempt", type=int, help="attempt number (default: state.json's); names heartbeat files")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job field")
+    parser.add_argument("--dump-loaded-state", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def load_inputs(args: argparse.Namespace):
+    """Job, strategy and attempt from the flags and the run directory; raises ConfigError."""
+    from trainer.job import job_from_dict, load_job
+    from trainer.yamlconfig import apply_overrides, load_yaml
+
+    run_dir = RunDir(args.run_dir)
+    if args.job is not None:
+        job = load_job(args.job, args.set)
+    else:
+        if not run_dir.run_yaml.exists():
+            raise ConfigError(f"{run_dir.run_yaml}: not found; pass --job JOB.yaml or create the run with `cona run`")
+        data = load_yaml(run_dir.run_yaml)
+        if not isinstance(data.get("job"), dict):
+            raise ConfigError(f"{run_dir.run_yaml}: has no `job:` mapping; pass --job JOB.yaml")
+        job = job_from_dict(apply_overrides(data["job"], list(args.set)), source=f"{run_dir.run_yaml} job")
+    try:
+        strategy = Strategy.parse(args.strategy) if args.strategy else run_dir.current_strategy()
+    except ValueError as e:
+        raise ConfigError(f"--strategy: {e}") from None
+    if strategy is None:
+        raise ConfigError(f"no --strategy given and {run_dir.state_json} has no strategy; pass --strategy dp=..,mbs=..,gbs=..")
+    attempt = args.attempt if args.attempt is not None else run_dir.current_attempt()
+    if args.max_steps is not None and args.max_steps < 0:
+        raise ConfigError(f"--max-steps {args.max_steps}: must be >= 0")
+    return run_dir, job, strategy, attempt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run_dir, job, strategy, attempt = load_inputs(args)
+    except ConfigError as e:
+        _fail(str(e))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+
+    from trainer.train import write_exit
+
+    previous = run_dir.read_exit(attempt) if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
+    if previous is not None and previous.get("exit_code") in (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED):
+        # torchrun (--max-restarts) restarted the workers because a protocol exit is non-zero: exit the same way
+        # instead of training on under a strategy the orchestrator is replacing.
+        code = ExitCode(previous["exit_code"])
+        if rank == 0:
+            print(f"cona trainer: attempt {attempt} already exited {code.name} ({previous.get('reason')})", file=sys.stderr)
+        return int(code)
+
+    # Validate everything that needs no process group first, so bad input never hangs a collective.
+    from trainer.data import Batcher, load_corpus
+    from trainer.parallel import LayoutError, check_layout
+
+    try:
+        check_layout(job, strategy, world_size=world_size)
+        corpus = load_corpus(job)
+        Batcher(job, corpus)
+    except LayoutError as e:
+        code = ExitCode.BAD_WORLD if e.bad_world else ExitCode.CONFIG
+        if rank == 0 and run_dir.root.is_dir():
+            write_exit(run_dir, attempt, code=code, reason=str(e), step=None)
+        _fail(str(e), code)
+    except ConfigError as e:
+        if rank == 0 and run_dir.root.is_dir():
+            write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
+        _fail(str(e))
+
+    import torch.distributed as dist
+
+    from trainer.parallel import init_distributed
+    from trainer.train import Trainer
+
+    env = init_distributed()
+    try:
+        trainer = Trainer(
+            job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
+            max_steps=args.max_steps, dump_loaded_state=args.dump_loaded_state,
+        )  # fmt: skip
+        code = trainer.run()
+    except ConfigError as e:
+        if env.rank == 0:
+            write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
+        _fail(str(e))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return int(code)

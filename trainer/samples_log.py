@@ -1,0 +1,104 @@
+"""The samples log and its audit: no sample lost or repeated across switches, crashes and restarts. Torch-free.
+
+Rank 0 of every attempt appends to `samples/<attempt>.jsonl` (`RunDir.samples_log / f"{attempt}.jsonl"`):
+
+    {"resume": k, "samples": s}             once at start-up: the attempt continues after step k, sample s
+                                            (k = 0, s = 0 on a fresh start); written before any step record
+    {"step": k, "start": s, "end": e}       after step k's optimizer update succeeded: it consumed samples [s, e)
+
+A torchrun restart inside the same attempt appends a new `resume` line to the same file.
+
+**Audit rule** (`audit_samples`). Read the files in increasing attempt number and each file's lines in order. A
+`resume k` line discards every step record kept so far with step > k — those steps were trained but their state
+was lost with the checkpoint that never got written — and requires the kept records to end exactly at step k and
+sample s. A step record must follow the last kept one: step = previous step + 1 and start = previous end (the first
+is step 1 starting at 0). What remains is the run's training history; it must cover [0, N) with no gap and no
+repeat. Any violation raises `SamplesAuditError` naming the file, line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.rundir import RunDir, append_jsonl
+
+
+class SamplesAuditError(ValueError):
+    """The samples log shows a lost or repeated sample (or is malformed); the message says where."""
+
+
+def samples_file(run_dir: RunDir, attempt: int) -> Path:
+    return run_dir.samples_log / f"{attempt}.jsonl"
+
+
+def log_resume(run_dir: RunDir, *, attempt: int, step: int, samples: int) -> None:
+    append_jsonl(samples_file(run_dir, attempt), {"resume": step, "samples": samples})
+
+
+def log_step(run_dir: RunDir, *, attempt: int, step: int, start: int, end: int) -> None:
+    append_jsonl(samples_file(run_dir, attempt), {"step": step, "start": start, "end": end})
+
+
+def _attempt_files(run_dir: RunDir) -> list[tuple[int, Path]]:
+    if not run_dir.samples_log.is_dir():
+        return []
+    found = []
+    for path in run_dir.samples_log.glob("*.jsonl"):
+        try:
+            found.append((int(path.stem), path))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
+def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
+    """The per-step sample ranges [(start, end), …] of the run's surviving history, in step order.
+
+    Consecutive ranges touch (each start equals the previous end) and the first starts at 0, so together they are
+    exactly samples 0 … N−1 once each. Raises `SamplesAuditError` on a gap, an overlap or a malformed record.
+    """
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    kept: list[tuple[int, int, int]] = []  # (step, start, end)
+    for _attempt, path in _attempt_files(run_dir):
+        with open(path, "rb") as f:
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a torn last line is still being written
+        for number, raw in enumerate(whole.splitlines(), start=1):
+            if not raw.strip():
+                continue
+            where = f"{path.name} line {number}"
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                raise SamplesAuditError(f"{where}: not valid JSON") from None
+            if "resume" in record:
+                step, samples = int(record["resume"]), int(record.get("samples", -1))
+                kept = [r for r in kept if r[0] <= step]
+                last_step, last_end = (kept[-1][0], kept[-1][2]) if kept else (0, 0)
+                if last_step != step:
+                    raise SamplesAuditError(
+                        f"{where}: resumes after step {step}, but the log before it ends at step {last_step} "
+                        f"(steps {last_step + 1}..{step} are missing)"
+                    )
+                if samples >= 0 and samples != last_end:
+                    raise SamplesAuditError(
+                        f"{where}: resumes at sample {samples}, but step {step} ended at sample {last_end}"
+                    )
+                continue
+            try:
+                step, start, end = int(record["step"]), int(record["start"]), int(record["end"])
+            except (KeyError, TypeError, ValueError):
+                raise SamplesAuditError(f"{where}: expected {{step, start, end}} or {{resume, samples}}") from None
+            last_step, last_end = (kept[-1][0], kept[-1][2]) if kept else (0, 0)
+            if step != last_step + 1:
+                raise SamplesAuditError(f"{where}: step {step} follows step {last_step} (expected {last_step + 1})")
+            if start != last_end:
+                kind = "gap" if start > last_end else "overlap"
+                raise SamplesAuditError(
+                    f"{where}: step {step} starts at sample {start} but the previous step ended at {last_end} ({kind})"
+                )
+            if end <= start:
+                raise SamplesAuditError(f"{where}: step {step} has an empty range [{start}, {end})")
+            kept.append((step, start, end))
+    return [(start, end) for _step, start, end in kept]

@@ -1,0 +1,356 @@
+"""The training loop of one attempt: resume, train step by step, evaluate, checkpoint, obey commands, exit.
+
+Per optimizer step (all ranks in lockstep):
+
+1. build the global batch [s, s + gbs) by sample index (`trainer.data`) and take this replica's slice;
+2. forward/backward over the micro-batches (`trainer.parallel`), loss scaled to the global-batch token mean;
+3. one all-reduce (SUM) of a few float64 scalars: loss, local/global gradient norms and their Adam variants,
+   the tied-weight correction, rank 0's control command and time-budget flag, every rank's signal flag;
+4. clip to `optimizer.grad_clip` with the all-reduced global norm, set the LR (`trainer.lr`), AdamW step;
+5. rank 0 appends the step's sample range to the samples log, then heartbeats; evaluation every
+   `eval.interval_samples` samples; checkpoint every `checkpoint.interval_steps` steps and on command.
+
+`--max-steps N` is an absolute optimizer step of the run (not a count for this process): the trainer stops once
+`step == N`, after a checkpoint, with ExitCode.STOPPED (reason `max_steps`); a run already at or past N exits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint as ckpt
+from trainer.control import Action, ControlState, decide
+from trainer.data import Batcher, Corpus
+from trainer.heartbeat import HeartbeatWriter, StepRecord
+from trainer.job import JobSpec
+from trainer.lr import job_learning_rate
+from trainer.parallel import DistEnv, ParallelModel
+from trainer.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
+from trainer.samples_log import log_resume, log_step
+from trainer.strategy import Strategy
+from trainer.yamlconfig import ConfigError
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf."""
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What `trainer_state.json` holds besides the DCP shards."""
+
+    step: int = 0
+    """Optimizer steps completed over the whole run."""
+    samples: int = 0
+    """Samples consumed: the data position (the next step starts at this sample index)."""
+    tokens: int = 0
+    lr: float = 0.0
+    """The LR of the last step."""
+    lr_position: int = 0
+    """Samples at which the LR schedule stands (equals `samples`; kept explicit for readers)."""
+    strategy: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The strategy this checkpoint was written under."""
+    attempt: int = 0
+    seed: int = 0
+    job_name: str = ""
+    time: float = 0.0
+    elapsed_s: float = 0.0
+    """Training wall time over all attempts (for target.max_time_s)."""
+    val_history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """[{step, samples, val_loss, val_perplexity}] of every evaluation so far."""
+    last_control_seq: int = -1
+    """The newest control.json seq acted on, so a relaunch does not act on it again."""
+    rng_state: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclasses.dataclass
+class Trainer:
+    job: JobSpec
+    strategy: Strategy
+    run_dir: RunDir
+    attempt: int
+    env: DistEnv
+    corpus: Corpus
+    max_steps: int | None = None
+    dump_loaded_state: Path | None = None
+    """Tests: after resuming, save the loaded state as a DCP checkpoint here (to compare with the saved one)."""
+
+    def __post_init__(self) -> None:
+        self.rank = self.env.rank
+        self.is_rank0 = self.rank == 0
+        self.batcher = Batcher(self.job, self.corpus)
+        self.model = ParallelModel(self.job, self.strategy, self.env)
+        self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
+                                  job_name=self.job.name)  # fmt: skip
+        self.control = ControlState()
+        self.heartbeat = HeartbeatWriter(
+            run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
+        )
+        self.loaded_step: int | None = None
+        self._started = time.time()
+        self._elapsed_base = 0.0
+        self._eval_set = self._eval_tensors()
+
+    # Start-up -------------------------------------------------------------------------------------------------
+
+    def _eval_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's contiguous share of the fixed validation windows."""
+        windows = self.batcher.eval_windows()
+        dp, r = self.strategy.dp, self.model.dp_rank
+        per = math.ceil(len(windows.inputs) / dp)
+        rows = slice(r * per, min(len(windows.inputs), (r + 1) * per))
+        to = self.env.device
+        return torch.from_numpy(windows.inputs[rows]).to(to), torch.from_numpy(windows.labels[rows]).to(to)
+
+    def resume(self) -> None:
+        """Load the newest intact checkpoint (any layout); fall back to older ones; fresh start if none."""
+        shared: list[Any] = [None]
+        if self.is_rank0:
+            found = ckpt.resume_candidates(self.run_dir)
+            marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
+            shared = [([str(p) for p in found], bool(marked))]
+        dist.broadcast_object_list(shared, src=0)
+        paths, had_marked = shared[0]
+        for path in paths:
+            failed = None
+            try:
+                data = ckpt.load_checkpoint(Path(path), parts=self.model.parts, optimizers=self.model.optimizers)
+            except Exception as e:  # a corrupt shard: every rank must fall back together
+                failed, data = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
+            flag = torch.tensor([1.0 if failed else 0.0], device=self.env.device)
+            dist.all_reduce(flag)
+            if flag.item() == 0:
+                self.state = TrainerState.from_dict(data)  # type: ignore[arg-type]
+                self.loaded_step = self.state.step
+                self._elapsed_base = self.state.elapsed_s
+                if self.state.rng_state:
+                    ckpt.set_rng_state(self.state.rng_state)
+                self.control.last_seq = self.state.last_control_seq
+                self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
+                return
+            if self.is_rank0:
+                ckpt.warn(f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})")
+        if had_marked:
+            raise ConfigError(
+                f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
+                "remove the corrupt step-* directories to start over, or restore them"
+            )
+
+    # The loop -------------------------------------------------------------------------------------------------
+
+    def run(self) -> ExitCode:
+        self.control.install_signal_handlers()
+        self.resume()
+        if self.dump_loaded_state is not None and self.loaded_step is not None:
+            import torch.distributed.checkpoint as dcp
+
+            state, _ = ckpt._state(self.model.parts, self.model.optimizers)
+            dcp.save(state, checkpoint_id=str(self.dump_loaded_state))
+        s = self.state
+        if self.is_rank0:
+            log_resume(self.run_dir, attempt=self.attempt, step=s.step, samples=s.samples)
+            self._heartbeat(event="resume" if self.loaded_step is not None else "start")
+        if s.step == 0 and not s.val_history:
+            self.evaluate()
+        while True:
+            stop = self._budget_reached()
+            if stop is not None:
+                return self.finish(*stop)
+            action, budget = self.step()
+            evaluated = None
+            if s.samples // self.job.eval.interval_samples > (s.samples - self.strategy.gbs) // self.job.eval.interval_samples:
+                evaluated = self.evaluate()
+            if s.step % self.job.heartbeat.interval_steps == 0 or evaluated is not None:
+                self._heartbeat(event="eval" if evaluated is not None else None, evaluated=evaluated)
+            target = self.job.target.val_perplexity
+            if evaluated is not None and target is not None and evaluated["val_perplexity"] <= target:
+                return self.finish(ExitCode.DONE, f"target val_perplexity {target} reached")
+            if budget:
+                return self.finish(ExitCode.DONE, "target max_time_s reached")
+            if action in (Action.SWITCH, Action.STOP):
+                record = self.control.mark_handled() if self.is_rank0 else None
+                if action == Action.SWITCH:
+                    return self.finish(ExitCode.SWITCH, f"switch (control seq {record.seq if record else '?'})")
+                reason = f"stop (control seq {record.seq})" if record else f"signal {self.control.signal_name or '(on another rank)'}"
+                return self.finish(ExitCode.STOPPED, reason)
+            if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
+                reason = "periodic"
+                if action == Action.CHECKPOINT:
+                    record = self.control.mark_handled() if self.is_rank0 else None
+                    reason = f"checkpoint (control seq {record.seq if record else '?'})"
+                self.save()
+                self._heartbeat(event="checkpoint", reason=reason)
+
+    def _budget_reached(self) -> tuple[ExitCode, str] | None:
+        s = self.state
+        if self.max_steps is not None and s.step >= self.max_steps:
+            return ExitCode.STOPPED, "max_steps"
+        if s.samples >= self.job.target.max_samples:
+            return ExitCode.DONE, "target max_samples reached"
+        return None
+
+    def step(self) -> tuple[Action, bool]:
+        """One optimizer step over samples [s, s + gbs). Returns the agreed control action and budget flag."""
+        s, strategy, model = self.state, self.strategy, self.model
+        started = time.perf_counter()
+        start, end = s.samples, s.samples + strategy.gbs
+        batch = self.batcher.samples(start, end)
+        count = batch.num_targets
+        rows = slice(model.dp_rank * strategy.local_batch, (model.dp_rank + 1) * strategy.local_batch)
+        inputs = torch.from_numpy(np.ascontiguousarray(batch.inputs[rows])).to(self.env.device)
+        labels = torch.from_numpy(np.ascontiguousarray(batch.labels[rows])).to(self.env.device)
+        lr = job_learning_rate(self.job, samples=start, gbs=strategy.gbs)
+
+        model.zero_grad()
+        model.stats.begin_step(use_adam=s.step > 0)
+        loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
+        tied_pre, tied_post = model.sync_tied()
+        global_sq, global_adam = model.stats.global_terms(model.parameters())
+        local_sq, local_adam = model.stats.local_terms()
+        command, budget = Action.NONE, 0.0
+        if self.is_rank0:
+            command = self.control.poll(self.run_dir)
+            max_time = self.job.target.max_time_s
+            budget = 1.0 if max_time is not None and self._elapsed() >= max_time else 0.0
+        weight = 1.0 / strategy.tp if model.computes_loss else 0.0
+        vector = torch.stack([
+            loss_sum * weight / max(1, count), local_sq, local_adam, global_sq, global_adam,
+            tied_post - tied_pre,
+            torch.tensor(float(command), dtype=torch.float64, device=self.env.device),
+            torch.tensor(1.0 if self.control.signalled else 0.0, dtype=torch.float64, device=self.env.device),
+            torch.tensor(budget, dtype=torch.float64, device=self.env.device),
+        ]).to(torch.float64)  # fmt: skip
+        dist.all_reduce(vector)
+        values = vector.tolist()
+        loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, signals, budget_v = values
+        clip_sq = global_sq_v + tied_fix
+        if not (math.isfinite(loss) and math.isfinite(clip_sq)):
+            raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
+        clip = self.job.optimizer.grad_clip
+        if clip is not None:
+            coefficient = clip / (math.sqrt(clip_sq) + 1e-6)
+            if coefficient < 1.0:
+                model.scale_grads(coefficient)
+        model.optimizer_step(lr)
+        step_time = time.perf_counter() - started
+
+        s.step += 1
+        s.samples = s.lr_position = end
+        s.tokens += strategy.gbs * self.job.model.seq_len
+        s.lr = lr
+        if self.is_rank0:  # only after the optimizer update succeeded
+            log_step(self.run_dir, attempt=self.attempt, step=s.step, start=start, end=end)
+        has_local = model.stats.has_local
+        use_adam = s.step > 1
+        self.heartbeat.add_step(
+            StepRecord(
+                loss=loss,
+                step_time_s=step_time,
+                local_sqnorm=local_sq_v if has_local else None,
+                local_batch=model.stats.local_batch(strategy.gbs, strategy.mbs) if has_local else None,
+                global_sqnorm=global_sq_v,
+                global_batch=strategy.gbs,
+                adam_local_sqnorm=local_adam_v if has_local and use_adam else None,
+                adam_global_sqnorm=global_adam_v if use_adam else None,
+            )
+        )
+        return decide(command_code=command_v, signal_count=signals), budget_v > 0
+
+    def _elapsed(self) -> float:
+        return self._elapsed_base + (time.time() - self._started)
+
+    # Evaluation, checkpoints, heartbeats, exit ------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        inputs, labels = self._eval_set
+        loss_sum, count = self.model.eval_sums(inputs, labels)
+        weight = 1.0 / self.strategy.tp
+        vector = torch.tensor([loss_sum * weight, count * weight], dtype=torch.float64, device=self.env.device)
+        dist.all_reduce(vector)
+        total, targets = vector.tolist()
+        val_loss = total / max(1.0, targets)
+        result = {
+            "step": self.state.step,
+            "samples": self.state.samples,
+            "val_loss": val_loss,
+            "val_perplexity": math.exp(min(val_loss, 50.0)),
+        }
+        self.state.val_history.append(result)
+        if self.is_rank0 and self.state.step == 0:
+            self._heartbeat(event="eval", evaluated=result)
+        return result
+
+    def save(self) -> None:
+        s = self.state
+        s.time = time.time()
+        s.elapsed_s = self._elapsed()
+        s.last_control_seq = self.control.last_seq
+        s.rng_state = ckpt.rng_state()
+        payload = dataclasses.asdict(s)
+        ckpt.save_checkpoint(
+            self.run_dir, step=s.step, parts=self.model.parts, optimizers=self.model.optimizers,
+            trainer_state=payload, keep=self.job.checkpoint.keep,
+        )  # fmt: skip
+        self.loaded_step = s.step  # what is on storage now equals the live state
+
+    def _heartbeat(
+        self,
+        *,
+        event: str | None = None,
+        evaluated: dict[str, float] | None = None,
+        exit_code: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        if not self.is_rank0:
+            return
+        s = self.state
+        self.heartbeat.write(
+            step=s.step,
+            samples=s.samples,
+            tokens=s.tokens,
+            lr=s.lr,
+            event=event,
+            val_loss=evaluated["val_loss"] if evaluated else None,
+            val_perplexity=evaluated["val_perplexity"] if evaluated else None,
+            peak_memory_gb=_peak_memory_gb(self.env.device),
+            exit_code=exit_code,
+            reason=reason,
+        )
+
+    def finish(self, code: ExitCode, reason: str) -> ExitCode:
+        """Checkpoint (unless the state on storage is already this one), record the exit, return the code."""
+        if self.state.step > 0 and self.state.step != self.loaded_step:
+            self.save()
+        if self.is_rank0:
+            self._heartbeat(event="exit", exit_code=int(code), reason=reason)
+            write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step)
+        dist.barrier()
+        return code
+
+
+def write_exit(run_dir: RunDir, attempt: int, *, code: ExitCode, reason: str, step: int | None) -> None:
+    atomic_write_json(
+        run_dir.exit_file(attempt),
+        {"exit_code": int(code), "name": code.name, "reason": reason, "step": step, "time": time.time()},
+    )
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # CPU: the process's peak resident set (Linux reports KiB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
