@@ -41,7 +41,7 @@ def check_value(what: str, value: str) -> str:
     if _CONTROL.search(value):
         shown = value.encode("unicode_escape").decode()
         raise ConfigError(
-            f"{what}: {shown!r} contains a newline or control character; "
+            f"{what}: '{shown}' contains a newline or control character; "
             "it cannot be put on an #SBATCH line or into the job's shell"
         )
     return value
@@ -197,7 +197,7 @@ def render_batch_script(
     """
     if profile.slurm is None:
         raise ConfigError(f"profile {profile.name!r} has no slurm: section (backend is {profile.backend!r})")
-    run_path = Path(run_dir).absolute()
+    run_path = Path(check_value("run directory", str(run_dir))).absolute()
     name = check_value("job name", job_name) if job_name is not None else job_name_for(job, run_path)
     check_setup(profile.slurm.setup)
     setup = (

@@ -1,0 +1,388 @@
+"""SlurmBackend without a cluster: parsers of squeue/scontrol/sacct/sinfo output, placement, poll and launch logic.
+
+The Slurm commands are replaced by a fake that answers with recorded outputs of Slurm 22.05.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.base import Attempt, AttemptStatus
+from orchestrator.backends.slurm import (
+    SlurmBackend,
+    SlurmError,
+    expand_hostlist,
+    node_is_down,
+    parse_sacct,
+    parse_scontrol_job,
+    parse_sinfo_nodes,
+    parse_squeue,
+    placement,
+)
+from orchestrator.profile import load_profile
+from tests.conftest import PROFILES
+from trainer.rundir import RunDir
+from trainer.strategy import Strategy
+
+# Recorded with Slurm 22.05.8 (slurm/local-cluster.sh).
+SCONTROL_RUNNING = (
+    "JobId=5 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901755 Nice=0 Account=(null) "
+    "QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 "
+    "ExitCode=0:0 RunTime=00:00:01 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-02T09:51:22 "
+    "Partition=debug AllocNode:Sid=localhost:2791 ReqNodeList=(null) ExcNodeList=(null) NodeList=n[1-2] "
+    "BatchHost=n1 NumNodes=2 NumCPUs=2 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=2,billing=2 "
+    "Command=/runs/my run/slurm/cona.sbatch WorkDir=/tmp/with space StdErr=/dev/null StdOut=/dev/null Power= \n"
+)
+SCONTROL_REQUEUED = (
+    "JobId=10 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901750 Nice=0 "
+    "Account=(null) QOS=(null) JobState=PENDING Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED Partition=debug NodeList= "
+    "NumNodes=2 NumCPUs=2 NumTasks=2 CPUs/Task=1 Power= \n"
+)
+SCONTROL_FAILED = (
+    "JobId=11 JobName=wrap UserId=root(0) GroupId=root(0) JobState=FAILED Reason=NonZeroExitCode "
+    "Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=3:0 RunTime=00:00:00 "
+    "NodeList=n1 BatchHost=n1 NumNodes=1 NumCPUs=1 Power= \n"
+)
+SQUEUE = "7|COMPLETED|None|2|n[1-2]\n9|PENDING|Resources|2|\n11|FAILED|NonZeroExitCode|1|n1\n"
+SACCT = "3|COMPLETED|0:0|n1\n4|FAILED|3:0|n1\n4.batch|FAILED|3:0|n1\n12|CANCELLED by 0|0:15|n[1-2]\n13|PENDING|0:0|None assigned\n"
+SINFO = "n1|idle\nn2|down*\nn3|mixed\nn4|drained\nn5|idle*\n"
+
+
+def test_expand_hostlist():
+    assert expand_hostlist("n[1-2]") == ["n1", "n2"]
+    assert expand_hostlist("n[1-3,7],gpu01") == ["n1", "n2", "n3", "n7", "gpu01"]
+    assert expand_hostlist("gpu[08-10]") == ["gpu08", "gpu09", "gpu10"]
+    assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
+    assert expand_hostlist("") == [] and expand_hostlist("(null)") == []
+
+
+def test_parse_scontrol():
+    info = parse_scontrol_job(SCONTROL_RUNNING)
+    assert (info.job_id, info.state, info.reason, info.restarts) == ("5", "RUNNING", "None", 0)
+    assert info.nodes == ["n1", "n2"] and info.num_nodes == 2 and info.batch_host == "n1"
+    assert info.alive and not info.pending
+    requeued = parse_scontrol_job(SCONTROL_REQUEUED)
+    assert (requeued.state, requeued.reason, requeued.restarts, requeued.nodes) == (
+        "PENDING",
+        "BeginTime",
+        1,
+        [],
+    )
+    assert requeued.alive and requeued.pending
+    failed = parse_scontrol_job(SCONTROL_FAILED)
+    assert not failed.alive and failed.exit_status == 3
+    assert parse_scontrol_job("slurm_load_jobs error: Invalid job id specified") is None
+    assert parse_scontrol_job("") is None
+
+
+def test_parse_squeue_sacct_sinfo():
+    jobs = parse_squeue(SQUEUE)
+    assert jobs["9"].state == "PENDING" and jobs["9"].reason == "Resources" and jobs["9"].nodes == []
+    assert jobs["7"].nodes == ["n1", "n2"] and jobs["7"].num_nodes == 2
+    acct = parse_sacct(SACCT)
+    assert set(acct) == {"3", "4", "12", "13"}  # steps (4.batch) are skipped
+    assert acct["4"].exit_status == 3 and acct["12"].state == "CANCELLED" and acct["13"].nodes == []
+    nodes = parse_sinfo_nodes(SINFO)
+    assert [n for n, s in nodes.items() if node_is_down(s)] == ["n2"]
+    assert not node_is_down("drained") and not node_is_down("idle*") and node_is_down("down+drain")
+
+
+@pytest.mark.parametrize(
+    "layout, gpn, expected",
+    [
+        ((4, 1, 1), 2, (2, 2)),
+        ((2, 1, 1), 2, (1, 2)),
+        ((1, 1, 1), 8, (1, 1)),
+        ((8, 4, 1), 8, (4, 8)),
+        ((3, 1, 1), 2, (3, 1)),
+    ],
+)
+def test_placement(layout, gpn, expected):
+    dp, tp, pp = layout
+    assert placement(Strategy(dp=dp, tp=tp, pp=pp, mbs=1, gbs=dp), gpn) == expected
+
+
+def test_placement_too_big():
+    with pytest.raises(ValueError, match="needs 3 nodes"):
+        placement(Strategy(dp=6, tp=1, pp=1, mbs=1, gbs=6), 2, max_nodes=2)
+
+
+class FakeSlurm:
+    """Answers Slurm commands from a table; records every call."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, str] = {}
+        self.sacct: str | None = None  # None: accounting disabled
+        self.sinfo = "n1|mixed\nn2|mixed\n"
+        self.calls: list[list[str]] = []
+        self.next_job = 100
+
+    def __call__(self, argv, env=None):
+        self.calls.append(list(argv))
+        cmd = argv[0]
+        if cmd == "scontrol" and argv[1:3] == ["show", "job"]:
+            text = self.jobs.get(argv[-1])
+            if text is None:
+                return _cp(1, "", "slurm_load_jobs error: Invalid job id specified")
+            return _cp(0, text)
+        if cmd == "sacct":
+            if self.sacct is None:
+                return _cp(1, "", "sacct: error: Slurm accounting storage is disabled")
+            return _cp(0, self.sacct)
+        if cmd == "sinfo":
+            return _cp(0, self.sinfo)
+        if cmd == "scancel":
+            return _cp(0)
+        if cmd == "sbatch":
+            self.next_job += 1
+            return _cp(0, f"{self.next_job}\n")
+        raise AssertionError(f"unexpected command {argv}")
+
+
+def _cp(rc: int, out: str = "", err: str = "") -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess([], rc, out, err)
+
+
+def _job(
+    job_id: str,
+    state: str,
+    *,
+    nodes: str = "n[1-2]",
+    restarts: int = 0,
+    reason: str = "None",
+    exit_code="0:0",
+):
+    return (
+        f"JobId={job_id} JobName=r JobState={state} Reason={reason} Requeue=1 Restarts={restarts} BatchFlag=1 "
+        f"ExitCode={exit_code} NodeList={nodes} BatchHost=n1 NumNodes=2 Power= \n"
+    )
+
+
+@pytest.fixture
+def env(tmp_path):
+    fake = FakeSlurm()
+    run = RunDir(tmp_path / "run")
+    backend = SlurmBackend(run_dir=run, profile=load_profile(PROFILES / "local-slurm.yaml"), runner=fake)
+    return backend, fake, run
+
+
+S4 = Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4)
+S2 = Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=2)
+
+
+def _exit(run: RunDir, attempt: int, submission: str, code: int, action: str, requeued: bool = False) -> None:
+    path = run.attempt_dir(attempt) / "exit.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"code": code, "action": action, "requeued": requeued, "submission": submission,
+                                "time": time.time(), "detail": ""}))  # fmt: skip
+
+
+def test_launch_submits_and_writes_handoff(env):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    assert (
+        attempt.backend_id == "101" and attempt.extra["nnodes"] == 2 and attempt.extra["nproc_per_node"] == 2
+    )
+    sbatch = next(c for c in fake.calls if c[0] == "sbatch")
+    assert sbatch[1:3] == ["--parsable", "--nodes=2"] and sbatch[-1] == attempt.extra["submission"]
+    assert Path(sbatch[-2]).read_text().startswith("#!/bin/bash\n#SBATCH")
+    launch = json.loads((run.attempt_dir(1) / "launch.json").read_text())
+    assert launch["submission"] == attempt.extra["submission"] and launch["strategy"] == S4.to_dict()
+    assert launch["job_id"] == "101"
+    state = json.loads(run.state_json.read_text())
+    assert state["attempt"] == 1 and state["strategy"] == S4.to_dict()
+
+
+def test_launch_keeps_other_state_keys(env):
+    backend, _, run = env
+    run.root.mkdir(parents=True)
+    run.state_json.write_text(json.dumps({"status": "running", "attempt": 0, "backend_job": "x"}))
+    backend.launch(attempt=1, strategy=S4)
+    state = json.loads(run.state_json.read_text())
+    assert state["status"] == "running" and state["backend_job"] == "x" and state["attempt"] == 1
+
+
+def test_in_place_relaunch_when_node_count_stays(env):
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, first.extra["submission"], 42, "wait")
+    fake.jobs["101"] = _job("101", "RUNNING")
+    assert backend.poll(first).status == AttemptStatus.SWITCHED
+    second = backend.launch(attempt=2, strategy=Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2), previous=first)
+    assert second.backend_id == "101" and second.extra["mode"] == "in-place"
+    assert second.extra["submission"] == first.extra["submission"]
+    assert sum(1 for c in fake.calls if c[0] == "sbatch") == 1
+    launch = json.loads((run.attempt_dir(2) / "launch.json").read_text())
+    assert launch["submission"] == first.extra["submission"] and launch["nproc_per_node"] == 2
+
+
+def test_resubmit_when_node_count_changes(env):
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, first.extra["submission"], 42, "wait")
+    fake.jobs["101"] = _job("101", "RUNNING")
+    second = backend.launch(attempt=2, strategy=S2, previous=first)
+    assert second.backend_id == "102" and second.extra["nnodes"] == 1
+    assert second.extra["submission"] != first.extra["submission"]
+    assert ["scancel", "101"] in fake.calls  # the idle allocation is released
+    assert "--nodes=1" in next(c for c in reversed(fake.calls) if c[0] == "sbatch")
+
+
+def test_resubmit_when_job_is_gone(env):
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, first.extra["submission"], 42, "wait")
+    second = backend.launch(attempt=2, strategy=S4, previous=first)  # scontrol: job unknown
+    assert second.backend_id == "102" and ["scancel", "101"] not in fake.calls
+
+
+@pytest.mark.parametrize("sacct", [True, False])
+@pytest.mark.parametrize(
+    "code, action, status",
+    [
+        (0, "done", "done"),
+        (42, "wait", "switched"),
+        (43, "stop", "stopped"),
+        (44, "wait", "bad_world"),
+        (7, "exit", "crashed"),
+    ],
+)
+def test_poll_from_exit_record(env, sacct, code, action, status):
+    backend, fake, run = env
+    fake.sacct = "" if sacct else None
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    assert backend.poll(attempt).status == AttemptStatus.RUNNING
+    _exit(run, 1, attempt.extra["submission"], code, action)
+    outcome = backend.poll(attempt)
+    assert outcome.status.value == status and outcome.exit_code == code
+    del fake.jobs["101"]  # purged from slurmctld: the exit record still decides
+    assert backend.poll(attempt).status.value == status
+
+
+def test_poll_ignores_exit_record_of_another_submission(env):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, "someone-else", 0, "done")
+    fake.jobs["101"] = _job("101", "RUNNING")
+    assert backend.poll(attempt).status == AttemptStatus.RUNNING
+
+
+def test_poll_pending_and_requeued(env):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="Resources")
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.PENDING and "Resources" in outcome.detail
+    _exit(run, 1, attempt.extra["submission"], 43, "requeue", requeued=True)
+    (run.attempt_dir(1) / "slurm.json").write_text(
+        json.dumps({"submission": attempt.extra["submission"], "nodelist": "n1,n2"})
+    )
+    fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="BeginTime", restarts=1)
+    fake.sinfo = "n1|idle\nn2|down*\n"
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.PENDING
+    assert "requeued 1x" in outcome.detail and "node n2 DOWN" in outcome.detail
+    fake.jobs["101"] = _job("101", "RUNNING", restarts=1)
+    fake.sinfo = "n1|mixed\nn2|mixed\n"
+    assert backend.poll(attempt).status == AttemptStatus.RUNNING
+
+
+def test_poll_running_on_down_node(env):
+    backend, fake, _ = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    fake.sinfo = "n1|mixed\nn2|down*\n"
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.CRASHED and "node n2 DOWN" in outcome.detail
+
+
+@pytest.mark.parametrize("sacct", [True, False])
+def test_poll_job_gone_without_exit_record(env, sacct):
+    backend, fake, _ = env
+    fake.sacct = "101|CANCELLED by 0|0:15|n[1-2]\n" if sacct else None
+    attempt = backend.launch(attempt=1, strategy=S4)
+    outcome = backend.poll(attempt)  # not in scontrol any more
+    assert outcome.status == AttemptStatus.CRASHED
+    assert ("CANCELLED" in outcome.detail) if sacct else ("gone from the queue" in outcome.detail)
+    assert "before the attempt started" in outcome.detail
+
+
+def test_poll_finished_job_in_scontrol_without_sacct(env):
+    backend, fake, _ = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "TIMEOUT", exit_code="0:15")
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.CRASHED and "TIMEOUT" in outcome.detail
+
+
+def test_poll_requeue_that_never_came_back(env):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, attempt.extra["submission"], 43, "requeue", requeued=True)
+    fake.jobs["101"] = _job("101", "CANCELLED", exit_code="0:15")
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.STOPPED and outcome.exit_code == 43
+
+
+def test_cancel_and_close(env):
+    backend, fake, _ = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    backend.cancel(attempt)
+    assert ["scancel", "101"] in fake.calls
+    fake.calls.clear()
+    fake.jobs["101"] = _job("101", "CANCELLED")
+    backend.cancel(attempt)  # idempotent: nothing to cancel
+    backend.close()
+    assert not any(c[0] == "scancel" for c in fake.calls)
+
+
+def test_adopt(env):
+    backend, fake, _ = env
+    attempt = Attempt(number=3, strategy=S4, backend_id="55", extra={"submission": "abc", "nnodes": 2})
+    fake.jobs["55"] = _job("55", "RUNNING")
+    assert backend.adopt(attempt)
+    fake.jobs["55"] = _job("55", "FAILED", exit_code="1:0")
+    assert not backend.adopt(attempt)
+
+
+def test_sacct_detected_once(env):
+    backend, fake, _ = env
+    assert backend.use_sacct is False
+    fake.sacct = ""
+    assert backend.use_sacct is False  # cached
+    assert sum(1 for c in fake.calls if c[0] == "sacct") == 1
+
+
+def test_missing_slurm_commands_give_one_line(tmp_path):
+    def runner(argv, env=None):
+        raise FileNotFoundError(argv[0])
+
+    backend = SlurmBackend(
+        run_dir=RunDir(tmp_path), profile=load_profile(PROFILES / "local-slurm.yaml"), runner=runner
+    )
+    with pytest.raises(SlurmError, match="sbatch not found"):
+        backend.launch(attempt=1, strategy=S4)
+
+
+def test_submission_env_puts_own_interpreter_first(env):
+    import os
+    import sys
+
+    backend, _, _ = env
+    path = backend.submission_env()["PATH"].split(os.pathsep)
+    assert path[0] == os.path.dirname(os.path.abspath(sys.executable))
+    pinned = SlurmBackend(
+        run_dir=backend.run_dir,
+        profile=backend.profile.model_copy(
+            update={"slurm": backend.profile.slurm.model_copy(update={"python": "/opt/py/bin/python3"})}
+        ),
+    )
+    assert pinned.submission_env()["PATH"] == os.environ.get("PATH", "")

@@ -1,0 +1,373 @@
+"""The rendered Slurm batch script: golden files, hostile values that must stay inert, the job-side helper.
+
+No Slurm needed. `UPDATE_GOLDEN=1 pytest tests/test_slurm_script.py` rewrites the golden files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.profile import ClusterProfile, load_profile
+from orchestrator.slurm_script import (
+    HELPER,
+    parse_extra_option,
+    render_batch_script,
+    sbatch_quote,
+)
+from tests.conftest import PROFILES, REPO
+from trainer.yamlconfig import ConfigError
+
+GOLDEN = REPO / "tests" / "golden" / "slurm"
+BASH = shutil.which("bash")
+
+
+def _helper():
+    spec = importlib.util.spec_from_file_location("cona_slurm_helper", HELPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+helper = _helper()
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
+    assert text == path.read_text(), (
+        f"{path} differs from the rendered script; rerun with UPDATE_GOLDEN=1 if intended"
+    )
+
+
+def _profile(base: str = "local-slurm.yaml", **slurm) -> ClusterProfile:
+    profile = load_profile(PROFILES / base)
+    return profile.model_copy(update={"slurm": profile.slurm.model_copy(update=slurm)})
+
+
+@pytest.mark.parametrize("name", ["local-slurm", "a100-4x8", "h100-2x8"])
+def test_golden_scripts(name):
+    profile = load_profile(PROFILES / f"{name}.yaml")
+    text = render_batch_script(profile, None, "/shared/cona/runs/golden-run")
+    _golden(f"{name}.sbatch", text)
+    if BASH:
+        subprocess.run([BASH, "-n"], input=text, text=True, check=True)
+
+
+def test_script_content_local():
+    text = render_batch_script(_profile(), None, "/runs/r1")
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == [
+        "#SBATCH --job-name=r1",
+        "#SBATCH --partition=debug",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=/runs/r1/attempts/slurm-%j.out",
+        "#SBATCH --signal=B:USR1@60",
+    ]
+    # every #SBATCH line precedes the first command (sbatch stops reading options there)
+    lines = text.splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
+    assert "--kill-on-bad-exit=1" in text and "--rdzv-backend=c10d" in text and "--max-restarts=0" in text
+
+
+def test_gpu_profile_lines():
+    text = render_batch_script(load_profile(PROFILES / "a100-4x8.yaml"), None, "/runs/x", nodes=3)
+    assert "#SBATCH --gpus-per-node=8" in text
+    assert "#SBATCH --nodes=3" in text
+    assert "#SBATCH --exclusive" in text
+    assert "#SBATCH --signal=B:USR1@300" in text
+    assert "--gpus-per-node" not in render_batch_script(_profile(), None, "/runs/x")
+
+
+def test_sbatch_quote_follows_sbatch_parser():
+    assert sbatch_quote("debug") == "debug"
+    assert sbatch_quote("a b") == '"a b"'
+    assert sbatch_quote('say "hi" \\o/') == '"say \\"hi\\" \\\\o/"'
+    assert sbatch_quote("x#y") == '"x#y"'  # an unquoted # starts a comment for sbatch
+    assert sbatch_quote("") == '""'
+    for bad in ("a\nb", "a\rb", "a\x00b", "tab\there"):
+        with pytest.raises(ConfigError, match="newline or control character"):
+            sbatch_quote(bad, "slurm.partition")
+
+
+def test_extra_sbatch_options():
+    assert parse_extra_option("--constraint=a100") == ("--constraint", "a100")
+    assert parse_extra_option("-C a100") == ("-C", "a100")
+    assert parse_extra_option("--exclusive") == ("--exclusive", None)
+    assert parse_extra_option("--comment=two words") == ("--comment", "two words")
+    for bad in ("exclusive", "; rm -rf /", "--x=\n#!"):
+        with pytest.raises(ConfigError):
+            parse_extra_option(bad)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("partition", "debug\n#SBATCH --account=evil"),
+        ("account", "acct\necho pwned"),
+        ("qos", "q\r"),
+        ("time_limit", "1:00\n"),
+        ("python", "python3\ntouch /tmp/x"),
+        ("extra_sbatch", ["--comment=a\nb"]),
+    ],
+)
+def test_newlines_are_rejected(field, value):
+    with pytest.raises(ConfigError, match="newline or control character"):
+        render_batch_script(_profile(**{field: value}), None, "/runs/r")
+
+
+def test_newline_in_run_dir_is_rejected():
+    with pytest.raises(ConfigError, match="run directory"):
+        render_batch_script(_profile(), None, "/runs/a\nb")
+
+
+def test_bad_setup_is_rejected():
+    if not BASH:
+        pytest.skip("bash not installed")
+    with pytest.raises(ConfigError, match=r"slurm\.setup does not parse"):
+        render_batch_script(_profile(setup=["echo 'unterminated"]), None, "/runs/r")
+    with pytest.raises(ConfigError, match=r"slurm\.setup does not parse"):
+        render_batch_script(_profile(setup=["cat <<EOF", "never closed"]), None, "/runs/r")
+
+
+def _hostile_profile(marker: Path) -> ClusterProfile:
+    pwn = f"$(touch {marker})"
+    return _profile(
+        partition=f'debug" {pwn} `touch {marker}` #',
+        account=f"acct'; touch {marker}; '",
+        qos=f"normal {pwn}",
+        time_limit="1:00:00",
+        extra_sbatch=[f"--comment=hello {pwn} ' \" \\", "--exclusive"],
+        python=f"python3 -X 'dev mode' {pwn}",
+        setup=["export CONA_SETUP_RAN=yes"],
+    )
+
+
+def test_hostile_values_stay_inert(tmp_path):
+    """Render hostile values, check the golden text, then run the script's preamble for real: nothing executes."""
+    if not BASH:
+        pytest.skip("bash not installed")
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "runs" / 'it\'s a $(touch PWN) `x` "run" 100%'
+    run_dir = Path(str(run_dir).replace("PWN", str(marker)))
+    profile = _hostile_profile(marker)
+    text = render_batch_script(profile, None, run_dir, job_name=f"job $(touch {marker}) 'q'")
+    subprocess.run([BASH, "-n"], input=text, text=True, check=True)
+    golden = render_batch_script(
+        _hostile_profile(Path("/tmp/pwned")), None, "/runs/it's a $(touch /tmp/pwned) `x` \"run\" 100%",
+        job_name="job $(touch /tmp/pwned) 'q'",
+    )  # fmt: skip
+    _golden("hostile.sbatch", golden)
+    assert "100%%/attempts/slurm-%j.out" in golden
+
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONA_SLURM_DRY_RUN": "1", "HOME": str(tmp_path)}
+    result = subprocess.run(
+        [BASH, str(script), "sub-$(touch x)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists(), "a hostile value was executed"
+    assert not (tmp_path / "x").exists()
+    out = result.stdout.splitlines()
+    assert f"run_dir={run_dir}" in out
+    # slurm.python is split like a shell would split it (quotes group words) but never evaluated
+    assert [line for line in out if line.startswith("python=")] == [
+        "python=python3", "python=-X", "python=dev mode", "python=$(touch", f"python={marker})",
+    ]  # fmt: skip
+    assert "submission=sub-$(touch x)" in out
+
+
+def test_hostile_values_parse_in_sbatch_order():
+    """The #SBATCH lines decode (by sbatch's rules: quotes, backslash escapes) to the original values."""
+    marker = Path("/tmp/pwned")
+    text = render_batch_script(_hostile_profile(marker), None, "/runs/r")
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#SBATCH "):
+            option, _, value = line[len("#SBATCH ") :].partition("=")
+            values[option] = _sbatch_unquote(value) if value else None
+    assert values["--partition"] == f'debug" $(touch {marker}) `touch {marker}` #'
+    assert values["--account"] == f"acct'; touch {marker}; '"
+    assert values["--comment"] == f"hello $(touch {marker}) ' \" \\"
+    assert "--exclusive" in values
+
+
+def _sbatch_unquote(text: str) -> str:
+    """sbatch's `_get_argument` (src/sbatch/opt.c): backslash escapes, ' and " quote, unquoted # ends the line."""
+    out, quote, escape = [], None, False
+    for ch in text:
+        if escape:
+            out.append(ch)
+            escape = False
+        elif ch == "\\":
+            escape = True
+        elif quote:
+            if ch == quote:
+                quote = None
+            else:
+                out.append(ch)
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" or ch.isspace():
+            break
+        else:
+            out.append(ch)
+    assert quote is None
+    return "".join(out)
+
+
+# --- the job-side helper --------------------------------------------------------------------------------------
+
+
+def _write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _launch(run: Path, attempt: int, submission: str, nnodes: int = 2, nproc: int = 2) -> None:
+    _write(run / "attempts" / str(attempt) / "launch.json",
+           {"attempt": attempt, "submission": submission, "nnodes": nnodes, "nproc_per_node": nproc})  # fmt: skip
+
+
+def _run_helper(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(HELPER), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_helper_next_waits_for_state_and_own_submission(tmp_path):
+    run = tmp_path / "run"
+    _write(run / "state.json", {"attempt": 0})
+    _launch(run, 1, "mine")
+    _launch(run, 2, "someone-else")
+    start = time.monotonic()
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "0.6")
+    assert r.returncode == 3 and time.monotonic() - start >= 0.5  # state.json not at attempt 1 yet
+    _write(run / "state.json", {"attempt": 1})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "5", "--job", "7")
+    assert r.returncode == 0, r.stderr
+    attempt, nnodes, nproc, port, rdzv = r.stdout.split()
+    assert (attempt, nnodes, nproc) == ("1", "2", "2")
+    assert 29500 <= int(port) < 30500 and rdzv == "run-1-7-0"
+    # after attempt 1: wait for a newer launch of ours; the run moving on elsewhere ends the wait at once
+    _write(run / "state.json", {"attempt": 2})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5")
+    assert r.returncode == 4
+    _launch(run, 3, "mine", nnodes=1, nproc=4)
+    _write(run / "state.json", {"attempt": 3})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5")
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["3", "1", "4"]
+
+
+def test_helper_next_after_restart(tmp_path):
+    """A job that Slurm restarts reruns a requeued attempt but not one that had ended."""
+    run = tmp_path / "run"
+    _write(run / "state.json", {"attempt": 1})
+    _launch(run, 1, "s")
+    _write(run / "attempts" / "1" / "exit.json", {"submission": "s", "code": 43, "requeued": True})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "1")
+    assert r.returncode == 0 and r.stdout.split()[0] == "1"
+    _write(run / "attempts" / "1" / "exit.json", {"submission": "s", "code": 42, "requeued": False})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "0.3")
+    assert r.returncode == 3
+
+
+def test_helper_next_manual_mode(tmp_path):
+    run = tmp_path / "run"
+    _write(run / "state.json", {"attempt": 5, "strategy": {"dp": 2, "tp": 2, "pp": 1, "mbs": 1, "gbs": 2}})
+    r = _run_helper("next", "--run-dir", str(run), "--nnodes", "2")
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["5", "2", "2"]
+    r = _run_helper("next", "--run-dir", str(run), "--nnodes", "2", "--after", "5")
+    assert r.returncode == 3
+
+
+def test_rendezvous_ports_differ_per_job_and_attempt():
+    ports = {
+        helper.rendezvous_port(29500, "/runs/a", job, attempt, 0)
+        for job in range(1, 30)
+        for attempt in (1, 2)
+    }
+    assert len(ports) > 50 and all(29500 <= p < 30500 for p in ports)
+    assert helper.rendezvous_port(64900, "/r", 1, 1, 0) <= 65535
+    assert helper.rendezvous_port(29500, "/r", 1, 1, 0) == helper.rendezvous_port(29500, "/r", 1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "codes, srun_rc, expected",
+    [
+        ({"0": 42, "1": 42}, 0, 42),
+        ({"0": 0, "1": 0}, 0, 0),
+        ({"0": 43, "1": 7}, 7, 7),
+        ({"0": 43}, 1, 1),  # node 1 left no record: a crash
+        ({"0": 42, "1": 43}, 0, 42),  # disagreement: node 0 decides
+    ],
+)
+def test_combine_node_codes(codes, srun_rc, expected):
+    records = {node: {"code": code} for node, code in codes.items()}
+    assert helper._combine(records, 2, srun_rc)[0] == expected
+
+
+@pytest.mark.parametrize(
+    "code, signal, control, restarts_now, action",
+    [
+        (0, "", None, "0", "done"),
+        (42, "", "switch", "0", "wait"),
+        (44, "", None, "0", "wait"),
+        (43, "", "stop", "0", "stop"),
+        (43, "USR1", "stop", "0", "requeue"),  # a preemption signal wins over an older stop record
+        (43, "", "switch", "0", "requeue"),  # 43 without a stop request: preempted (signal to the steps)
+        (7, "", None, "0", "exit 7"),
+        (43, "TERM", None, "1", "requeued"),  # Slurm requeued the job (node failure)
+    ],
+)
+def test_finish_actions(tmp_path, code, signal, control, restarts_now, action):
+    run = tmp_path / "run"
+    for node in ("0", "1"):
+        _write(
+            run / "attempts" / "3" / "nodes" / f"{node}.json",
+            {"node": node, "code": code, "job_id": "9", "restarts": 0},
+        )
+    if control:
+        _write(run / "control.json", {"seq": 1, "command": control})
+    r = _run_helper("finish", "--run-dir", str(run), "--attempt", "3", "--nnodes", "2", "--submission", "s",
+                    "--signal", signal, "--job", "9", "--restarts", "0", "--restarts-now", restarts_now)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == action
+    record = json.loads((run / "attempts" / "3" / "exit.json").read_text())
+    assert record["code"] == code and record["submission"] == "s" and record["job_id"] == "9"
+    assert record["requeued"] == (action in ("requeue", "requeued"))
+
+
+def test_finish_ignores_stale_node_records(tmp_path):
+    run = tmp_path / "run"
+    _write(
+        run / "attempts" / "1" / "nodes" / "0.json", {"node": "0", "code": 0, "job_id": "9", "restarts": 1}
+    )
+    _write(
+        run / "attempts" / "1" / "nodes" / "1.json", {"node": "1", "code": 43, "job_id": "9", "restarts": 0}
+    )
+    r = _run_helper("finish", "--run-dir", str(run), "--attempt", "1", "--nnodes", "2", "--srun-rc", "0",
+                    "--job", "9", "--restarts", "1")  # fmt: skip
+    assert r.stdout.strip() == "exit 1"  # node 1's record is from the run before the restart
