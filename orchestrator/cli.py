@@ -183,6 +183,49 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     plan.set_defaults(func=cmd_plan)
 
+    run = sub.add_parser(
+        "run",
+        help="train a job to its target, switching strategies online",
+        description="Create a run directory, launch the first strategy and drive the run to its target: tail "
+        "heartbeats, estimate the gradient noise scale, rank every feasible strategy by progress per second and "
+        "switch when one is clearly better net of the switch cost. Running the same command again (or --resume) "
+        "adopts or relaunches the run; it never starts a second attempt.",
+    )
+    run.add_argument("--profile", metavar="PROFILE.yaml", help="cluster profile (backend, devices, network, storage)")
+    run.add_argument("--job", metavar="JOB.yaml", help="job spec")
+    run.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a job field by its dotted path, e.g. --set target.val_perplexity=5.5 (repeatable)",
+    )  # fmt: skip
+    run.add_argument("--run-dir", metavar="DIR", help="run directory (default: storage.run_root/<job name>-<time>)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an existing run directory (its own profile and job)")
+    run.add_argument(
+        "--policy", metavar="POLICY",
+        help="cona (switch online), static (fastest at batch.base_gbs), fixed:<strategy>, or schedule (policy.schedule)",
+    )  # fmt: skip
+    run.add_argument("--quiet", action="store_true", help="no live view; only the final summary")
+    run.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    run.set_defaults(func=cmd_run)
+
+    status = sub.add_parser("status", help="show where a run stands", description="Show a run's status, strategy, "
+                            "progress, noise scale, switches and the latest decision.")  # fmt: skip
+    status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=cmd_status)
+
+    stop = sub.add_parser("stop", help="ask a run to checkpoint and stop", description="Write a stop command to the "
+                          "run's control.json: the trainer checkpoints at its next step boundary and exits; the "
+                          "orchestrator marks the run stopped. Resume later with `cona run --resume RUN_DIR`.")  # fmt: skip
+    stop.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    stop.set_defaults(func=cmd_stop)
+
+    report = sub.add_parser("report", help="write a PNG and a Markdown summary of a run", description="Plot "
+                            "validation loss against wall time with switches marked, the noise scale against samples "
+                            "and throughput per strategy (report.png), and summarize the run (report.md).")  # fmt: skip
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory)")
+    report.set_defaults(func=cmd_report)
+
     return parser
 
 

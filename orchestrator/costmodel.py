@@ -16,7 +16,6 @@ from trainer.job import JobSpec
 BYTES_PER_PARAM_STATE = 16  # bf16 param + fp32 master + bf16 grad... (Megatron/ZeRO's 16 bytes per parameter)
 BYTES_PER_ELEMENT = 2  # bf16 activations and gradients on the wire
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, workspace, CUDA context
-MICROBATCH_OVERHEAD_S = 0.0  # per micro-batch launch overhead; CPU profiles set accelerator.mfu low instead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +85,7 @@ def predict(*, profile: ClusterProfile, job: JobSpec, dp: int, tp: int, pp: int,
     flops = mbs * seq * (6 * num_params + 12 * num_layers * hidden * seq) / pp
     if job.parallel.activation_checkpointing:
         flops *= 4 / 3  # one more forward
-    compute_per_micro = flops / (tp * acc.peak_tflops * 1e12 * acc.mfu) + MICROBATCH_OVERHEAD_S
+    compute_per_micro = flops / (tp * acc.peak_tflops * 1e12 * acc.mfu) + acc.microbatch_overhead_ms * 1e-3
 
     # Tensor parallelism: 4 all-reduces of b·s·h per layer (2 forward, 2 backward), ring factor 2(t−1)/t.
     tp_per_micro = 0.0
@@ -119,7 +118,8 @@ def predict(*, profile: ClusterProfile, job: JobSpec, dp: int, tp: int, pp: int,
         dp_comm = factor * (dp - 1) / dp * shard_bytes / bw
         # Sharded DP gathers each layer's parameters again for every micro-batch (forward and backward);
         # on slow-latency links (gloo on CPU) these per-layer collectives dominate small models.
-        num_collectives = (2 * num_micro + 1) * layers_per_stage if job.parallel.sharded_dp else layers_per_stage
+        units = layers_per_stage + 1  # one FSDP unit per block, plus the embedding or head of the stage
+        num_collectives = 3 * num_micro * units if job.parallel.sharded_dp else units
         dp_comm += num_collectives * (dp - 1) * lat
     hidden_behind_backward = (2 / 3) * compute_per_micro  # overlap with the last micro-batch's backward
     dp_comm_s = max(0.0, dp_comm - hidden_behind_backward)

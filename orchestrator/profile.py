@@ -24,6 +24,8 @@ class AcceleratorSpec(StrictModel):
     """Device memory bandwidth with its unit, e.g. `2039 GB/s`."""
     mfu: float = Field(0.45, gt=0, le=1)
     """Fraction of peak that the model's matmuls achieve (the cost model's efficiency)."""
+    microbatch_overhead_ms: float = Field(0.5, ge=0)
+    """Fixed cost of one micro-batch on one stage (kernel launches, Python), milliseconds."""
 
     @pydantic.field_validator("memory")
     @classmethod

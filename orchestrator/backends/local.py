@@ -109,6 +109,11 @@ class LocalBackend(Backend):
             code = int(exit_file.read_text().strip())
         except (OSError, ValueError):
             return Outcome(AttemptStatus.CRASHED, None, "the attempt's processes are gone without an exit code")
+        if code != 0:
+            # torchrun exits 1 whatever protocol code its workers returned; rank 0 recorded the real one.
+            recorded = self.run_dir.read_exit(attempt.number)
+            if recorded is not None and isinstance(recorded.get("exit_code"), int):
+                code = recorded["exit_code"]
         status = AttemptStatus.from_exit_code(code)
         detail = f"torchrun exited {code}" if status is AttemptStatus.CRASHED else ""
         return Outcome(status, code, detail)
