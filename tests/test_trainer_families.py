@@ -49,3 +49,24 @@ def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule):
     start = next(hb for hb in heartbeats(tmp_path / "parallel") if hb.get("event") == "eval")
     reference = next(hb for hb in heartbeats(tmp_path / "single") if hb.get("event") == "eval")
     assert start["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [({"max_samples": 96}, "max_samples"), ({"val_perplexity": 200.0}, "val_perplexity")],
+)
+def test_targets_end_the_run_with_a_final_checkpoint(tmp_path, target, reason):
+    job = write_job(tmp_path, target=target, eval={"interval_samples": 64, "num_windows": 8, "batch_size": 8})
+    run = tmp_path / "run"
+    result = launch(run, nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job)
+    assert result.returncode == ExitCode.DONE == result.exit_code, describe(result)
+    assert reason in result.exit["reason"]
+    last = heartbeats(run)[-1]
+    assert last["event"] == "exit" and last["exit_code"] == ExitCode.DONE and last["step"] == result.exit["step"]
+    assert (run / "checkpoints" / f"step-{result.exit['step']:08d}" / "COMPLETE").exists()
+    if "max_samples" in target:
+        assert last["samples"] == 96
+    else:
+        assert last["samples"] % 64 == 0
+        evals = [hb for hb in heartbeats(run) if hb.get("event") == "eval"]
+        assert evals[-1]["val_perplexity"] <= 200.0 < evals[-2]["val_perplexity"]

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from trainer.parallel import init_distributed
-    from trainer.train import Trainer
+    from trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()
     try:
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
         _fail(str(e))
+    except TrainingDiverged as e:  # a crash, not bad input: exit 1, but say why in one line
+        if env.rank == 0:
+            write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
+        print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -31,6 +31,7 @@ from trainer import checkpoint as ckpt
 from trainer.control import Action, ControlState, decide
 from trainer.data import Batcher, Corpus
 from trainer.heartbeat import HeartbeatWriter, StepRecord
+from trainer.heartbeat_record import Heartbeat
 from trainer.job import JobSpec
 from trainer.lr import job_learning_rate
 from trainer.parallel import DistEnv, ParallelModel
@@ -38,6 +39,8 @@ from trainer.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
 from trainer.samples_log import log_resume, log_step
 from trainer.strategy import Strategy
 from trainer.yamlconfig import ConfigError
+
+PROGRESS_INTERVAL_S = 10.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -104,6 +107,7 @@ class Trainer:
         self._started = time.time()
         self._elapsed_base = 0.0
         self._eval_set = self._eval_tensors()
+        self._last_print = -math.inf
 
     # Start-up -------------------------------------------------------------------------------------------------
 
@@ -318,7 +322,7 @@ class Trainer:
         if not self.is_rank0:
             return
         s = self.state
-        self.heartbeat.write(
+        heartbeat = self.heartbeat.write(
             step=s.step,
             samples=s.samples,
             tokens=s.tokens,
@@ -330,6 +334,10 @@ class Trainer:
             exit_code=exit_code,
             reason=reason,
         )
+        now = time.monotonic()
+        if heartbeat is not None and (event is not None or now - self._last_print >= PROGRESS_INTERVAL_S):
+            self._last_print = now
+            print(_progress_line(heartbeat), flush=True)
 
     def finish(self, code: ExitCode, reason: str) -> ExitCode:
         """Checkpoint (unless the state on storage is already this one), record the exit, return the code."""
@@ -342,11 +350,28 @@ class Trainer:
         return code
 
 
-def write_exit(run_dir: RunDir, attempt: int, *, code: ExitCode, reason: str, step: int | None) -> None:
+def write_exit(run_dir: RunDir, attempt: int, *, code: ExitCode | int, reason: str, step: int | None) -> None:
+    """`attempts/<n>/exit.json` (see `RunDir.exit_file`); a plain int code is a crash (name CRASH)."""
+    name = code.name if isinstance(code, ExitCode) else "CRASH"
     atomic_write_json(
         run_dir.exit_file(attempt),
-        {"exit_code": int(code), "name": code.name, "reason": reason, "step": step, "time": time.time()},
+        {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time()},
     )
+
+
+def _progress_line(hb: Heartbeat) -> str:
+    """One human line per event and at most every PROGRESS_INTERVAL_S seconds on rank 0's stdout."""
+    parts = [f"step {hb.step}", f"samples {hb.samples}"]
+    if hb.train_loss is not None:
+        parts.append(f"loss {hb.train_loss:.4f}")
+    if hb.val_loss is not None:
+        parts.append(f"val {hb.val_loss:.4f} (ppl {hb.val_perplexity:.2f})")
+    parts.append(f"lr {hb.lr:.2e}")
+    if hb.samples_per_s:
+        parts.append(f"{hb.samples_per_s:.1f} samples/s")
+    if hb.event:
+        parts.append(f"[{hb.event}{': ' + hb.reason if hb.reason else ''}]")
+    return "cona trainer: " + " | ".join(parts)
 
 
 def _peak_memory_gb(device: torch.device) -> float:
