@@ -70,3 +70,26 @@ def test_targets_end_the_run_with_a_final_checkpoint(tmp_path, target, reason):
         assert last["samples"] % 64 == 0
         evals = [hb for hb in heartbeats(run) if hb.get("event") == "eval"]
         assert evals[-1]["val_perplexity"] <= 200.0 < evals[-2]["val_perplexity"]
+
+
+def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
+    """Without --job/--strategy/--attempt the trainer reads run.yaml and state.json; reruns are bit-identical."""
+    import json
+
+    import yaml
+
+    from trainer.job import job_to_dict, load_job
+
+    job = write_job(tmp_path)
+    explicit = launch(tmp_path / "explicit", nproc=0, strategy="dp=1,mbs=4,gbs=16", job=job, max_steps=3)
+    assert explicit.exit_code == ExitCode.STOPPED, describe(explicit)
+    run = tmp_path / "from-run-dir"
+    run.mkdir()
+    (run / "run.yaml").write_text(yaml.safe_dump({"job": job_to_dict(load_job(job))}))
+    strategy = {"dp": 1, "tp": 1, "pp": 1, "mbs": 4, "gbs": 16}
+    (run / "state.json").write_text(json.dumps({"strategy": strategy, "attempt": 3}))
+    implicit = launch(run, nproc=0, strategy=None, job=None, max_steps=3, attempt=None)
+    assert implicit.exit_code == ExitCode.STOPPED, describe(implicit)
+    got, want = step_records(run, 3), step_records(tmp_path / "explicit", 0)
+    assert got[1]["strategy"] == strategy
+    assert [got[k]["train_loss"] for k in (1, 2, 3)] == [want[k]["train_loss"] for k in (1, 2, 3)]

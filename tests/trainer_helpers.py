@@ -78,10 +78,15 @@ def trainer_env() -> dict[str, str]:
 
 def trainer_command(
     run_dir: Path, *, nproc: int, strategy: str | None, job: Path | None, max_steps: int | None = None,
-    attempt: int = 0, extra: tuple[str, ...] = (),
+    attempt: int | None = 0, extra: tuple[str, ...] = (),
 ) -> list[str]:  # fmt: skip
-    """`torchrun --standalone --nproc-per-node=N -m trainer ...`, or plain `python -m trainer` for nproc=0."""
-    args = ["--run-dir", str(run_dir), "--attempt", str(attempt)]
+    """`torchrun --standalone --nproc-per-node=N -m trainer ...`, or plain `python -m trainer` for nproc=0.
+
+    `None` for job, strategy or attempt leaves the flag out (the trainer then reads the run directory).
+    """
+    args = ["--run-dir", str(run_dir)]
+    if attempt is not None:
+        args += ["--attempt", str(attempt)]
     if job is not None:
         args += ["--job", str(job)]
     if strategy is not None:
@@ -97,13 +102,14 @@ def trainer_command(
 
 def launch(
     run_dir: Path, *, nproc: int, strategy: str | None, job: Path | None, max_steps: int | None = None,
-    attempt: int = 0, extra: tuple[str, ...] = (), timeout: float = 300,
+    attempt: int | None = 0, extra: tuple[str, ...] = (), timeout: float = 300,
 ) -> Launch:  # fmt: skip
     """Run the trainer to completion (nproc=0: without torchrun, a world of one)."""
     cmd = trainer_command(run_dir, nproc=nproc, strategy=strategy, job=job, max_steps=max_steps, attempt=attempt, extra=extra)
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
-    exit_file = run_dir / "attempts" / str(attempt) / "exit.json"
-    exit_data = json.loads(exit_file.read_text()) if exit_file.exists() else None
+    from trainer.rundir import RunDir
+
+    exit_data = RunDir(run_dir).read_exit(attempt if attempt is not None else RunDir(run_dir).current_attempt())
     return Launch(returncode=proc.returncode, exit=exit_data, stdout=proc.stdout, stderr=proc.stderr)
 
 

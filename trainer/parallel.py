@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -181,7 +181,6 @@ class ParallelModel:
         virtual = num_virtual_stages(job, strategy)
         self.num_stages = strategy.pp * virtual
         self.stage_ids = [self.pp_rank + j * strategy.pp for j in range(virtual)]
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else nullcontext()
         self.stats = GradStats(
             dp=strategy.dp, tp=strategy.tp, num_microbatches=self.num_microbatches, device=self.device
         )
@@ -292,6 +291,12 @@ class ParallelModel:
 
     # Steps ----------------------------------------------------------------------------------------------------
 
+    def autocast(self) -> AbstractContextManager:
+        """bf16 autocast on GPUs (parameters, gradients, optimizer and reductions stay fp32); nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
@@ -314,7 +319,7 @@ class ParallelModel:
             self.loss.scale, self.loss.raw_sum = scale, 0.0
             args = (inputs,) if self.has_first else ()
             target = labels if self.has_last else None
-            with self.autocast:
+            with self.autocast():
                 self.schedule.step(*args, target=target, losses=[] if self.has_last else None)
             return torch.as_tensor(self.loss.raw_sum, dtype=torch.float64, device=self.device).detach()
         part = self.parts[0]
@@ -324,7 +329,7 @@ class ParallelModel:
         for k, (x, y) in enumerate(zip(micro_inputs, micro_labels, strict=True)):
             if self.strategy.dp > 1:  # accumulate locally; reduce-scatter once, after the last micro-batch
                 part.set_requires_gradient_sync(k == len(micro_inputs) - 1)
-            with self.autocast:
+            with self.autocast():
                 logits = part(x)
             loss = lm_loss_sum(logits, y)
             (loss * scale).backward()
@@ -372,7 +377,7 @@ class ParallelModel:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for start in range(0, len(inputs), rows):
             x, y = inputs[start : start + rows], labels[start : start + rows]
-            with self.autocast:
+            with self.autocast():
                 if self.schedule is not None:
                     self.loss.scale, self.loss.raw_sum = 1.0, 0.0
                     self.schedule.eval(
