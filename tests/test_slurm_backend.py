@@ -177,7 +177,7 @@ S2 = Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=2)
 
 
 def _exit(run: RunDir, attempt: int, submission: str, code: int, action: str, requeued: bool = False) -> None:
-    path = run.attempt_dir(attempt) / "exit.json"
+    path = run.attempt_dir(attempt) / "slurm-exit.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"code": code, "action": action, "requeued": requeued, "submission": submission,
                                 "time": time.time(), "detail": ""}))  # fmt: skip

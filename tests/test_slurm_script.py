@@ -247,8 +247,10 @@ def _write(path: Path, data) -> None:
 
 
 def _launch(run: Path, attempt: int, submission: str, nnodes: int = 2, nproc: int = 2) -> None:
+    strategy = {"dp": nnodes * nproc, "tp": 1, "pp": 1, "mbs": 1, "gbs": nnodes * nproc}
     _write(run / "attempts" / str(attempt) / "launch.json",
-           {"attempt": attempt, "submission": submission, "nnodes": nnodes, "nproc_per_node": nproc})  # fmt: skip
+           {"attempt": attempt, "submission": submission, "nnodes": nnodes, "nproc_per_node": nproc,
+            "strategy": strategy})  # fmt: skip
 
 
 def _run_helper(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -268,8 +270,8 @@ def test_helper_next_waits_for_state_and_own_submission(tmp_path):
     _write(run / "state.json", {"attempt": 1})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "5", "--job", "7")
     assert r.returncode == 0, r.stderr
-    attempt, nnodes, nproc, port, rdzv = r.stdout.split()
-    assert (attempt, nnodes, nproc) == ("1", "2", "2")
+    attempt, nnodes, nproc, port, rdzv, strategy = r.stdout.split()
+    assert (attempt, nnodes, nproc, strategy) == ("1", "2", "2", "dp=4,tp=1,pp=1,mbs=1,gbs=4")
     assert 29500 <= int(port) < 30500 and rdzv == "run-1-7-0"
     # after attempt 1: wait for a newer launch of ours; the run moving on elsewhere ends the wait at once
     _write(run / "state.json", {"attempt": 2})
@@ -286,10 +288,10 @@ def test_helper_next_after_restart(tmp_path):
     run = tmp_path / "run"
     _write(run / "state.json", {"attempt": 1})
     _launch(run, 1, "s")
-    _write(run / "attempts" / "1" / "exit.json", {"submission": "s", "code": 43, "requeued": True})
+    _write(run / "attempts" / "1" / "slurm-exit.json", {"submission": "s", "code": 43, "requeued": True})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "1")
     assert r.returncode == 0 and r.stdout.split()[0] == "1"
-    _write(run / "attempts" / "1" / "exit.json", {"submission": "s", "code": 42, "requeued": False})
+    _write(run / "attempts" / "1" / "slurm-exit.json", {"submission": "s", "code": 42, "requeued": False})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "0.3")
     assert r.returncode == 3
 
@@ -299,6 +301,7 @@ def test_helper_next_manual_mode(tmp_path):
     _write(run / "state.json", {"attempt": 5, "strategy": {"dp": 2, "tp": 2, "pp": 1, "mbs": 1, "gbs": 2}})
     r = _run_helper("next", "--run-dir", str(run), "--nnodes", "2")
     assert r.returncode == 0 and r.stdout.split()[:3] == ["5", "2", "2"]
+    assert r.stdout.split()[5] == "dp=2,tp=2,pp=1,mbs=1,gbs=2"
     r = _run_helper("next", "--run-dir", str(run), "--nnodes", "2", "--after", "5")
     assert r.returncode == 3
 
@@ -338,6 +341,7 @@ def test_combine_node_codes(codes, srun_rc, expected):
         (43, "", "stop", "0", "stop"),
         (43, "USR1", "stop", "0", "requeue"),  # a preemption signal wins over an older stop record
         (43, "", "switch", "0", "requeue"),  # 43 without a stop request: preempted (signal to the steps)
+        (43, "TERM", None, "0", "stop"),  # scancel / time limit: never undo a cancel by requeuing
         (7, "", None, "0", "exit 7"),
         (43, "TERM", None, "1", "requeued"),  # Slurm requeued the job (node failure)
     ],
@@ -355,7 +359,7 @@ def test_finish_actions(tmp_path, code, signal, control, restarts_now, action):
                     "--signal", signal, "--job", "9", "--restarts", "0", "--restarts-now", restarts_now)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == action
-    record = json.loads((run / "attempts" / "3" / "exit.json").read_text())
+    record = json.loads((run / "attempts" / "3" / "slurm-exit.json").read_text())
     assert record["code"] == code and record["submission"] == "s" and record["job_id"] == "9"
     assert record["requeued"] == (action in ("requeue", "requeued"))
 

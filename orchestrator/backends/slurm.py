@@ -2,15 +2,16 @@
 
 `launch` writes the attempt's hand-off record and either gives it to the job that is already running (same node
 count: the job's loop is waiting after a switch) or submits a new job (`sbatch`, or submitit when
-`slurm.use_submitit`). `poll` reads the attempt's `exit.json` (written by the job) and the job's state
-(`scontrol show job`, `sacct` when the cluster keeps accounting). The protocol between this module and the batch
+`slurm.use_submitit`). `poll` reads the attempt's `slurm-exit.json` (written by the batch script) and the job's
+state (`scontrol show job`, `sacct` when the cluster keeps accounting). The protocol between this module and the batch
 script is described at the top of `orchestrator/templates/cona.sbatch.tmpl`; in short, per attempt N:
 
-    attempts/N/launch.json   orchestrator → job: {"attempt", "submission", "strategy", "nnodes", "nproc_per_node"}
-    state.json               {"attempt": N, "strategy": {...}} merged in before the hand-off (the trainer reads it)
-    attempts/N/slurm.json    job → orchestrator: where and when attempt N started (job id, restart count, nodes)
-    attempts/N/nodes/I.json  each node's trainer exit code
-    attempts/N/exit.json     job → orchestrator: the attempt's exit code and what the job does next
+    attempts/N/launch.json      orchestrator → job: {"attempt", "submission", "strategy", "nnodes",
+                                "nproc_per_node"}
+    state.json                  {"attempt": N, "strategy": {...}} merged in before the hand-off
+    attempts/N/slurm.json       job → orchestrator: where and when attempt N started (job id, restarts, nodes)
+    attempts/N/nodes/I.json     node I's trainer exit code
+    attempts/N/slurm-exit.json  job → orchestrator: the attempt's exit code and what the job does next
 
 A *submission* is a random token given to each sbatch as the script's first argument; launch records name the
 submission that must run them, so nothing depends on job ids (which restart at 1 when a cluster's state is wiped).
@@ -318,8 +319,8 @@ class SlurmBackend(Backend):
         return data
 
     def exit_record(self, attempt: Attempt) -> dict[str, Any] | None:
-        """The attempt's exit.json as written by its job, if that job has written one."""
-        return self._record(attempt.number, "exit.json", attempt.extra.get("submission"))
+        """The attempt's slurm-exit.json as written by its job, if that job has written one."""
+        return self._record(attempt.number, "slurm-exit.json", attempt.extra.get("submission"))
 
     def _publish_state(self, attempt: int, strategy: Strategy) -> None:
         """Merge attempt + strategy into state.json (other keys kept): the trainer reads its strategy there."""
@@ -382,7 +383,7 @@ class SlurmBackend(Backend):
             return False
         if int(previous.extra.get("nnodes", -1)) != nnodes:
             return False
-        done = self._record(previous.number, "exit.json", submission)
+        done = self._record(previous.number, "slurm-exit.json", submission)
         if not done or done.get("action") != "wait":
             return False
         if time.time() - float(done.get("time", 0)) > self.handoff_timeout_s - 10:
@@ -470,13 +471,13 @@ class SlurmBackend(Backend):
         if spec.gpus_per_node_flag:
             params["slurm_gpus_per_node"] = self.profile.gpus_per_node
         executor.update_parameters(**params)
-        function = submitit.helpers.CommandFunction(
-            ["bash", str(script), submission], env=self.submission_env()
-        )
+        env = self.submission_env()
+        # no env=: the command inherits the job's environment (SLURM_* and what sbatch exported from `env`)
+        function = submitit.helpers.CommandFunction(["bash", str(script), submission])
         saved = dict(os.environ)
         try:  # sbatch (run by submitit) exports this process's environment
             os.environ.clear()
-            os.environ.update(self.submission_env())
+            os.environ.update(env)
             job = executor.submit(function)
         finally:
             os.environ.clear()
@@ -552,6 +553,8 @@ def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:
     code = int(code) if isinstance(code, int) else None
     status = AttemptStatus.from_exit_code(code)
     detail = f"exit {code} in job {job_id}"
+    if done.get("signal"):
+        detail += f" after SIG{done['signal']}"
     if done.get("detail"):
         detail += f": {done['detail']}"
     return Outcome(status, code, detail)

@@ -7,7 +7,8 @@ orchestrator is upgraded. One copy of this text exists: this file; the script em
 Commands:
   next    --run-dir D --submission S [--after N] [--timeout T] [--job J] [--restarts R] [--port-base B]
           Wait (bounded) until the orchestrator hands this job an attempt and print
-          `ATTEMPT NNODES NPROC PORT RDZV_ID`; exit 3 on timeout, 4 when the run moved on to another job.
+          `ATTEMPT NNODES NPROC PORT RDZV_ID STRATEGY`; exit 3 on timeout, 4 when the run moved on to another
+          job.
   agent   --node-dir DIR -- <torchrun arguments>
           Run torchrun in this process, survive the step's SIGTERM/SIGUSR1 (they reach every trainer process
           directly), record the trainer's own exit code in DIR/<SLURM_NODEID>.json and exit 0 for protocol codes
@@ -15,7 +16,7 @@ Commands:
   finish  --run-dir D --attempt N --nnodes K --submission S --srun-rc R [--signal SIG] [--job J] [--restarts R]
           [--requeue-by scontrol|none]
           [--restarts-now K]
-          Combine the node records into attempts/N/exit.json and print the next action: `done`, `stop`, `wait`,
+          Combine the node records into attempts/N/slurm-exit.json and print the next action: `done`, `stop`, `wait`,
           `requeue` (ask Slurm to requeue the job), `requeued` (Slurm is requeuing it already: K > R) or
           `exit CODE`.
 
@@ -152,7 +153,12 @@ def cmd_next(argv):
         if world % nnodes:
             sys.stderr.write(f"cona: world size {world} does not split over {nnodes} nodes\n")
             return 2
-        record = {"attempt": attempt, "nnodes": nnodes, "nproc_per_node": world // nnodes}
+        record = {
+            "attempt": attempt,
+            "nnodes": nnodes,
+            "nproc_per_node": world // nnodes,
+            "strategy": strategy,
+        }
         return _print_next(a, record)
 
     while True:
@@ -161,7 +167,7 @@ def cmd_next(argv):
         mine = sorted(launches)
         if after is None and mine:
             newest = mine[-1]
-            done = _read_json(os.path.join(_attempt_dir(run_dir, newest), "exit.json")) or {}
+            done = _read_json(os.path.join(_attempt_dir(run_dir, newest), "slurm-exit.json")) or {}
             if done.get("submission") == submission and not done.get("requeued"):
                 after = newest  # (re)started after this attempt had ended: wait for the next hand-off
         candidates = [n for n in mine if after is None or n > after]
@@ -186,7 +192,9 @@ def _print_next(a, record):
     attempt = int(record["attempt"])
     port = rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"])
     rdzv_id = _rdzv_id(a["run_dir"], attempt, a["job"], a["restarts"])
-    print(f"{attempt} {int(record['nnodes'])} {int(record['nproc_per_node'])} {port} {rdzv_id}")
+    strategy = record.get("strategy") or {}
+    text = ",".join(f"{k}={int(strategy[k])}" for k in ("dp", "tp", "pp", "mbs", "gbs") if k in strategy)
+    print(f"{attempt} {int(record['nnodes'])} {int(record['nproc_per_node'])} {port} {rdzv_id} {text or '-'}")
     return 0
 
 
@@ -196,9 +204,9 @@ def _begin(run_dir, attempt, job, restarts, submission, nodelist):
     for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
         with contextlib.suppress(OSError):
             os.unlink(path)
-    previous = os.path.join(adir, "exit.json")
+    previous = os.path.join(adir, "slurm-exit.json")
     if os.path.exists(previous):
-        os.replace(previous, os.path.join(adir, f"exit.{int(time.time() * 1000)}.json"))
+        os.replace(previous, os.path.join(adir, f"slurm-exit.{int(time.time() * 1000)}.json"))
     _atomic_write_json(
         os.path.join(adir, "slurm.json"),
         {
@@ -349,13 +357,22 @@ def cmd_finish(argv):
     elif code in (SWITCH, BAD_WORLD):
         action = "wait"
     elif code == STOPPED:
-        # A stop the orchestrator asked for ends the job; a preemption or time-limit signal requeues it.
-        preempted = bool(a["signal"]) or not requested_stop
-        action = "requeue" if preempted and a["requeue_by"] != "none" else "stop"
+        # SIGUSR1 (the pre-timeout signal, or a preemption warning) requeues the job. So does a 43 nobody asked
+        # for in control.json (under submitit the signal reaches the steps, not this shell). SIGTERM means Slurm
+        # is ending the job (scancel, time limit, preemption): requeuing would undo a cancel, and a preemption
+        # with PreemptMode=REQUEUE is requeued by Slurm itself. A requested stop ends the job.
+        if a["signal"] == "USR1":
+            action = "requeue"
+        elif a["signal"] or requested_stop:
+            action = "stop"
+        else:
+            action = "requeue"
+        if action == "requeue" and a["requeue_by"] == "none":
+            action = "stop"
     else:
         action = f"exit {code if 0 < code < 256 else 1}"
     _atomic_write_json(
-        os.path.join(adir, "exit.json"),
+        os.path.join(adir, "slurm-exit.json"),
         {
             "attempt": attempt,
             "code": code,
