@@ -177,7 +177,6 @@ class Scheduler:
                     self.live.samples_per_s = hb.samples_per_s
             self.noise.update(hb)
         self.live.noise_scale = self.noise.value
-        self.live.noise_source = "estimate" if self.noise.stable else "prior"
 
     def _switch_completed(self, attempt: Attempt, hb: Heartbeat) -> None:
         pending = self.state.get("switch_started")
@@ -204,8 +203,12 @@ class Scheduler:
             estimates.append(max(0, self.job.target.max_samples - self.live.samples) / rate)
         target = self.job.target.val_perplexity
         history = self.state.get("val_history") or []
+        # The first evaluation (untrained model) would make the loss look like it falls far faster than it does.
+        history = [h for h in history if h["samples"] > 0]
         if target and len(history) >= 2:
-            (a, b) = history[-min(len(history), 4)], history[-1]
+            # Linear extrapolation of the last two evaluations; loss curves flatten, so this errs on the short
+            # side, which only makes switching more conservative.
+            (a, b) = history[-2], history[-1]
             dt = b["time"] - a["time"]
             drop = a["val_loss"] - b["val_loss"]
             gap = b["val_loss"] - math.log(target)
@@ -237,6 +240,10 @@ class Scheduler:
         )
         decision = self.policy.decide(ctx)
         self.live.eta_s = ctx.remaining_time_s
+        used = decision.metrics.get("B_noise")
+        if isinstance(used, int | float):
+            self.live.noise_scale = used
+            self.live.noise_source = str(decision.metrics.get("noise_source", self.live.noise_source))
         best = decision.metrics.get("best")
         self.live.best = Strategy.from_dict(best).short() if isinstance(best, dict) else ""
         ratio = decision.metrics.get("ratio")
@@ -261,8 +268,15 @@ class Scheduler:
 
     def start_or_resume(self) -> Attempt | None:
         self._restore()
-        if self.state.get("status") in ("done", "failed", "stopped") and self.state.get("final"):
+        if self.state.get("status") == "done":
             return None
+        if self.state.get("final"):
+            # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
+            log_event(self.run_dir, "resume-run", previous_status=self.state.get("status"))
+            for key in ("final", "stop_requested", "time_budget_reached", "reason", "switch_requested"):
+                self.state.pop(key, None)
+            self.state["restarts_in_row"] = 0
+            self.state["status"] = "running"
         self.state.setdefault("run_started", time.time())
         attempt = self.current
         if attempt is None:

@@ -11,8 +11,9 @@ Definitions (the loss is the mean over the global batch's target tokens, see `tr
   step's micro-batches of |G_micro|², G_micro the gradient of the mean loss over one micro-batch. Parameter hooks
   see each micro-batch's gradient before it is accumulated. With a single micro-batch (gbs = mbs) there is no
   small batch and the local fields are omitted.
-* **Adam variants**: the same norms with every element divided by AdamW's current denominator
-  sqrt(v̂) + eps, v̂ = exp_avg_sq / (1 − β₂^t) (bias-corrected, as AdamW applies it), t the optimizer steps so far.
+* **Adam variants**: the same norms with every element divided by the denominator AdamW would apply to that
+  gradient: sqrt(v̂) + eps with v̂ = (β₂·exp_avg_sq + (1 − β₂)·g²) / (1 − β₂^(t+1)), t the optimizer steps so far
+  and g the element of the gradient being measured (global, replica or micro-batch).
   Omitted before the first optimizer step. Under sharded dp a rank holds v̂ only for its own shard, so
   `adam_local` sums, over the dp ranks, the rank's own replica's preconditioned gradient restricted to its own shard:
   every element comes from exactly one replica, so it is an unbiased estimate of E|P·G_small|² (the same
@@ -79,7 +80,13 @@ class AdamView:
                         return False
         return True
 
-    def denominator(self, param: torch.Tensor) -> torch.Tensor | None:
+    def denominator(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """AdamW's denominator for this step if `grad` (same local shape as the parameter) were its gradient.
+
+        This step's g² enters the second moment before Adam divides, so v = β₂·v_prev + (1−β₂)·g². Using v_prev
+        alone would let a coordinate that saw no gradient for many steps (a rare byte's embedding row, whose v
+        decayed towards 0) explode the norm, although Adam never divides by that stale value.
+        """
         found = self._group.get(id(param))
         if found is None:
             return None
@@ -87,9 +94,11 @@ class AdamView:
         state = optimizer.state.get(param, {})
         if "exp_avg_sq" not in state:
             return None
-        step = float(state["step"])
-        correction = 1.0 - group["betas"][1] ** step
-        return (local_tensor(state["exp_avg_sq"]).float() / correction).sqrt_().add_(group["eps"])
+        beta2 = group["betas"][1]
+        previous = local_tensor(state["exp_avg_sq"]).float()
+        second = previous * beta2 + grad.float().reshape(previous.shape).square() * (1.0 - beta2)
+        correction = 1.0 - beta2 ** (float(state["step"]) + 1.0)
+        return (second / correction).sqrt_().add_(group["eps"])
 
 
 class GradStats:
@@ -133,7 +142,8 @@ class GradStats:
                 piece = local_tensor(grad).float()
                 self.local_sq += weight * piece.pow(2).sum()
                 if self.use_adam:
-                    denom = self.adam.denominator(param)  # type: ignore[union-attr]
+                    # The hook sees ∂(loss_k / global count); the micro-batch's own gradient is M times that.
+                    denom = self.adam.denominator(param, piece * self.num_microbatches)  # type: ignore[union-attr]
                     if denom is not None:
                         self.local_adam += weight * (piece / denom).pow(2).sum()
 
@@ -171,9 +181,11 @@ class GradStats:
                 if not uniform:
                     self.local_sq += weight * rows[:, offset : offset + width].float().pow(2).sum() / self.dp
                 if self.use_adam:
-                    denom = self.adam.denominator(fp.sharded_param)  # type: ignore[union-attr]
-                    if denom is not None and denom.numel():
-                        own = own_row[offset : offset + denom.numel()].float()
+                    numel = local_tensor(fp.sharded_param).numel()
+                    own = own_row[offset : offset + numel].float()
+                    # The loss is scaled by dp/count, so the unreduced buffer already holds the replica's G_small.
+                    denom = self.adam.denominator(fp.sharded_param, own) if numel else None  # type: ignore[union-attr]
+                    if denom is not None:
                         self.local_adam += weight * (own / denom.reshape(-1)).pow(2).sum()
                 offset += width
             if offset != rows.shape[1]:
@@ -193,7 +205,7 @@ class GradStats:
                 piece = local_tensor(param.grad).float()
                 sq += weight * piece.pow(2).sum()
                 if self.use_adam:
-                    denom = self.adam.denominator(param)  # type: ignore[union-attr]
+                    denom = self.adam.denominator(param, piece)  # type: ignore[union-attr]
                     if denom is not None:
                         adam += weight * (piece / denom).pow(2).sum()
         return sq, adam
