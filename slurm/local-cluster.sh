@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A two-node Slurm cluster on this one host, for cona's Slurm tests (DESIGN.md §8).
 #
-# usage: slurm/local-cluster.sh start [--accounting]   install Debian's packages if missing, write the config,
+# usage: slurm/local-cluster.sh start [--accounting|--no-accounting]
+#                                                      install Debian's packages if missing, write the config,
 #                                                      start munged, [mariadbd, slurmdbd,] slurmctld and two
 #                                                      slurmd (nodes n1, n2); resume nodes that are DOWN
 #        slurm/local-cluster.sh stop                   stop every daemon started here (SIGTERM, never SIGKILL)
@@ -11,9 +12,10 @@
 #        slurm/local-cluster.sh wipe                   stop, then delete the cluster's state (job ids restart at 1)
 #
 # Environment: CONA_SLURM_ACCOUNTING=1 is the same as --accounting (slurmdbd + a private MariaDB so `sacct`
-# works); CONA_SLURM_CPUS (default 4) CPUs claimed per emulated node; CONA_SLURM_PREFIX (default cona-slurm)
-# names the state, run and log directories. Starting with a different accounting choice than the running
-# cluster restarts it with the new configuration (state is kept).
+# works; =0 as --no-accounting); without either, `start` keeps the cluster's current choice (off on a fresh
+# machine). CONA_SLURM_CPUS (default 4) CPUs claimed per emulated node; CONA_SLURM_PREFIX (default cona-slurm)
+# names the state, run and log directories. Switching accounting on or off restarts the Slurm daemons with the
+# new configuration (job state is kept).
 #
 # Runs as root on Debian/Ubuntu without systemd. Idempotent: `start` on a running cluster only repairs what is
 # missing (a dead slurmd, a DOWN node). Every daemon is stopped with SIGTERM: a SIGKILLed slurmctld loses the
@@ -338,7 +340,11 @@ wait_nodes_up() {  # all nodes in a usable state (idle/mixed/allocated/completin
 accounting_running() { grep -q '^AccountingStorageType=accounting_storage/slurmdbd' "$CONF" 2>/dev/null; }
 
 do_start() {
-    local accounting=${CONA_SLURM_ACCOUNTING:-0}
+    # Accounting: --accounting/--no-accounting, else CONA_SLURM_ACCOUNTING, else what the cluster has now.
+    local accounting=${CONA_SLURM_ACCOUNTING:-}
+    if [ -z "$accounting" ]; then
+        if accounting_running; then accounting=1; else accounting=0; fi
+    fi
     for arg in "$@"; do
         case "$arg" in
             --accounting) accounting=1 ;;
