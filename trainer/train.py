@@ -108,6 +108,7 @@ class Trainer:
         self._elapsed_base = 0.0
         self._eval_set = self._eval_tensors()
         self._last_print = -math.inf
+        self._signal_reason = "signal"
 
     # Start-up -------------------------------------------------------------------------------------------------
 
@@ -189,7 +190,7 @@ class Trainer:
                 record = self.control.mark_handled() if self.is_rank0 else None
                 if action == Action.SWITCH:
                     return self.finish(ExitCode.SWITCH, f"switch (control seq {record.seq if record else '?'})")
-                reason = f"stop (control seq {record.seq})" if record else f"signal {self.control.signal_name or '(on another rank)'}"
+                reason = f"stop (control seq {record.seq})" if record else self._signal_reason
                 return self.finish(ExitCode.STOPPED, reason)
             if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
                 reason = "periodic"
@@ -235,12 +236,18 @@ class Trainer:
             loss_sum * weight / max(1, count), local_sq, local_adam, global_sq, global_adam,
             tied_post - tied_pre,
             torch.tensor(float(command), dtype=torch.float64, device=self.env.device),
-            torch.tensor(1.0 if self.control.signalled else 0.0, dtype=torch.float64, device=self.env.device),
+            torch.tensor(1.0 if self.control.signal_name == "SIGTERM" else 0.0, dtype=torch.float64, device=self.env.device),
+            torch.tensor(1.0 if self.control.signal_name == "SIGUSR1" else 0.0, dtype=torch.float64, device=self.env.device),
             torch.tensor(budget, dtype=torch.float64, device=self.env.device),
         ]).to(torch.float64)  # fmt: skip
         dist.all_reduce(vector)
         values = vector.tolist()
-        loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, signals, budget_v = values
+        loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, sigterm, sigusr1, budget_v = (
+            values
+        )
+        signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
+        if signalled:  # the same text on every rank
+            self._signal_reason = "signal " + ", ".join(f"{name} ({n} rank{'s' * (n > 1)})" for name, n in signalled.items())
         clip_sq = global_sq_v + tied_fix
         if not (math.isfinite(loss) and math.isfinite(clip_sq)):
             raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
@@ -272,7 +279,7 @@ class Trainer:
                 adam_global_sqnorm=global_adam_v if use_adam else None,
             )
         )
-        return decide(command_code=command_v, signal_count=signals), budget_v > 0
+        return decide(command_code=command_v, signal_count=sigterm + sigusr1), budget_v > 0
 
     def _elapsed(self) -> float:
         return self._elapsed_base + (time.time() - self._started)
