@@ -374,3 +374,12 @@ def test_unloadable_checkpoints_stop_with_a_clear_message(tmp_path):
 
 def test_strategy_parse_round_trip():
     assert str(Strategy.parse("dp=2,tp=2,pp=1,mbs=2,gbs=16")) == "dp=2,tp=2,pp=1,mbs=2,gbs=16"
+
+
+def test_protocol_modules_do_not_import_torch():
+    """The orchestrator imports these on login nodes: they must stay torch-free."""
+    modules = "trainer.job, trainer.strategy, trainer.rundir, trainer.heartbeat_record, trainer.samples_log, " \
+              "trainer.control, trainer.lr, trainer.heartbeat"  # fmt: skip
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

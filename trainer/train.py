@@ -109,6 +109,7 @@ class Trainer:
         self._eval_set = self._eval_tensors()
         self._last_print = -math.inf
         self._signal_reason = "signal"
+        self._signalled_now = False
 
     # Start-up -------------------------------------------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class Trainer:
                 record = self.control.mark_handled() if self.is_rank0 else None
                 if action == Action.SWITCH:
                     return self.finish(ExitCode.SWITCH, f"switch (control seq {record.seq if record else '?'})")
-                reason = f"stop (control seq {record.seq})" if record else self._signal_reason
+                reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
                 return self.finish(ExitCode.STOPPED, reason)
             if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
                 reason = "periodic"
@@ -246,6 +247,7 @@ class Trainer:
             values
         )
         signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
+        self._signalled_now = bool(signalled)
         if signalled:  # the same text on every rank
             self._signal_reason = "signal " + ", ".join(f"{name} ({n} rank{'s' * (n > 1)})" for name, n in signalled.items())
         clip_sq = global_sq_v + tied_fix
