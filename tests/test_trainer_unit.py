@@ -37,7 +37,7 @@ def test_sample_order_is_a_function_of_seed_and_index():
     again = SampleOrder(num_tokens=10_000, seq_len=64, window_len=65, seed=3)
     indices = [0, 1, 150, 151, 152, 400, 7, 0]
     assert [order.start(i) for i in indices] == [again.start(i) for i in reversed(indices)][::-1]
-    w = order.windows_per_epoch
+    w = order.num_windows_per_epoch
     starts = [order.start(i) for i in range(w)]
     assert len(set(starts)) == w, "one epoch visits every window once"
     assert all(s >= 0 and s + 65 <= 10_000 for s in starts)

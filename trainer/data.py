@@ -154,8 +154,8 @@ class SampleOrder:
         self.seq_len = seq_len
         self.window_len = window_len
         self.seed = seed
-        self.windows_per_epoch = (num_tokens - window_len - seq_len + 1) // seq_len + 1
-        if self.windows_per_epoch < 1:
+        self.num_windows_per_epoch = (num_tokens - window_len - seq_len + 1) // seq_len + 1
+        if self.num_windows_per_epoch < 1:
             raise ConfigError(f"the training split ({num_tokens} tokens) is shorter than one sample window")
         self._epochs: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -163,14 +163,14 @@ class SampleOrder:
         if epoch not in self._epochs:
             rng = np.random.default_rng([self.seed, epoch])
             shift = int(rng.integers(0, self.seq_len))
-            perm = rng.permutation(self.windows_per_epoch)
+            perm = rng.permutation(self.num_windows_per_epoch)
             if len(self._epochs) >= 2:
                 self._epochs.pop(min(self._epochs))
             self._epochs[epoch] = (shift, perm)
         return self._epochs[epoch]
 
     def start(self, index: int) -> int:
-        epoch, j = divmod(index, self.windows_per_epoch)
+        epoch, j = divmod(index, self.num_windows_per_epoch)
         shift, perm = self._epoch(epoch)
         return shift + self.seq_len * int(perm[j])
 

@@ -71,15 +71,6 @@ class AdamView:
                 for param in group["params"]:
                     self._group[id(param)] = (optimizer, group)
 
-    def ready(self) -> bool:
-        """True once every optimizer has taken a step (AdamW's second moment exists)."""
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if "exp_avg_sq" not in optimizer.state.get(param, {}):
-                        return False
-        return True
-
     def denominator(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """AdamW's denominator for this step if `grad` (same local shape as the parameter) were its gradient.
 
@@ -119,10 +110,6 @@ class GradStats:
     def has_local(self) -> bool:
         """Whether this layout has a small batch at all (dp > 1, or dp = 1 with several micro-batches)."""
         return self.dp > 1 or self.num_microbatches > 1
-
-    @property
-    def local_batch_divisor(self) -> int:
-        return self.dp if not self.micro_mode else self.num_microbatches
 
     def begin_step(self, *, use_adam: bool) -> None:
         self.local_sq.zero_()
@@ -218,8 +205,9 @@ class GradStats:
             return self.local_sq * scale, self.local_adam * scale
         return self.local_sq, self.local_adam
 
-    def local_batch(self, strategy_gbs: int, mbs: int) -> int:
-        return mbs if self.micro_mode else strategy_gbs // self.dp
+    def local_batch(self, *, gbs: int, mbs: int) -> int:
+        """B_small: the micro-batch under dp = 1, else one replica's share of the global batch."""
+        return mbs if self.micro_mode else gbs // self.dp
 
 
 if DefaultReduceScatter is not None:

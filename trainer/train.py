@@ -274,7 +274,7 @@ class Trainer:
                 loss=loss,
                 step_time_s=step_time,
                 local_sqnorm=local_sq_v if has_local else None,
-                local_batch=model.stats.local_batch(strategy.gbs, strategy.mbs) if has_local else None,
+                local_batch=model.stats.local_batch(gbs=strategy.gbs, mbs=strategy.mbs) if has_local else None,
                 global_sqnorm=global_sq_v,
                 global_batch=strategy.gbs,
                 adam_local_sqnorm=local_adam_v if has_local and use_adam else None,
