@@ -71,7 +71,7 @@ def control():
 
 seq0 = control()[0]
 code = 9  # a crash when nothing happens within the deadline
-deadline = time.time() + 150
+deadline = time.time() + 300
 while time.time() < deadline:
     if plan.startswith("exit:"):
         code = int(plan[5:])
@@ -165,7 +165,7 @@ class Run:
         self.seq += 1
         self.run.write_control(ControlRecord(seq=self.seq, command=command))
 
-    def started(self, attempt: int, restart: int = 0, ranks: int = 4, timeout: float = 60) -> list[dict]:
+    def started(self, attempt: int, restart: int = 0, ranks: int = 4, timeout: float = 180) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             files = sorted((self.run.root / "fake").glob(f"{attempt}-r{restart}-rank*.start.json"))
@@ -174,7 +174,7 @@ class Run:
             time.sleep(0.2)
         pytest.fail(f"attempt {attempt} (restart {restart}) did not start {ranks} ranks\n{self.logs()}")
 
-    def wait(self, attempt: Attempt, *statuses: AttemptStatus, timeout: float = 90) -> Outcome:
+    def wait(self, attempt: Attempt, *statuses: AttemptStatus, timeout: float = 180) -> Outcome:
         deadline = time.monotonic() + timeout
         seen: list[str] = []
         while time.monotonic() < deadline:
@@ -191,7 +191,10 @@ class Run:
         return [json.loads(f.read_text()) for f in files]
 
     def logs(self) -> str:
-        out = []
+        out = [f"--- squeue\n{_sh('squeue', '-o', '%i %T %r %D %N %M').stdout}"]
+        for job in sorted(self.jobs):
+            out.append(f"--- scontrol show job {job}\n{_sh('scontrol', 'show', 'job', '-o', job).stdout}")
+        out.append(f"--- uptime\n{_sh('uptime').stdout}")
         for path in sorted(self.run.root.glob("attempts/**/*")):
             if path.is_file() and path.suffix in (".out", ".log", ".json"):
                 out.append(f"--- {path.relative_to(self.run.root)}\n{path.read_text()[-3000:]}")
