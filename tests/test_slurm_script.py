@@ -306,6 +306,18 @@ def test_helper_next_manual_mode(tmp_path):
     assert r.returncode == 3
 
 
+def test_busy_rendezvous_port_is_skipped():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        base = busy - 10 if busy > 2000 else busy
+        assert helper.free_port(busy, base) != busy
+    assert helper.free_port(busy, base) in (busy, busy + 1)
+
+
 def test_rendezvous_ports_differ_per_job_and_attempt():
     ports = {
         helper.rendezvous_port(29500, "/runs/a", job, attempt, 0)

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -115,6 +116,22 @@ def rendezvous_port(base, run_dir, job, attempt, restarts):
     return int(base) + int(hashlib.sha256(key.encode()).hexdigest(), 16) % span
 
 
+def free_port(port, base):
+    """`port`, or the next port of the range that can be bound here (the batch script runs on the first node,
+    which hosts the rendezvous), so an unrelated process holding the hashed port does not break the attempt."""
+    base = int(base)
+    span = max(1, min(PORT_RANGE, 65535 - base))
+    for i in range(64):
+        candidate = base + (port - base + i) % span
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", candidate))
+            except OSError:
+                continue
+        return candidate
+    return port
+
+
 def _rdzv_id(run_dir, attempt, job, restarts):
     name = "".join(
         c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(os.path.abspath(run_dir))
@@ -190,7 +207,9 @@ def cmd_next(argv):
 
 def _print_next(a, record):
     attempt = int(record["attempt"])
-    port = rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"])
+    port = free_port(
+        rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"]), a["port_base"]
+    )
     rdzv_id = _rdzv_id(a["run_dir"], attempt, a["job"], a["restarts"])
     strategy = record.get("strategy") or {}
     text = ",".join(f"{k}={int(strategy[k])}" for k in ("dp", "tp", "pp", "mbs", "gbs") if k in strategy)
