@@ -220,6 +220,7 @@ class ConaPolicy(Policy):
         decision_interval_s: float,
         horizon_intervals: float,
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
+        critical_batch_factor: float = 1.0,
     ) -> None:
         if prior_noise_scale <= 0:
             raise ValueError(f"prior_noise_scale must be positive, got {prior_noise_scale}")
@@ -234,6 +235,7 @@ class ConaPolicy(Policy):
         self.decision_interval_s = float(decision_interval_s)
         self.horizon_intervals = float(horizon_intervals)
         self.blend_evaluations = int(blend_evaluations)
+        self.critical_batch_factor = float(critical_batch_factor)
         self._wins: dict[Strategy, int] = {}
         self._noise_weight = 0.0
         self._last_current: Strategy | None = None
@@ -246,6 +248,7 @@ class ConaPolicy(Policy):
             prior_noise_scale=spec.prior_noise_scale, min_gain=spec.min_gain, persistence=spec.persistence,
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
+            critical_batch_factor=spec.critical_batch_factor,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -259,6 +262,7 @@ class ConaPolicy(Policy):
         """B_noise for ranking: the prior, the estimate, or their geometric blend at the current weight."""
         if estimate is None or estimate <= 0 or not math.isfinite(estimate) or self._noise_weight <= 0:
             return self.prior_noise_scale
+        estimate *= self.critical_batch_factor
         w = self._noise_weight
         if w >= 1:
             return estimate

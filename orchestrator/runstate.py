@@ -53,7 +53,7 @@ def load_run(run_dir: RunDir) -> tuple[ClusterProfile, JobSpec]:
     return profile, job
 
 
-def log_event(run_dir: RunDir, kind: str, **fields: Any) -> dict[str, Any]:
+def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
     """Append one decision or incident to events.jsonl."""
     record = {"time": time.time(), "event": kind, **fields}
     append_jsonl(run_dir.events, record)

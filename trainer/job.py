@@ -268,6 +268,9 @@ class PolicySpec(StrictModel):
     """B_noise assumed before the estimate is stable (samples)."""
     noise_estimator: Literal["plain", "adam"] = "adam"
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux)."""
+    critical_batch_factor: float = Field(1.0, gt=0)
+    """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
+    larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
     noise_ema: float = Field(0.9, ge=0, lt=1)
     """EMA factor per heartbeat for the numerator and denominator of B_noise."""
     min_noise_samples: int = Field(8, ge=1)

@@ -1,0 +1,206 @@
+"""The orchestrator end to end on the local backend: real `cona run`, real torchrun, real trainer (CPU/gloo)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runstate import read_events, read_state
+from tests.conftest import REPO
+from trainer.job import load_job
+from trainer.rundir import RunDir
+from trainer.samples_log import audit_samples
+
+pytestmark = pytest.mark.distributed
+
+PROFILE = str(REPO / "slurm" / "profiles" / "local-cpu.yaml")
+TINY = str(REPO / "examples" / "tiny-gpt.yaml")
+SHORT = [  # a short run: ~1 minute of training on 2 cores
+    "--set", "target.max_samples=3200", "--set", "target.val_perplexity=null", "--set", "eval.interval_samples=1600",
+    "--set", "checkpoint.interval_steps=10", "--set", "policy.heartbeat_timeout_s=90", "--set", "optimizer.warmup_samples=256",
+]  # fmt: skip
+SCHEDULE = [
+    "--set", "policy.name=schedule",
+    "--set", "policy.schedule=[{samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}, "
+             "{samples: 1200, strategy: 'dp=2,tp=1,pp=2,mbs=4,gbs=32'}]",
+]  # fmt: skip
+
+
+def cona(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"cona run did not finish in {timeout}s:\n{out[-3000:]}")
+    return out
+
+
+def wait_for(predicate, *, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def heartbeats(run_dir: RunDir, attempt: int) -> list[dict]:
+    path = run_dir.heartbeat_file(attempt)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    """Trainer worker processes of this run (not torchrun, not the shell wrapper)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = b" ".join(argv).decode(errors="replace")
+        if "-m trainer" in text and str(run_dir) in text and "torch.distributed.run" not in text and "/bin/sh" not in text:
+            pids.append(int(proc.name))
+    return pids
+
+
+def assert_attempts_never_overlap(run_dir: RunDir) -> None:
+    events = read_events(run_dir)
+    open_attempt = None
+    for e in events:
+        if e["event"] == "launch":
+            assert open_attempt is None, f"attempt {e['attempt']} launched while {open_attempt} was still running"
+            open_attempt = e["attempt"]
+        elif e["event"] == "attempt-end":
+            assert e["attempt"] == open_attempt
+            open_attempt = None
+
+
+def assert_samples_exact(run_dir: RunDir) -> int:
+    ranges = audit_samples(run_dir)
+    assert ranges and ranges[0][0] == 0
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        assert start == end
+    return ranges[-1][1]
+
+
+def test_main_command_switches_and_reaches_target(tmp_path):
+    """The README's main command: tiny GPT, local backend, 4 processes, cona policy."""
+    run_dir = RunDir(tmp_path / "run")
+    proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root))
+    out = finish(proc, timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    state = read_state(run_dir)
+    job = load_job(TINY)
+    assert state["status"] == "done"
+    assert state["val_perplexity"] <= job.target.val_perplexity, out[-2000:]
+    switches = [e for e in read_events(run_dir) if e["event"] == "switch"]
+    assert any((s["from"]["dp"], s["from"]["tp"], s["from"]["pp"]) != (s["to"]["dp"], s["to"]["tp"], s["to"]["pp"])
+               for s in switches), f"no switch changed the degrees: {switches}"  # fmt: skip
+    assert any(s["from"]["gbs"] != s["to"]["gbs"] for s in switches), f"no switch changed gbs: {switches}"
+    assert_attempts_never_overlap(run_dir)
+    total = assert_samples_exact(run_dir)
+    assert total == state["samples"]
+    assert (run_dir.root / "report.png").stat().st_size > 10_000
+    assert "report:" in out
+
+
+def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    args = ("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT, *SCHEDULE)
+    first = cona(*args)
+    wait_for(lambda: len(heartbeats(run_dir, 1)) >= 3, timeout=120, what="attempt 1 heartbeats")
+    # While it runs, a second orchestrator for the same run is refused.
+    second = cona("run", "--resume", str(run_dir.root))
+    out = finish(second, timeout=60)
+    assert second.returncode == 2 and "another cona orchestrator" in out
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    assert worker_pids(run_dir.root), "the trainer must survive its orchestrator"
+    time.sleep(2)
+    again = cona(*args)  # the same command again
+    out = finish(again, timeout=400)
+    assert again.returncode == 0, out[-3000:]
+    events = read_events(run_dir)
+    assert any(e["event"] == "adopt" and e["attempt"] == 1 for e in events), out[-2000:]
+    assert read_state(run_dir)["status"] == "done"
+    assert_attempts_never_overlap(run_dir)
+    # The last step may run past the budget: 1200 + 63 steps of 32 = 3216, every sample once.
+    assert assert_samples_exact(run_dir) == read_state(run_dir)["samples"] == 3216
+    assert [e["strategy"]["gbs"] for e in events if e["event"] == "launch"] == [16, 32]
+
+
+def test_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
+                "--policy", "fixed:dp=4,tp=1,pp=1,mbs=4,gbs=16")  # fmt: skip
+    wait_for(lambda: run_dir.latest_checkpoint() is not None, timeout=180, what="a complete checkpoint")
+    victims = worker_pids(run_dir.root)
+    assert len(victims) == 4
+    os.kill(victims[-1], signal.SIGKILL)
+    out = finish(proc, timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    events = read_events(run_dir)
+    failures = [e for e in events if e["event"] == "failure"]
+    assert failures and failures[0]["attempt"] == 1
+    launches = [e for e in events if e["event"] == "launch"]
+    assert len(launches) == 2 and launches[1]["strategy"] == launches[0]["strategy"]
+    assert_attempts_never_overlap(run_dir)
+    assert assert_samples_exact(run_dir) == 3200
+
+
+def test_stop_then_resume(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    args = ("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
+            "--policy", "fixed:dp=2,tp=1,pp=2,mbs=4,gbs=16")  # fmt: skip
+    proc = cona(*args)
+    wait_for(lambda: len(heartbeats(run_dir, 1)) >= 3, timeout=120, what="attempt 1 heartbeats")
+    stop = subprocess.run([sys.executable, "-m", "orchestrator.cli", "stop", str(run_dir.root)], cwd=REPO,
+                          capture_output=True, text=True)  # fmt: skip
+    assert stop.returncode == 0, stop.stderr
+    out = finish(proc, timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    state = read_state(run_dir)
+    assert state["status"] == "stopped"
+    stopped_at = state["live"]["samples"]
+    assert 0 < stopped_at < 3200
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run_dir.root), "--json"],
+                            cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert json.loads(status.stdout)["status"] == "stopped"
+    resumed = cona("run", "--resume", str(run_dir.root))
+    out = finish(resumed, timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    assert read_state(run_dir)["status"] == "done"
+    assert assert_samples_exact(run_dir) == 3200
+
+
+def test_bad_input_fails_fast_with_one_line(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text("to be or not to be " * 5000)
+    run_dir = RunDir(tmp_path / "run")
+    proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
+                "--set", f"data.path={data}", "--policy", "fixed:dp=3,tp=1,pp=1,mbs=4,gbs=12")  # fmt: skip
+    out = finish(proc, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in out
+    assert "policy.strategy" in out.strip().splitlines()[-1]
