@@ -76,12 +76,14 @@ while time.time() < deadline:
     if plan.startswith("exit:"):
         code = int(plan[5:])
         break
-    if got:
-        code = 43  # "checkpointed" on SIGUSR1/SIGTERM
-        break
+    # control.json first: torchrun SIGTERMs the other workers as soon as one exits (every protocol exit is
+    # non-zero), and a worker that was descheduled may see that SIGTERM before the command it acts on.
     seq, command = control()
     if seq > seq0:
         code = {"switch": 42, "stop": 43}.get(command, 7)
+        break
+    if got:
+        code = 43  # "checkpointed" on SIGUSR1/SIGTERM
         break
     time.sleep(0.05)
 with open(os.path.join(out, tag + ".exit.json"), "w") as f:
@@ -253,7 +255,9 @@ def test_usr1_to_the_batch_shell_checkpoints_and_requeues(run):
     run.wait(first, AttemptStatus.PENDING, AttemptStatus.DONE)
     exits = run.exits(1)
     assert {e["code"] for e in exits} == {43}
-    assert all(e["signals"] == ["USR1"] for e in exits), exits  # every trainer got USR1 exactly once
+    # every trainer got USR1 exactly once (a SIGTERM may follow: torchrun stops the rest of a node's workers
+    # as soon as one of them has exited)
+    assert all(e["signals"][0] == "USR1" and e["signals"].count("USR1") == 1 for e in exits), exits
     run.started(1, restart=1)  # the requeued job runs the same attempt again
     outcome = run.wait(first, AttemptStatus.DONE)
     assert outcome.exit_code == 0
