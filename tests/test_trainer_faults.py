@@ -53,8 +53,18 @@ class Running:
             time.sleep(0.1)
 
     def workers(self) -> list[int]:
+        """torchrun's worker processes (its children running the trainer, not helper processes)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(pid) for pid in out.split()]
+        workers = []
+        for pid in out.split():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "trainer" in cmdline and "resource_tracker" not in cmdline:
+                workers.append(int(pid))
+        assert workers, "no trainer worker processes found"
+        return workers
 
     def finish(self, timeout: float = 120) -> Launch:
         stdout, stderr = self.proc.communicate(timeout=timeout)
@@ -96,7 +106,7 @@ def test_sigkill_then_relaunch_resumes_from_the_last_intact_checkpoint(tmp_path)
     shard = sorted(newest.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     half = run_dir.checkpoint_dir(newest_step + 3)
-    half.mkdir()
+    half.mkdir(exist_ok=True)  # the kill may have left this one half-written already
     (half / "__0_0.distcp").write_bytes(b"\0" * 100)
 
     resume_step = int(complete[-2].name.split("-")[1])
