@@ -344,6 +344,15 @@ def test_combine_node_codes(codes, srun_rc, expected):
     assert helper._combine(records, 2, srun_rc)[0] == expected
 
 
+def test_combine_forgives_an_agent_error_after_a_clean_exit():
+    records = {"0": {"code": 42}, "1": {"code": 1, "agent_error": True}}
+    assert helper._combine(records, 2, 1, trainer_code=42)[0] == 42
+    assert helper._combine(records, 2, 1, trainer_code=None)[0] == 1
+    assert helper._combine(records, 2, 1, trainer_code=43)[0] == 1  # disagrees with node 0
+    crashed = {"0": {"code": 42}, "1": {"code": 7}}  # a trainer's own crash is never forgiven
+    assert helper._combine(crashed, 2, 7, trainer_code=42)[0] == 7
+
+
 @pytest.mark.parametrize(
     "code, signal, control, restarts_now, action",
     [

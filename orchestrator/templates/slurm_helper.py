@@ -283,7 +283,7 @@ def cmd_agent(argv):
     except (ImportError, AttributeError):
         pass
 
-    code, ranks, detail = 0, {}, ""
+    code, ranks, detail, agent_error = 0, {}, "", False
     try:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
@@ -300,7 +300,7 @@ def cmd_agent(argv):
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:  # an agent error (rendezvous, store): a crash
-            code, detail = 1, f"{type(e).__name__}: {e}"
+            code, detail, agent_error = 1, f"{type(e).__name__}: {e}", True
     node = os.environ.get("SLURM_NODEID", "0")
     _atomic_write_json(
         os.path.join(a["node_dir"], f"{node}.json"),
@@ -312,6 +312,7 @@ def cmd_agent(argv):
             "code": code,
             "ranks": ranks,
             "detail": detail,
+            "agent_error": agent_error,
             "signals": [signal.Signals(s).name for s in seen],
             "time": time.time(),
         },
@@ -320,12 +321,26 @@ def cmd_agent(argv):
     return 0 if code in PROTOCOL else (code if 0 < code < 256 else 1)
 
 
-def _combine(records, nnodes, srun_rc):
-    """One exit code for the attempt from the per-node records (None for a node that left none)."""
+def _combine(records, nnodes, srun_rc, trainer_code=None):
+    """One exit code for the attempt from the per-node records (None for a node that left none).
+
+    `trainer_code` is the code rank 0 wrote to the trainer's own exit.json during this run, if any. It settles
+    one race: the agent on the first node hosts the rendezvous store and may exit (its trainers done) while
+    another node's agent still polls that store and dies of it, although its trainers exit just as cleanly.
+    """
     codes = [records.get(str(i), {}).get("code") for i in range(nnodes)]
     present = [c for c in codes if c is not None]
     crashes = [c for c in present if c not in PROTOCOL]
     if crashes:
+        agent_errors = [r for r in records.values() if r.get("code") not in PROTOCOL and r.get("agent_error")]
+        clean = [c for c in present if c in PROTOCOL]
+        if (
+            trainer_code in PROTOCOL
+            and len(agent_errors) == len(crashes)
+            and len(present) == nnodes
+            and all(c == trainer_code for c in clean)
+        ):
+            return trainer_code, f"torchrun agent error on {len(crashes)} node(s) after the trainer exited"
         return crashes[0], "a node's trainer crashed"
     if len(present) < nnodes:
         missing = [str(i) for i, c in enumerate(codes) if c is None]
@@ -333,6 +348,16 @@ def _combine(records, nnodes, srun_rc):
     if len(set(present)) > 1:
         return present[0], f"nodes disagree ({','.join(map(str, present))}); node 0 decides"
     return present[0], ""
+
+
+def _trainer_code(adir):
+    """The exit code rank 0 recorded in attempts/N/exit.json during the current run of the attempt, or None."""
+    trainer = _read_json(os.path.join(adir, "exit.json")) or {}
+    started = (_read_json(os.path.join(adir, "slurm.json")) or {}).get("started_at", 0)
+    code = trainer.get("exit_code")
+    if isinstance(code, int) and float(trainer.get("time", 0)) >= float(started or 0) - 5:
+        return code
+    return None
 
 
 def cmd_finish(argv):
@@ -363,7 +388,7 @@ def cmd_finish(argv):
         if int(record.get("restarts", restarts)) != restarts:
             continue
         records[str(record.get("node", os.path.basename(path)[:-5]))] = record
-    code, why = _combine(records, int(a["nnodes"]), int(a["srun_rc"]))
+    code, why = _combine(records, int(a["nnodes"]), int(a["srun_rc"]), _trainer_code(adir))
     control = _read_json(os.path.join(run_dir, "control.json")) or {}
     requested_stop = control.get("command") == "stop"
     slurm_requeued = a["restarts_now"].isdigit() and int(a["restarts_now"]) > restarts
