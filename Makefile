@@ -19,7 +19,7 @@ data/shakespeare.txt: | $(VENV)/.installed
 	$(PY) scripts/fetch_shakespeare.py $@
 
 demo: setup
-	$(VENV)/bin/cona plan --profile slurm/profiles/local-cpu.yaml --job examples/tiny-gpt.yaml --top 10
+	$(VENV)/bin/cona run --profile slurm/profiles/local-cpu.yaml --job examples/tiny-gpt.yaml
 
 slurm-cluster:
 	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh start; fi

@@ -205,15 +205,17 @@ class Scheduler:
         history = self.state.get("val_history") or []
         # The first evaluation (untrained model) would make the loss look like it falls far faster than it does.
         history = [h for h in history if h["samples"] > 0]
-        if target and len(history) >= 2:
-            # Linear extrapolation of the last two evaluations; loss curves flatten, so this errs on the short
-            # side, which only makes switching more conservative.
+        if target and len(history) >= 2 and rate and rate > 0:
+            # Loss falls roughly linearly in log(samples): L ≈ a − b·ln(s). Fit it to the last two evaluations
+            # and solve for the samples at the target; progress per sample slows down, which a straight line in
+            # time would ignore.
             (a, b) = history[-2], history[-1]
-            dt = b["time"] - a["time"]
             drop = a["val_loss"] - b["val_loss"]
             gap = b["val_loss"] - math.log(target)
-            if dt > 0 and drop > 0 and gap > 0:
-                estimates.append(gap / (drop / dt))
+            if drop > 0 and gap > 0 and b["samples"] > a["samples"]:
+                slope = drop / math.log(b["samples"] / a["samples"])
+                samples_at_target = b["samples"] * math.exp(min(gap / slope, 20.0))
+                estimates.append(max(0.0, samples_at_target - self.live.samples) / rate)
         if self.job.target.max_time_s:
             estimates.append(max(0.0, self.job.target.max_time_s - self._elapsed()))
         return min(estimates) if estimates else None

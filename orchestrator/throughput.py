@@ -30,7 +30,7 @@ from orchestrator.planner import Candidate
 from trainer.strategy import Strategy
 
 DEFAULT_WINDOW = 9
-Source = Literal["measured", "layout", "calibrated", "none"]
+Source = Literal["measured", "layout", "degrees", "calibrated", "none"]
 
 
 def _key(dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
@@ -137,6 +137,22 @@ class ThroughputModel:
             )
             assert nearest.predicted_s is not None
             return nearest.time_s * predicted / nearest.predicted_s, "layout"
+        degrees = strategy.layout()
+        same_degrees = [
+            (s, mm) for s, mm in self._measured.items() if s.layout() == degrees and mm.predicted_s is not None
+        ]
+        if same_degrees:
+            # Same process groups, other micro-batch: the measured time carries the layout's communication and
+            # overheads, which a global factor would smear across all layouts.
+            _, nearest = min(
+                same_degrees,
+                key=lambda item: (
+                    abs(math.log(item[0].mbs / strategy.mbs)) + abs(math.log(item[0].gbs / strategy.gbs)),
+                    -item[1].count, item[0].mbs, item[0].gbs,
+                ),
+            )  # fmt: skip
+            assert nearest.predicted_s is not None
+            return nearest.time_s * predicted / nearest.predicted_s, "degrees"
         return predicted * self.calibration_factor, "calibrated"
 
     def estimate(self, candidate: Candidate) -> tuple[float, Source]:

@@ -123,4 +123,6 @@ def test_calibrates_real_planner_candidates():
         t, source = model.estimate(c)
         assert 0 < t < math.inf
         same_layout = (c.dp, c.tp, c.pp, c.mbs) == (running.dp, running.tp, running.pp, running.mbs)
-        assert source == ("measured" if c is running else "layout" if same_layout else "calibrated")
+        same_degrees = (c.dp, c.tp, c.pp) == (running.dp, running.tp, running.pp)
+        expected = "measured" if c is running else "layout" if same_layout else "degrees" if same_degrees else "calibrated"
+        assert source == expected
