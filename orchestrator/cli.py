@@ -97,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             create_run(run_dir=run_dir, profile=profile, job=job)
     view = LiveView(run_dir=run_dir, job=job, quiet=args.quiet)
     with RunLock(run_dir.lock):
-        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir),
+        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir, job=job),
                               on_update=view.update)  # fmt: skip
         view.begin(scheduler)
         try:
@@ -157,6 +157,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     load_run(run_dir)
     png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
     print(f"wrote {md} and {png}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from orchestrator.profile import load_profile
+    from orchestrator.slurm_script import render_batch_script
+    from trainer.job import load_job
+
+    profile = load_profile(args.profile)
+    job = load_job(args.job, args.overrides)
+    if profile.backend != "slurm":
+        raise UserError(f"{args.profile}: backend is {profile.backend!r}; `cona render slurm` needs a slurm profile")
+    run_dir = args.run_dir or f"{profile.storage.run_root}/{job.name}-RUN"
+    sys.stdout.write(render_batch_script(profile, job, run_dir))
     return 0
 
 
@@ -225,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory)")
     report.set_defaults(func=cmd_report)
+
+    render = sub.add_parser("render", help="print what cona would submit (the Slurm batch script)",
+                            description="Render the sbatch script `cona run` submits for a Slurm profile, with "
+                            "every profile value shell-quoted.")  # fmt: skip
+    render.add_argument("target", choices=["slurm"], help="what to render (slurm: the batch script)")
+    _add_config_args(render)
+    render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")
+    render.set_defaults(func=cmd_render)
 
     return parser
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
 from orchestrator.profile import ClusterProfile
+from trainer.job import JobSpec
 from trainer.rundir import RunDir
 
 __all__ = ["Attempt", "AttemptStatus", "Backend", "Outcome", "make_backend"]
 
 
-def make_backend(*, profile: ClusterProfile, run_dir: RunDir) -> Backend:
+def make_backend(*, profile: ClusterProfile, run_dir: RunDir, job: JobSpec | None = None) -> Backend:
     """The backend named by the profile. Imports lazily so a login node needs only what it uses."""
     if profile.backend == "local":
         from orchestrator.backends.local import LocalBackend
@@ -20,5 +21,5 @@ def make_backend(*, profile: ClusterProfile, run_dir: RunDir) -> Backend:
             from orchestrator.backends.slurm import SlurmBackend
         except ModuleNotFoundError as e:  # pragma: no cover - only while the backend is being built
             raise ValueError(f"the slurm backend is not available in this installation ({e})") from None
-        return SlurmBackend(run_dir=run_dir, profile=profile)
+        return SlurmBackend(run_dir=run_dir, profile=profile, job=job)
     raise ValueError(f"backend {profile.backend!r} is not available yet; use a local or slurm profile")
