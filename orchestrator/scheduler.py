@@ -73,7 +73,10 @@ class Scheduler:
         self.poll_interval_s = poll_interval_s
         self.on_update = on_update or (lambda status: None)
         self.candidates: list[Candidate] = [
-            c for c in enumerate_candidates(profile=profile, job=job) if c.feasible
+            c
+            for devices in device_counts(profile, job)
+            for c in enumerate_candidates(profile=profile, job=job, num_devices=devices)
+            if c.feasible
         ]
         if not self.candidates:
             raise RunFailed(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
@@ -304,7 +307,6 @@ class Scheduler:
             beats = self._tail_heartbeats(attempt)
             self._absorb(attempt, beats)
             self.live.elapsed_s = self._elapsed()
-            self.live.status = "running"
             self.live.restarts = int(self.state.get("restarts_in_row", 0))
             if beats:
                 self._save()
@@ -332,7 +334,16 @@ class Scheduler:
                 next_decision = time.time() + self.job.policy.decision_interval_s
                 continue
 
-            self._check_hang(attempt)
+            if outcome.status is AttemptStatus.PENDING:
+                # Queued, or requeued by Slurm (a node failure, `scontrol requeue`, the pre-timeout USR1): no
+                # heartbeat is due until it runs again, so the heartbeat-gap clock restarts instead of firing.
+                self.state["pending_seen_at"] = time.time()
+                if self.live.status != "pending":
+                    log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
+                self.live.status = "pending"
+            else:
+                self.live.status = "running"
+                self._check_hang(attempt)
             if time.time() >= next_decision and self.state.get("last_heartbeat_time"):
                 self._evaluate(attempt)
                 next_decision = time.time() + self.job.policy.decision_interval_s
@@ -341,9 +352,14 @@ class Scheduler:
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s
-        last = self.state.get("last_heartbeat_time") or self.state.get("launched_at") or attempt.started_at
-        if time.time() - float(last) > timeout:
-            log_event(self.run_dir, "heartbeat-gap", attempt=attempt.number, seconds=round(time.time() - float(last), 1),
+        if not self.state.get("last_heartbeat_time"):
+            # Still starting: processes, rendezvous and the checkpoint load come before the first heartbeat.
+            timeout = max(timeout, self.job.policy.startup_timeout_s)
+        # The gap runs from the latest of: the last heartbeat, the launch, the last poll that said PENDING.
+        marks = [self.state.get(k) for k in ("last_heartbeat_time", "launched_at", "pending_seen_at")]
+        last = max([float(m) for m in marks if m] or [attempt.started_at])
+        if time.time() - last > timeout:
+            log_event(self.run_dir, "heartbeat-gap", attempt=attempt.number, seconds=round(time.time() - last, 1),
                       timeout_s=timeout)  # fmt: skip
             self.backend.cancel(attempt)
             self.state["hang_cancelled"] = attempt.number
@@ -404,6 +420,24 @@ class Scheduler:
         self._save()
         time.sleep(backoff)
         return self._launch(attempt.strategy, previous=attempt, why=f"relaunch after {what}")
+
+
+def device_counts(profile: ClusterProfile, job: JobSpec) -> list[int]:
+    """The device counts to plan for: all of the profile's first; for the `schedule` and `fixed` policies also the
+    smaller world sizes their strategies name when those fill whole nodes, so a schedule can move a run to fewer
+    nodes (the Slurm backend resubmits with the smaller `--nodes`). Anything else is left to `make_policy`, which
+    says why it cannot run."""
+    counts = [profile.num_gpus]
+    pol = job.policy
+    named = [e.strategy for e in pol.schedule] if pol.name == "schedule" else [pol.strategy or ""] if pol.name == "fixed" else []
+    for text in named:
+        try:
+            world = Strategy.parse(text).world_size
+        except ValueError:
+            continue
+        if world < profile.num_gpus and world % profile.gpus_per_node == 0 and world not in counts:
+            counts.append(world)
+    return counts
 
 
 def describe_rate(candidate: Candidate, throughput: ThroughputModel, noise_scale: float) -> float:

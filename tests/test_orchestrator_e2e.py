@@ -204,3 +204,22 @@ def test_bad_input_fails_fast_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in out
     assert "policy.strategy" in out.strip().splitlines()[-1]
+
+
+def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
+    """A worker that stops making progress (SIGSTOP) silences the heartbeats: after the timeout the attempt is
+    cancelled and relaunched from its last checkpoint."""
+    run_dir = RunDir(tmp_path / "run")
+    proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
+                "--set", "policy.heartbeat_timeout_s=15", "--policy", "fixed:dp=4,tp=1,pp=1,mbs=4,gbs=16")  # fmt: skip
+    wait_for(lambda: run_dir.latest_checkpoint() is not None, timeout=180, what="a complete checkpoint")
+    victim = worker_pids(run_dir.root)[0]
+    os.kill(victim, signal.SIGSTOP)
+    out = finish(proc, timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    events = read_events(run_dir)
+    gaps = [e for e in events if e["event"] == "heartbeat-gap"]
+    assert gaps and gaps[0]["attempt"] == 1 and gaps[0]["seconds"] >= 15
+    assert [e["kind"] for e in events if e["event"] == "failure"] == ["hang"]
+    assert_attempts_never_overlap(run_dir)
+    assert assert_samples_exact(run_dir) == 3200

@@ -291,6 +291,8 @@ class PolicySpec(StrictModel):
     """Relaunches of a crashed or hung attempt before the run fails."""
     heartbeat_timeout_s: float = Field(300.0, gt=0)
     """A running attempt without a heartbeat for this long counts as hung."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Allowance before an attempt's first heartbeat (process start, rendezvous, checkpoint load)."""
 
     @pydantic.model_validator(mode="after")
     def _policy_fields(self) -> PolicySpec:
