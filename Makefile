@@ -26,7 +26,7 @@ slurm-cluster:
 
 test: setup slurm-cluster
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
