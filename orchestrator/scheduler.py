@@ -340,7 +340,8 @@ class Scheduler:
                 self.state["pending_seen_at"] = time.time()
                 if self.live.status != "pending":
                     log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
-                self.live.status = "pending"
+                    self.live.status = "pending"
+                    self._save()  # `cona status` shows it
             else:
                 self.live.status = "running"
                 self._check_hang(attempt)

@@ -48,6 +48,8 @@ FINISHED_STATES = frozenset(
 )  # fmt: skip
 DEFAULT_HANDOFF_TIMEOUT_S = 300
 COMMAND_TIMEOUT_S = 30
+DEFAULT_RELEASE_TIMEOUT_S = 300
+"""How long `launch` waits for a cancelled job to end (KillWait, epilog) before it gives up."""
 
 
 class SlurmError(RuntimeError):
@@ -207,8 +209,13 @@ class SlurmBackend(Backend):
 
     `profile` is the cluster profile (its `slurm:` section); `job` names the Slurm job. `use_sacct` forces the
     accounting path on or off (None: detect once). `handoff_timeout_s` is how long a job waits after a switch
-    for its next attempt. `runner` runs Slurm commands (tests inject one); it gets an argv list and returns a
-    CompletedProcess.
+    for its next attempt. `release_timeout_s` is how long a resubmission waits for the previous job, cancelled,
+    to end. `runner` runs Slurm commands (tests inject one); it gets an argv list and returns a CompletedProcess.
+
+    Never two attempts at once: a resubmission (other node count, or the previous job ended, crashed, was
+    requeued by Slurm or lost a node) first cancels the previous job and waits until Slurm reports it ended —
+    no process of it left (COMPLETING over) and no requeue that could bring it back. A requeued job that starts
+    anyway finds a newer attempt in state.json and ends without running anything (`slurm_helper.py next`).
     """
 
     name = "slurm"
@@ -221,6 +228,7 @@ class SlurmBackend(Backend):
         job: Any = None,
         use_sacct: bool | None = None,
         handoff_timeout_s: float | None = None,
+        release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
         env: dict[str, str] | None = None,
         runner: Any = None,
     ) -> None:
@@ -233,6 +241,7 @@ class SlurmBackend(Backend):
         if handoff_timeout_s is None:
             handoff_timeout_s = float(os.environ.get("CONA_HANDOFF_TIMEOUT_S", DEFAULT_HANDOFF_TIMEOUT_S))
         self.handoff_timeout_s = float(handoff_timeout_s)
+        self.release_timeout_s = float(release_timeout_s)
         self.extra_env = dict(env or {})
         self._runner = runner or _run
         self._jobs: set[str] = set()
@@ -360,7 +369,10 @@ class SlurmBackend(Backend):
             return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
 
         if previous is not None and previous.backend_id:
-            self._release(previous.backend_id)
+            # A job idling in its hand-off loop runs nothing and ends once it sees the newer attempt; any other
+            # previous job may still have trainer processes, or run the attempt again after a requeue.
+            idle = (self.exit_record(previous) or {}).get("action") == "wait"
+            self._release(previous.backend_id, wait=not idle)
         submission = secrets.token_hex(8)
         self._publish_state(attempt, strategy)
         launch_path = self._attempt_file(attempt, "launch.json")
@@ -391,11 +403,29 @@ class SlurmBackend(Backend):
         info = self.job_info(previous.backend_id)
         return info is not None and info.state == "RUNNING" and (info.num_nodes in (0, nnodes))
 
-    def _release(self, job_id: str) -> None:
-        """Cancel a job of this run that is still alive (idle after a switch, or stuck on a dead node)."""
+    def _release(self, job_id: str, *, wait: bool = True) -> None:
+        """Cancel a job of this run that is still alive (idle after a switch, requeued, or on a dead node).
+
+        With `wait`, return only once Slurm reports it ended: a job on a DOWN node that Slurm requeues, or one
+        cancelled while its trainers checkpoint on SIGTERM, must not overlap the attempt submitted next.
+        """
         info = self.job_info(job_id)
-        if info is not None and info.alive:
-            self._cmd(["scancel", str(job_id)])
+        if info is None or not info.alive:
+            return
+        self._cmd(["scancel", str(job_id)])
+        deadline = time.monotonic() + self.release_timeout_s
+        while wait:
+            time.sleep(0.5)
+            info = self.job_info(job_id)
+            if info is None or not info.alive:
+                return
+            if time.monotonic() > deadline:
+                raise SlurmError(
+                    f"job {job_id} is still {info.state} {self.release_timeout_s:.0f}s after scancel; not "
+                    "submitting the next attempt beside it (cancel it, then `cona run --resume`)"
+                )
+            if info.pending:
+                self._cmd(["scancel", str(job_id)])  # requeued by Slurm meanwhile
 
     def submission_env(self) -> dict[str, str]:
         """The environment sbatch passes on to the job (`--export=ALL`).
@@ -485,6 +515,14 @@ class SlurmBackend(Backend):
         return str(job.job_id).split("_")[0]
 
     def poll(self, attempt: Attempt) -> Outcome:
+        try:
+            return self._poll(attempt)
+        except SlurmError as e:
+            # slurmctld busy or restarting (`Socket timed out`, `Unable to contact slurm controller`): nothing
+            # is known to have changed; ask again at the next poll (heartbeats still tell a hang).
+            return Outcome(AttemptStatus.RUNNING, None, f"Slurm did not answer ({e}); asking again")
+
+    def _poll(self, attempt: Attempt) -> Outcome:
         job_id = attempt.backend_id
         done = self.exit_record(attempt)
         if done is not None and not done.get("requeued"):
@@ -544,7 +582,7 @@ class SlurmBackend(Backend):
         """Cancel this run's jobs that are still alive (an allocation idling after the last attempt)."""
         for job_id in sorted(self._jobs):
             with contextlib.suppress(SlurmError):
-                self._release(job_id)
+                self._release(job_id, wait=False)
         self._jobs.clear()
 
 

@@ -1,0 +1,346 @@
+"""cona end to end on the real local Slurm cluster: real `cona run`, the real scheduler loop, the real trainer.
+
+Every test runs the tiny GPT on `slurm/profiles/local-slurm.yaml` (2 nodes × 2 CPU processes) and checks what a
+user relies on: the run ends DONE, no two attempts ever overlap, and the samples consumed across every switch,
+resubmission, requeue and node failure are exactly 0..N−1 (`trainer.samples_log.audit_samples`).
+
+- the `cona` policy switches inside its allocation (same Slurm job, same submission);
+- a `schedule` from 4 to 2 processes resubmits with `--nodes=1`;
+- `scancel` mid-run: the trainer checkpoints on SIGTERM, the orchestrator resubmits and resumes;
+- `scancel --batch --signal=USR1` then `scontrol requeue`: the job requeues itself / is requeued, and resumes;
+- a node dies (slurmd killed, its trainers frozen): Slurm marks it DOWN, the run goes on once it is back.
+
+Skipped when no cluster answers, unless CONA_REQUIRE_SLURM=1 (CI), which makes that a failure (the `cluster`
+fixture of tests/test_slurm_cluster.py). The machine may be a loaded 2-core box: every wait polls for a condition
+with a generous timeout, and the failure message carries the queue, the events and the job logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runstate import read_events, read_state
+from tests.conftest import REPO
+from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
+from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
+from trainer.rundir import RunDir
+from trainer.samples_log import samples_file
+
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+
+PROFILE = str(REPO / "slurm" / "profiles" / "local-slurm.yaml")
+TINY = str(REPO / "examples" / "tiny-gpt.yaml")
+S4 = "dp=4,tp=1,pp=1,mbs=4,gbs=16"  # 2 nodes × 2 processes
+S2 = "dp=2,tp=1,pp=1,mbs=4,gbs=16"  # 1 node × 2 processes
+
+
+def sets(**values: object) -> list[str]:
+    """`--set k=v` arguments; `policy__name` stands for `policy.name`."""
+    out: list[str] = []
+    for key, value in values.items():
+        out += ["--set", f"{key.replace('__', '.')}={value}"]
+    return out
+
+
+BASE = sets(  # a short run: no perplexity target, a checkpoint every 10 steps, generous hang timeout
+    target__val_perplexity="null", target__max_samples=1600, eval__interval_samples=800,
+    checkpoint__interval_steps=10, policy__heartbeat_timeout_s=240, policy__decision_interval_s=2,
+    optimizer__warmup_samples=256,
+)  # fmt: skip
+
+
+class SlurmRun:
+    """One `cona run` on the local Slurm cluster, with what the tests look at and what a failure should show."""
+
+    def __init__(self, root: Path) -> None:
+        self.run = RunDir(root)
+        self.proc: subprocess.Popen | None = None
+        self.out_path = root.parent / f"{root.name}.out"
+
+    def start(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.out = self.out_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "run", "--profile", PROFILE, "--job", TINY,
+             "--run-dir", str(self.run.root), *BASE, *args],
+            cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    def output(self) -> str:
+        return self.out_path.read_text() if self.out_path.exists() else ""
+
+    # -- run-directory views -------------------------------------------------------------------------------
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        try:
+            events = read_events(self.run)
+        except (OSError, ValueError):
+            return []
+        return [e for e in events if kind is None or e["event"] == kind]
+
+    def attempt_json(self, attempt: int, name: str) -> dict:
+        path = self.run.attempt_dir(attempt) / name
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def job_ids(self) -> list[str]:
+        ids = [self.attempt_json(int(p.parent.name), "launch.json").get("job_id")
+               for p in self.run.root.glob("attempts/*/launch.json")]  # fmt: skip
+        return sorted({str(i) for i in ids if i})
+
+    def job_id(self, attempt: int = 1) -> str:
+        self.wait(lambda: self.attempt_json(attempt, "launch.json").get("job_id"), 120, f"attempt {attempt} launch")
+        return str(self.attempt_json(attempt, "launch.json")["job_id"])
+
+    def steps(self, attempt: int) -> int:
+        """The highest step attempt `attempt` reported (heartbeats)."""
+        return max((hb.get("step", 0) for hb in heartbeats(self.run, attempt)), default=0)
+
+    def resumes(self, attempt: int) -> list[dict]:
+        path = samples_file(self.run, attempt)
+        if not path.exists():
+            return []
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+        return [x for x in lines if "resume" in x]
+
+    # -- waiting ---------------------------------------------------------------------------------------------
+
+    def wait(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc is not None and self.proc.poll() is not None and not predicate():
+                pytest.fail(f"cona run exited ({self.proc.returncode}) while waiting for {what}\n{self.logs()}")
+            time.sleep(0.5)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
+
+    def running(self, *, steps: int, attempt: int = 1, timeout: float = 240) -> None:
+        """Attempt `attempt` has a complete checkpoint and has trained past step `steps`."""
+        self.wait(lambda: self.run.latest_checkpoint() is not None and self.steps(attempt) >= steps, timeout,
+                  f"attempt {attempt}: a checkpoint and step {steps}")  # fmt: skip
+
+    def finish(self, timeout: float = 400) -> dict:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"cona run did not finish in {timeout}s\n{self.logs()}")
+        assert self.proc.returncode == 0, self.logs()
+        state = read_state(self.run)
+        assert state["status"] == "done", self.logs()
+        return state
+
+    def logs(self) -> str:
+        parts = [f"--- cona run output\n{self.output()[-4000:]}"]
+        parts.append(f"--- squeue\n{_sh('squeue', '-o', '%i %T %r %D %N %M').stdout}")
+        parts.append(f"--- sinfo\n{_sh('sinfo', '-N', '-o', '%N %T %E').stdout}")
+        for job in self.job_ids():
+            parts.append(f"--- scontrol show job {job}\n{_sh('scontrol', 'show', 'job', '-o', job).stdout}")
+        parts.append(f"--- uptime\n{_sh('uptime').stdout}")
+        parts.append("--- events\n" + "\n".join(json.dumps(e)[:400] for e in self.events()))
+        for path in sorted(self.run.root.glob("attempts/**/*")):
+            if path.is_file() and path.suffix in (".out", ".log", ".json"):
+                parts.append(f"--- {path.relative_to(self.run.root)}\n{path.read_text(errors='replace')[-2500:]}")
+        return "\n".join(parts)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for job in self.job_ids():
+            _sh("scancel", job)
+        if hasattr(self, "out"):
+            self.out.close()
+
+
+@pytest.fixture
+def slurm_run(cluster, tmp_path):  # noqa: F811 (the imported fixture)
+    run = SlurmRun(tmp_path / "run")
+    yield run
+    run.cleanup()
+
+
+def slurm_state(job_id: str) -> str:
+    out = _sh("scontrol", "show", "job", "-o", job_id).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "")
+
+
+def assert_samples(run: SlurmRun, expected: int) -> None:
+    assert_attempts_never_overlap(run.run)
+    assert assert_samples_exact(run.run) == expected, run.logs()
+
+
+# --------------------------------------------------------------------------------------------------- tests
+
+
+def test_cona_policy_switches_inside_the_allocation(slurm_run):
+    """The cona policy, not a schedule, decides: a tiny prior noise scale makes the cold start pick the smallest
+    batch; the measured noise scale times a large critical-batch factor then makes the larger batch (same
+    degrees, same two nodes) win, so the switch relaunches inside the running job."""
+    slurm_run.start(
+        *sets(policy__name="cona", policy__prior_noise_scale=1, policy__critical_batch_factor=100000,
+              policy__noise_estimator="plain", policy__min_noise_samples=4, policy__persistence=1,
+              policy__min_dwell_s=4, policy__min_gain=0.01, policy__switch_cost_s=0, batch__max_gbs=32,
+              target__max_samples=2400),
+    )  # fmt: skip
+    state = slurm_run.finish()
+    events = slurm_run.events()
+    switches = [e for e in events if e["event"] == "switch"]
+    assert switches, slurm_run.logs()
+    first = switches[0]
+    assert first["from"]["gbs"] < first["to"]["gbs"], first
+    assert first["metrics"]["noise_source"] != "prior", first  # the estimate decided, not the prior
+    launches = [e for e in events if e["event"] == "launch"]
+    assert len(launches) == len(switches) + 1
+    # Every attempt ran in the first job, under its submission: nothing was resubmitted.
+    job, submission = launches[0]["backend_id"], slurm_run.attempt_json(1, "launch.json")["submission"]
+    for n in range(1, len(launches) + 1):
+        launch, started = slurm_run.attempt_json(n, "launch.json"), slurm_run.attempt_json(n, "slurm.json")
+        assert (launch["job_id"], launch["submission"]) == (job, submission), launch
+        assert (started["job_id"], started["submission"]) == (job, submission), started
+        assert launch["mode"] == ("submit" if n == 1 else "in-place")
+    assert slurm_run.attempt_json(1, "slurm-exit.json")["action"] == "wait"
+    assert slurm_run.resumes(2)[0]["resume"] > 0  # attempt 2 resumed from the switch checkpoint
+    assert_samples(slurm_run, state["samples"])
+    assert state["samples"] >= 2400
+
+
+def test_schedule_to_fewer_nodes_resubmits_with_one_node(slurm_run):
+    """dp·tp·pp 4 → 2: two nodes → one node × 2 processes, through a new job submitted with --nodes=1."""
+    schedule = f"[{{samples: 0, strategy: '{S4}'}}, {{samples: 800, strategy: '{S2}'}}]"
+    slurm_run.start("--set", "policy.name=schedule", "--set", f"policy.schedule={schedule}")
+    slurm_run.finish()
+    first, second = slurm_run.attempt_json(1, "launch.json"), slurm_run.attempt_json(2, "launch.json")
+    assert (first["nnodes"], first["nproc_per_node"]) == (2, 2)
+    assert (second["nnodes"], second["nproc_per_node"], second["mode"]) == (1, 2, "submit"), second
+    assert second["job_id"] != first["job_id"] and second["submission"] != first["submission"]
+    assert len(slurm_run.attempt_json(1, "slurm.json")["nodelist"].split(",")) == 2
+    assert len(slurm_run.attempt_json(2, "slurm.json")["nodelist"].split(",")) == 1
+    script = (slurm_run.run.root / "slurm" / "cona.sbatch").read_text()
+    assert "#SBATCH --requeue" in script
+    out = _sh("scontrol", "show", "job", "-o", second["job_id"]).stdout
+    assert "NumNodes=1 " in out, out  # sbatch --nodes=1 (the job is kept MinJobAge=300 s after its end)
+    assert len(slurm_run.events("launch")) == 2
+    assert_samples(slurm_run, 1600)
+
+
+def test_scancel_mid_run_resubmits_and_resumes(slurm_run):
+    slurm_run.start("--policy", f"fixed:{S4}")
+    job = slurm_run.job_id()
+    slurm_run.running(steps=12)
+    subprocess.run(["scancel", job], check=True)
+    slurm_run.wait(lambda: len(slurm_run.events("launch")) >= 2, 240, "a second launch after scancel")
+    state = slurm_run.finish()
+    end = slurm_run.events("attempt-end")[0]
+    assert end["attempt"] == 1 and end["status"] in ("stopped", "crashed"), end
+    # SIGTERM makes the trainer checkpoint and exit 43; attempt 2 resumes from that checkpoint
+    trainer_exit = slurm_run.run.read_exit(1) or {}
+    resume = slurm_run.resumes(2)[0]
+    assert resume["resume"] >= 10, resume
+    if end["status"] == "stopped":
+        assert trainer_exit.get("exit_code") == 43 and trainer_exit.get("step") == resume["resume"], trainer_exit
+    second = slurm_run.attempt_json(2, "launch.json")
+    assert second["mode"] == "submit" and second["job_id"] != job
+    assert slurm_state(job) == "CANCELLED"
+    assert_samples(slurm_run, state["samples"])
+
+
+def test_usr1_and_scontrol_requeue_resume_in_the_same_job(slurm_run):
+    """The pre-timeout signal (simulated: USR1 to the batch shell) makes the job checkpoint and requeue itself;
+    an admin's `scontrol requeue` requeues it again. The orchestrator follows both (the attempt is PENDING, no
+    hang is declared) and the samples stay exact."""
+    slurm_run.start("--policy", f"fixed:{S4}", *sets(target__max_samples=2000))
+    job = slurm_run.job_id()
+    slurm_run.running(steps=12)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    slurm_run.wait(lambda: slurm_run.attempt_json(1, "slurm.json").get("restarts") == 1, 240,
+                   "attempt 1 started again after the USR1 requeue")  # fmt: skip
+    first_resume = slurm_run.wait(lambda: slurm_run.resumes(1)[1:], 240, "the requeued trainer's resume")[0]
+    slurm_run.wait(lambda: slurm_run.steps(1) >= first_resume["resume"] + 5, 240, "training after the requeue")
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    slurm_run.wait(lambda: slurm_run.attempt_json(1, "slurm.json").get("restarts") == 2, 240,
+                   "attempt 1 started again after scontrol requeue")  # fmt: skip
+    state = slurm_run.finish()
+    events = slurm_run.events()
+    assert [e["attempt"] for e in events if e["event"] == "launch"] == [1], slurm_run.logs()
+    assert not [e for e in events if e["event"] in ("heartbeat-gap", "failure")], slurm_run.logs()
+    pending = [e for e in events if e["event"] == "pending"]
+    assert sum("requeued" in e["detail"] for e in pending) >= 1, pending
+    archived = sorted(slurm_run.run.attempt_dir(1).glob("slurm-exit.*.json"))
+    usr1 = json.loads(archived[0].read_text())
+    assert (usr1["code"], usr1["action"], usr1["signal"], usr1["job_id"]) == (43, "requeue", "USR1", job), usr1
+    resumes = slurm_run.resumes(1)
+    assert len(resumes) == 3 and resumes[1]["resume"] >= 12 and resumes[2]["resume"] > resumes[1]["resume"]
+    assert_samples(slurm_run, state["samples"])
+    assert state["samples"] >= 2000
+
+
+def _step_processes(run_dir: Path, node: str) -> list[int]:
+    """The trainer and torchrun-agent processes of this run that Slurm started on `node`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir) in argv and f"SLURMD_NODENAME={node}".encode() in environ and "slurmstepd" not in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_node_failure_is_detected_and_the_run_finishes(slurm_run):
+    """n2 dies: its slurmd is killed and its trainer processes freeze (nothing on the node answers any more).
+    Slurm marks n2 DOWN and requeues the job; the orchestrator follows the requeue or resubmits (never both:
+    attempts never overlap), waits while the job is pending for lack of nodes, and finishes once n2 is back."""
+    pidfile = Path("/run/cona-slurm/slurmd-n2.pid")
+    if not pidfile.exists() or os.geteuid() != 0:
+        pytest.skip("needs the cluster of slurm/local-cluster.sh, as root")
+    slurm_run.start("--policy", f"fixed:{S4}")
+    job = slurm_run.job_id()
+    slurm_run.running(steps=12)
+    frozen = _step_processes(slurm_run.run.root, "n2")
+    assert frozen, "no process of the job on n2"
+    try:
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+        def detected() -> bool:
+            seen = [e.get("detail", "") for e in slurm_run.events() if e["event"] in ("pending", "failure")]
+            return any("n2 DOWN" in d for d in seen)
+
+        slurm_run.wait(detected, 180, "the orchestrator to see n2 DOWN")
+    finally:
+        subprocess.run([str(LOCAL_CLUSTER), "restart-node", "n2"], capture_output=True, timeout=180)
+        for pid in frozen:  # normally gone with the restarted slurmd
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    state = slurm_run.finish()
+    launches = slurm_run.events("launch")
+    if len(launches) == 1:  # followed Slurm's requeue of the job
+        assert slurm_run.attempt_json(1, "slurm.json")["restarts"] >= 1
+    else:  # resubmitted after the crash: the old job was cancelled first
+        assert slurm_state(job) in ("CANCELLED", "NODE_FAIL", "FAILED", "COMPLETED"), slurm_state(job)
+        assert slurm_run.attempt_json(2, "launch.json")["job_id"] != job
+    last = max(e["attempt"] for e in launches)
+    assert slurm_run.resumes(last)[-1]["resume"] >= 10  # from the last complete checkpoint
+    assert_samples(slurm_run, state["samples"])
+    assert state["samples"] >= 1600
