@@ -28,12 +28,16 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.backends.base import Attempt
+from orchestrator.backends.slurm import SlurmBackend
+from orchestrator.profile import load_profile
 from orchestrator.runstate import read_events, read_state
 from tests.conftest import REPO
 from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
 from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
 from trainer.rundir import RunDir
 from trainer.samples_log import samples_file
+from trainer.strategy import Strategy
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
@@ -286,6 +290,49 @@ def test_usr1_and_scontrol_requeue_resume_in_the_same_job(slurm_run):
     assert len(resumes) == 3 and resumes[1]["resume"] >= 12 and resumes[2]["resume"] > resumes[1]["resume"]
     assert_samples(slurm_run, state["samples"])
     assert state["samples"] >= 2000
+
+
+def test_resubmission_waits_until_the_previous_job_has_ended(cluster, tmp_path):  # noqa: F811
+    """Never two attempts at once: a resubmission cancels the previous job and submits only once Slurm reports it
+    ended — here a job whose SIGTERM handling takes seconds (trainers checkpointing), and one that Slurm has
+    requeued (it would otherwise run the attempt again)."""
+    marker = tmp_path / "ended"
+    slow_exit = f"trap 'sleep 4; date +%s.%N > {marker}; exit 0' TERM; sleep 600 & wait; sleep 600 & wait"
+    backend = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=load_profile(PROFILE),
+                           env={"CONA_SLURM_DRY_RUN": "1"})  # the new job only prints its settings  # fmt: skip
+    jobs = []
+    try:
+        for requeued in (False, True):
+            job = _sh("sbatch", "--parsable", "--requeue", "--nodes=1", "-o", "/dev/null", "--wrap", slow_exit)
+            jobs.append(job.stdout.strip())
+            wait_until(lambda: slurm_state(jobs[-1]) == "RUNNING", 120, f"job {jobs[-1]} running")
+            time.sleep(1)  # the trap is set
+            if requeued:
+                subprocess.run(["scontrol", "requeue", jobs[-1]], check=True)
+                wait_until(lambda: slurm_state(jobs[-1]) == "PENDING", 120, f"job {jobs[-1]} requeued")
+            previous = Attempt(1, Strategy.parse(S4), backend_id=jobs[-1], extra={"submission": "old", "nnodes": 2})
+            marker.unlink(missing_ok=True)
+            new = backend.launch(attempt=2, strategy=Strategy.parse(S4), previous=previous)
+            jobs.append(new.backend_id)
+            state = slurm_state(previous.backend_id)
+            assert state in ("CANCELLED", "COMPLETED"), state  # ended, not COMPLETING or PENDING
+            if not requeued:
+                assert marker.exists()  # its processes were gone before the next job was submitted
+            assert new.backend_id != previous.backend_id and new.extra["mode"] == "submit"
+        time.sleep(3)
+        assert slurm_state(jobs[2]) == "CANCELLED"  # the requeued job does not come back
+    finally:
+        for job in jobs:
+            _sh("scancel", job)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}\n{_sh('squeue').stdout}")
 
 
 def _step_processes(run_dir: Path, node: str) -> list[int]:
