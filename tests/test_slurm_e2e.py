@@ -377,7 +377,7 @@ def test_node_failure_is_detected_and_the_run_finishes(slurm_run):
         slurm_run.wait(detected, 180, "the orchestrator to see n2 DOWN")
     finally:
         subprocess.run([str(LOCAL_CLUSTER), "restart-node", "n2"], capture_output=True, timeout=180)
-        for pid in frozen:  # normally gone with the restarted slurmd
+        for pid in set(frozen) & set(_step_processes(slurm_run.run.root, "n2")):  # normally gone by now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     state = slurm_run.finish()

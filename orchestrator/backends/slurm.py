@@ -49,6 +49,9 @@ FINISHED_STATES = frozenset(
 DEFAULT_HANDOFF_TIMEOUT_S = 300
 COMMAND_TIMEOUT_S = 30
 DEFAULT_RELEASE_TIMEOUT_S = 300
+_JOB_VARIABLE_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
+_CLIENT_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT"})
+"""Client settings a user may export; kept when the job's own SLURM_* variables are dropped."""
 """How long `launch` waits for a cancelled job to end (KillWait, epilog) before it gives up."""
 
 
@@ -433,8 +436,15 @@ class SlurmBackend(Backend):
         When `slurm.python` is a bare name, the directory of this interpreter goes first on PATH: on a cluster
         whose nodes share the orchestrator's filesystem, `python3` is then the same virtualenv; elsewhere the
         directory does not exist on the node and PATH lookup moves on.
+
+        When the orchestrator itself runs in a Slurm job, that job's own variables (SLURM_JOB_ID,
+        SLURM_CPUS_PER_TASK, SLURM_NTASKS, SLURM_MEM_PER_CPU, ...) are left out: the training job would inherit
+        them, and its `srun` would take them as options (one CPU per trainer, a memory-option conflict).
         """
         env = dict(os.environ)
+        if "SLURM_JOB_ID" in env:
+            for key in [k for k in env if k.startswith(_JOB_VARIABLE_PREFIXES) and k not in _CLIENT_VARIABLES]:
+                del env[key]
         words = self.profile.slurm.python.split()
         if words and "/" not in words[0]:
             bindir = os.path.dirname(os.path.abspath(sys.executable))
