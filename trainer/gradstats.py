@@ -102,6 +102,8 @@ class GradStats:
         self.micro_mode = dp == 1
         self.adam: AdamView | None = None
         self.use_adam = False
+        self.enabled = True
+        """False with `heartbeat.gradient_stats: false`: no local or Adam norms, only the global one (clipping)."""
         self.local_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.local_adam = torch.zeros((), dtype=torch.float64, device=device)
         self._hooks: list = []
@@ -109,12 +111,12 @@ class GradStats:
     @property
     def has_local(self) -> bool:
         """Whether this layout has a small batch at all (dp > 1, or dp = 1 with several micro-batches)."""
-        return self.dp > 1 or self.num_microbatches > 1
+        return self.enabled and (self.dp > 1 or self.num_microbatches > 1)
 
     def begin_step(self, *, use_adam: bool) -> None:
         self.local_sq.zero_()
         self.local_adam.zero_()
-        self.use_adam = use_adam and self.adam is not None
+        self.use_adam = use_adam and self.enabled and self.adam is not None
 
     # dp = 1: per-micro-batch parameter hooks ---------------------------------------------------------------
 

@@ -244,6 +244,10 @@ class HeartbeatSpec(StrictModel):
 
     interval_steps: int = Field(1, gt=0)
     """Append one heartbeat every this many optimizer steps."""
+    gradient_stats: bool = True
+    """Measure the local (pre-reduction) and Adam-preconditioned gradient norms the noise-scale estimate needs.
+    Off, heartbeats carry only the global norm (which clipping computes anyway) and cona keeps its prior noise
+    scale; `benchmarks/overhead.py` uses it to measure what the statistics cost."""
 
 
 class ScheduleEntry(StrictModel):

@@ -77,7 +77,21 @@ def load_inputs(args: argparse.Namespace):
     return run_dir, job, strategy, attempt
 
 
+def _process_start_time() -> float | None:
+    """When this process started (time.time() scale), from /proc; None where there is no /proc."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rfind(")") + 2 :].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    import time
+
+    startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
     args = parse_args(argv)
     try:
         run_dir, job, strategy, attempt = load_inputs(args)
@@ -121,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()
+    startup["dist_ready"] = time.time()
     try:
         trainer = Trainer(
             job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
-            max_steps=args.max_steps, dump_loaded_state=args.dump_loaded_state,
+            max_steps=args.max_steps, dump_loaded_state=args.dump_loaded_state, startup=startup,
         )  # fmt: skip
         code = trainer.run()
     except ConfigError as e:

@@ -188,7 +188,10 @@ class ParallelModel:
         self.parts: list[Transformer] = [self._build_stage(stage) for stage in self.stage_ids]
         self.optimizers = [self._optimizer(part) for part in self.parts]
         self.stats.adam = AdamView(self.optimizers)
-        if strategy.dp > 1:
+        self.stats.enabled = job.heartbeat.gradient_stats
+        if not self.stats.enabled:
+            pass  # no hooks: only the global norm, for clipping
+        elif strategy.dp > 1:
             for part in self.parts:
                 self.stats.attach_fsdp(part)
         else:

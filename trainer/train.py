@@ -91,6 +91,8 @@ class Trainer:
     max_steps: int | None = None
     dump_loaded_state: Path | None = None
     """Tests: after resuming, save the loaded state as a DCP checkpoint here (to compare with the saved one)."""
+    startup: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    """Start-up timestamps (time.time()) for `attempts/<n>/startup.json`; `main` fills the ones before the Trainer."""
 
     def __post_init__(self) -> None:
         self.rank = self.env.rank
@@ -110,6 +112,7 @@ class Trainer:
         self._last_print = -math.inf
         self._signal_reason = "signal"
         self._signalled_now = False
+        self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class Trainer:
             shared = [([str(p) for p in found], bool(marked))]
         dist.broadcast_object_list(shared, src=0)
         paths, had_marked = shared[0]
+        self.startup["load_start"] = time.time()
         for path in paths:
             failed = None
             try:
@@ -147,6 +151,7 @@ class Trainer:
                     ckpt.set_rng_state(self.state.rng_state)
                 self.control.last_seq = self.state.last_control_seq
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
+                self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
                 ckpt.warn(f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})")
@@ -169,6 +174,9 @@ class Trainer:
         s = self.state
         if self.is_rank0:
             log_resume(self.run_dir, attempt=self.attempt, step=s.step, samples=s.samples)
+            self.startup.setdefault("load_end", None)  # a fresh start loads nothing
+            atomic_write_json(self.run_dir.attempt_dir(self.attempt) / "startup.json",
+                              {**self.startup, "resumed_step": self.loaded_step})  # fmt: skip
             self._heartbeat(event="resume" if self.loaded_step is not None else "start")
         if s.step == 0 and not s.val_history:
             self.evaluate()
@@ -268,7 +276,7 @@ class Trainer:
         if self.is_rank0:  # only after the optimizer update succeeded
             log_step(self.run_dir, attempt=self.attempt, step=s.step, start=start, end=end)
         has_local = model.stats.has_local
-        use_adam = s.step > 1
+        use_adam = s.step > 1 and model.stats.enabled
         self.heartbeat.add_step(
             StepRecord(
                 loss=loss,
