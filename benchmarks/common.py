@@ -1,0 +1,128 @@
+"""What every benchmark shares: where results go, the machine they ran on, tables and JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def machine() -> dict[str, Any]:
+    """The machine and software a result was measured on."""
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu_model"] = names[0] if names else None
+    except OSError:
+        info["cpu_model"] = None
+    with contextlib.suppress(OSError):
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def command_line() -> str:
+    """How this benchmark was started, as a user would type it."""
+    module = Path(sys.argv[0]).stem
+    args = " ".join(sys.argv[1:])
+    return f"python -m benchmarks.{module}" + (f" {args}" if args else "")
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    payload = {"command": command_line(), "machine": machine(), "written": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def finite(x: float | None) -> float | None:
+    """JSON has no inf/NaN: those become None."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """mean/min/max over seeds (None entries are runs that never reached the target)."""
+    present = [v for v in values if v is not None and math.isfinite(v)]
+    if not present:
+        return {"mean": None, "min": None, "max": None, "per_seed": list(values)}
+    return {
+        "mean": statistics.fmean(present),
+        "min": min(present),
+        "max": max(present),
+        "per_seed": [None if v is None or not math.isfinite(v) else v for v in values],
+        "complete": len(present) == len(values),
+    }
+
+
+def fmt_s(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    if seconds >= 100:
+        return f"{seconds:,.0f} s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+def fmt_ratio(stats: dict[str, Any] | None, digits: int = 2) -> str:
+    """mean [min–max] of a spread(); '≥x' marks a mean over incomplete runs."""
+    if not stats or stats.get("mean") is None:
+        return "—"
+    mean, lo, hi = stats["mean"], stats["min"], stats["max"]
+    text = f"{mean:.{digits}f}"
+    if hi - lo > 10 ** (-digits) / 2:
+        text += f" [{lo:.{digits}f}–{hi:.{digits}f}]"
+    return text
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *, width: int = 170) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=width).print(table)
