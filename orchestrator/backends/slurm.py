@@ -48,11 +48,12 @@ FINISHED_STATES = frozenset(
 )  # fmt: skip
 DEFAULT_HANDOFF_TIMEOUT_S = 300
 COMMAND_TIMEOUT_S = 30
-DEFAULT_RELEASE_TIMEOUT_S = 300
+DEFAULT_RELEASE_TIMEOUT_S = 1200
+"""How long `launch` waits for a cancelled job to end (KillWait, epilog; a hung node is DOWN only after
+SlurmdTimeout, 300 s by default) before it gives up with an error."""
 _JOB_VARIABLE_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 _CLIENT_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT"})
 """Client settings a user may export; kept when the job's own SLURM_* variables are dropped."""
-"""How long `launch` waits for a cancelled job to end (KillWait, epilog) before it gives up."""
 
 
 class SlurmError(RuntimeError):
