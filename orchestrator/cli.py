@@ -259,6 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError, ValueError) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # Backend failures (a Slurm command that keeps failing, a Kubernetes API error) are one line too.
+        from orchestrator.backends.slurm import SlurmError
+
+        if not isinstance(e, SlurmError):
+            raise
+        print(f"cona: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("cona: interrupted", file=sys.stderr)
         return 130

@@ -145,8 +145,11 @@ def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
     assert any(e["event"] == "adopt" and e["attempt"] == 1 for e in events), out[-2000:]
     assert read_state(run_dir)["status"] == "done"
     assert_attempts_never_overlap(run_dir)
-    # The last step may run past the budget: 1200 + 63 steps of 32 = 3216, every sample once.
-    assert assert_samples_exact(run_dir) == read_state(run_dir)["samples"] == 3216
+    # The switch lands at a step boundary after sample 1200 and the last step may run past the budget by less
+    # than one global batch; every sample is still consumed exactly once.
+    total = assert_samples_exact(run_dir)
+    assert total == read_state(run_dir)["samples"]
+    assert 3200 <= total < 3200 + 32
     assert [e["strategy"]["gbs"] for e in events if e["event"] == "launch"] == [16, 32]
 
 
