@@ -119,10 +119,14 @@ def fmt_ratio(stats: dict[str, Any] | None, digits: int = 2) -> str:
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *, width: int = 170) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    # Text, not markup: cells like "1.02 [0.98–1.05]" must print as they are.
+    table = Table()
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 else "right")
+        table.add_column(Text(column), justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*row)
-    Console(width=width).print(table)
+        table.add_row(*(Text(cell) for cell in row))
+    console = Console(width=width)
+    console.print(Text(title))  # above the table, not wrapped to its width
+    console.print(table)
