@@ -58,11 +58,12 @@ def command_line() -> str:
     return f"python -m benchmarks.{module}" + (f" {args}" if args else "")
 
 
-def write_json(name: str, data: dict[str, Any]) -> Path:
+def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Path:
+    """`benchmarks/results/<name>` with the command line, the machine and the time in front of `data`."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
     payload = {"command": command_line(), "machine": machine(), "written": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
-    path.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_json_default) + "\n")
+    path.write_text(json.dumps(payload, indent=indent, default=_json_default) + "\n")
     return path
 
 
