@@ -30,9 +30,11 @@ modeled switch cost). On the same seeds:
   first loses ground (short-horizon bias) — and ends far behind the best fixed strategy, so it is not the default.
 
 Time to target (TTP) is the modeled time at which the validation loss first reaches the target, linearly
-interpolated between evaluations (every `eval.interval_samples` samples, and at every oracle window's end).
-Fixed runs stop at the lowest target or at `--cap` × the best fixed time so far; a run that never gets there is
-reported as not reaching the target ("—"), and ratios that need it are left out.
+interpolated between evaluations (every `eval.interval_samples` samples). Fixed runs stop at the lowest target, the
+sample budget or `--cap` × the best fixed time so far; a run that stops first has no TTP ("—"), and a static/cona
+ratio that needs it is reported as a lower bound (≥, `lower_bound: true`). `best_fixed_over_cona` uses each seed's
+fastest fixed candidate in hindsight; `best_fixed_on_average_over_cona` the one candidate fastest on average.
+Workers run the (workload, seed) pairs in parallel (`--jobs`); `--resummarize JSON` redoes tables and plots.
 """
 
 from __future__ import annotations
