@@ -188,12 +188,7 @@ class SimTrainer:
         ).tolist()
         if not (math.isfinite(loss) and math.isfinite(global_sq_v)):
             raise FloatingPointError(f"step {self.step + 1} at gbs {gbs}: loss {loss}; the tiny job's LR is too high")
-        clip = self.job.optimizer.grad_clip
-        if clip is not None:
-            coefficient = clip / (math.sqrt(global_sq_v) + 1e-6)
-            if coefficient < 1.0:
-                model.scale_grads(coefficient)
-        model.optimizer_step(lr)
+        model.clip_and_step(grad_sqnorm=global_sq_v, max_norm=self.job.optimizer.grad_clip, lr=lr)
         use_adam = self.stats and self.step > 0
         self.step += 1
         self.samples += gbs

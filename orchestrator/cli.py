@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from orchestrator.backends.base import BackendError
 from trainer.yamlconfig import ConfigError
 
 
@@ -259,12 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError, ValueError) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        # Backend failures (a Slurm command that keeps failing, a Kubernetes API error) are one line too.
-        from orchestrator.backends.slurm import SlurmError
-
-        if not isinstance(e, SlurmError):
-            raise
+    except BackendError as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -117,6 +117,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     events = read_events(run_dir)
     switches = [e for e in events if e.get("event") == "switch"]
     live = state.get("live", {})
+    latest = run_dir.latest_checkpoint()
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
@@ -140,7 +141,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         ],
         "last_decision": state.get("last_decision"),
         "reason": state.get("reason"),
-        "latest_checkpoint": str(run_dir.latest_checkpoint()) if run_dir.latest_checkpoint() else None,
+        "latest_checkpoint": str(latest) if latest else None,
         "updated": state.get("updated"),
     }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.runstate import load_run, read_events, read_state
+from trainer.heartbeat_record import Heartbeat
 from trainer.rundir import RunDir, read_jsonl
 
 
@@ -46,7 +47,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
     noise_series = []
     for b in beats:
-        noise.update(_as_heartbeat(b))
+        noise.update(Heartbeat.from_dict(b))
         if noise.value is not None:
             noise_series.append((b["samples"], noise.value))
     per_strategy: dict[str, list[float]] = defaultdict(list)
@@ -121,8 +122,3 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     md.write_text("\n".join(lines))
     return png, md
 
-
-def _as_heartbeat(record: dict[str, Any]):
-    from trainer.heartbeat_record import Heartbeat
-
-    return Heartbeat.from_dict(record)

@@ -16,7 +16,7 @@ from typing import Any
 from orchestrator.backends.base import Attempt, AttemptStatus, Backend
 from orchestrator.noise import NoiseScaleEstimator
 from orchestrator.planner import Candidate, enumerate_candidates
-from orchestrator.policy import DecisionContext, Policy, make_policy, progress_rate
+from orchestrator.policy import DecisionContext, Policy, make_policy
 from orchestrator.profile import ClusterProfile
 from orchestrator.runstate import log_event, read_state, write_state
 from orchestrator.throughput import ThroughputModel
@@ -124,6 +124,7 @@ class Scheduler:
         attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
         self.state["attempts"].append(attempt.to_dict())
         self.state["heartbeat_offset"] = 0
+        self.state["windows_in_attempt"] = 0
         self.state["launched_at"] = time.time()
         self.state["last_heartbeat_time"] = None
         self._save()
@@ -172,10 +173,8 @@ class Scheduler:
                 continue
             if hb.event is None and hb.step_time_s and hb.step_time_s > 0:
                 # The first window after a launch includes warm-up (allocations, first collectives): skip it.
-                seen = self.state.setdefault("windows_seen", {})
-                key = str(attempt.number)
-                seen[key] = seen.get(key, 0) + 1
-                if seen[key] > 1:
+                self.state["windows_in_attempt"] = self.state.get("windows_in_attempt", 0) + 1
+                if self.state["windows_in_attempt"] > 1:
                     self.throughput.observe(attempt.strategy, hb.step_time_s)
                     self.live.samples_per_s = hb.samples_per_s
             self.noise.update(hb)
@@ -439,8 +438,3 @@ def device_counts(profile: ClusterProfile, job: JobSpec) -> list[int]:
         if world < profile.num_gpus and world % profile.gpus_per_node == 0 and world not in counts:
             counts.append(world)
     return counts
-
-
-def describe_rate(candidate: Candidate, throughput: ThroughputModel, noise_scale: float) -> float:
-    """R(c) for tables: calibrated samples/s over (gbs + B_noise)."""
-    return progress_rate(candidate, throughput, noise_scale)

@@ -105,10 +105,6 @@ class ThroughputModel:
         return m.count if m is not None else 0
 
     @property
-    def measured_strategies(self) -> list[Strategy]:
-        return sorted(self._measured)
-
-    @property
     def calibration_factor(self) -> float:
         """Geometric mean of measured/predicted over measured strategies with a known prediction (1.0 if none)."""
         logs = [

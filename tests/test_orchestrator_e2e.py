@@ -52,13 +52,14 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
-def wait_for(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def wait_for(predicate, *, timeout: float, what: str, detail=None) -> None:
+    """Poll `predicate` until it holds; on time-out fail, appending `detail()` (e.g. the queue) when given."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    pytest.fail(f"timed out after {timeout}s waiting for {what}" + (f"\n{detail()}" if detail else ""))
 
 
 def heartbeats(run_dir: RunDir, attempt: int) -> list[dict]:

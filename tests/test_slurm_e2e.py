@@ -33,7 +33,12 @@ from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.profile import load_profile
 from orchestrator.runstate import read_events, read_state
 from tests.conftest import REPO
-from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
+from tests.test_orchestrator_e2e import (
+    assert_attempts_never_overlap,
+    assert_samples_exact,
+    heartbeats,
+    wait_for,
+)
 from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
 from trainer.rundir import RunDir
 from trainer.samples_log import samples_file
@@ -326,12 +331,7 @@ def test_resubmission_waits_until_the_previous_job_has_ended(cluster, tmp_path):
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}\n{_sh('squeue').stdout}")
+    wait_for(predicate, timeout=timeout, what=what, detail=lambda: _sh("squeue").stdout)
 
 
 def _step_processes(run_dir: Path, node: str) -> list[int]:

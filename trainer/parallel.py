@@ -30,6 +30,7 @@ uses the true summed gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from contextlib import AbstractContextManager, nullcontext
 
@@ -357,11 +358,16 @@ class ParallelModel:
             post += weight * grad.float().pow(2).sum() / 2  # held by two stages: count once
         return pre, post
 
-    def scale_grads(self, factor: float) -> None:
-        with torch.no_grad():
-            for param in self.parameters():
-                if param.grad is not None:
-                    local_tensor(param.grad).mul_(factor)
+    def clip_and_step(self, *, grad_sqnorm: float, max_norm: float | None, lr: float) -> None:
+        """Scale the gradients down to `max_norm` (given their global squared norm, reduced by the caller) and step."""
+        if max_norm is not None:
+            coefficient = max_norm / (math.sqrt(grad_sqnorm) + 1e-6)
+            if coefficient < 1.0:
+                with torch.no_grad():
+                    for param in self.parameters():
+                        if param.grad is not None:
+                            local_tensor(param.grad).mul_(coefficient)
+        self.optimizer_step(lr)
 
     def optimizer_step(self, lr: float) -> None:
         for optimizer in self.optimizers:

@@ -261,12 +261,7 @@ class Trainer:
         clip_sq = global_sq_v + tied_fix
         if not (math.isfinite(loss) and math.isfinite(clip_sq)):
             raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
-        clip = self.job.optimizer.grad_clip
-        if clip is not None:
-            coefficient = clip / (math.sqrt(clip_sq) + 1e-6)
-            if coefficient < 1.0:
-                model.scale_grads(coefficient)
-        model.optimizer_step(lr)
+        model.clip_and_step(grad_sqnorm=clip_sq, max_norm=self.job.optimizer.grad_clip, lr=lr)
         step_time = time.perf_counter() - started
 
         s.step += 1

@@ -15,6 +15,10 @@ from trainer.rundir import ExitCode, RunDir
 from trainer.strategy import Strategy
 
 
+class BackendError(RuntimeError):
+    """A cluster command or API call failed in a way the user must look at; the message is one line."""
+
+
 class AttemptStatus(enum.Enum):
     PENDING = "pending"
     """Submitted, not yet running (queued)."""

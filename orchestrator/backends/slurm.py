@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from orchestrator.slurm_script import parse_extra_option, render_batch_script
 from trainer.rundir import ExitCode, RunDir, atomic_write_json, read_json
 from trainer.strategy import Strategy
@@ -42,10 +42,6 @@ PENDING_STATES = frozenset(
      "SUSPENDED", "STOPPED"}
 )  # fmt: skip
 RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "RESIZING", "STAGE_OUT"})
-FINISHED_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-     "OUT_OF_MEMORY", "REVOKED"}
-)  # fmt: skip
 DEFAULT_HANDOFF_TIMEOUT_S = 300
 COMMAND_TIMEOUT_S = 30
 DEFAULT_RELEASE_TIMEOUT_S = 1200
@@ -56,7 +52,7 @@ _CLIENT_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMA
 """Client settings a user may export; kept when the job's own SLURM_* variables are dropped."""
 
 
-class SlurmError(RuntimeError):
+class SlurmError(BackendError):
     """A Slurm command failed; the message is one line with the command's own error."""
 
 
