@@ -3,10 +3,12 @@
     python -m benchmarks.overhead [--steps 300] [--repeats 3]
 
 **End to end** (the real trainer under torchrun, gloo on CPU, the tiny GPT of examples/tiny-gpt.yaml): the same
-strategy trained for `--steps` steps from scratch under three settings, interleaved `--repeats` times in one run
+strategy trained for `--steps` steps from scratch under four settings, interleaved `--repeats` times in one run
 (the order rotates each round, so a slow spell of the machine does not land on one setting):
 
-    full           heartbeat every step (heartbeat.interval_steps=1) with gradient statistics (the default)
+    full              heartbeat every step (heartbeat.interval_steps=1) with gradient statistics, including the
+                      Adam-preconditioned norms (policy.noise_estimator=adam, the default)
+    plain statistics  the same with policy.noise_estimator=plain: no Adam-preconditioned norms are computed
     no statistics  heartbeat every step, heartbeat.gradient_stats=false
     neither        heartbeat.interval_steps=10^9 and heartbeat.gradient_stats=false
 
@@ -15,8 +17,8 @@ trainer_state.json) over the steps; costs are differences of medians over the re
 statistics come from FSDP2's reduce-scatter hook) and dp=1 with 4 micro-batches (per-micro-batch gradient hooks).
 
 **Direct** (in this process, to resolve what end-to-end noise cannot): the time of one heartbeat write
-(`trainer.heartbeat.HeartbeatWriter.write`) and of one step's statistics (`ParallelModel`, world of one, statistics
-on vs off in alternating blocks).
+(`trainer.heartbeat.HeartbeatWriter.write`) and of one step's statistics (`ParallelModel`, world of one; statistics
+off, plain, and with the Adam variants, in alternating blocks).
 
 **Planner**: `enumerate_candidates` + `rank_by_iter_time` for about 10^4 candidates (gpt3-1.3b on a100-4x8 grown to
 32 nodes, 6 micro-batch sizes, 40 global batch sizes), and the ranking cona does at every decision
@@ -40,7 +42,8 @@ from typing import Any
 from benchmarks.common import REPO, fmt_s, print_table, write_json
 
 SETTINGS = {
-    "full": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true"],
+    "full": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true", "policy.noise_estimator=adam"],
+    "plain statistics": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true", "policy.noise_estimator=plain"],
     "no statistics": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=false"],
     "neither": ["heartbeat.interval_steps=1000000000", "heartbeat.gradient_stats=false"],
 }
@@ -86,6 +89,7 @@ def end_to_end(*, steps: int, repeats: int) -> dict[str, Any]:
         out[layout] = {
             "strategy": strategy, "step_time_s": times, "median_step_time_s": med,
             "statistics_fraction": (med["full"] - med["no statistics"]) / med["neither"],
+            "plain_statistics_fraction": (med["plain statistics"] - med["no statistics"]) / med["neither"],
             "heartbeat_fraction": (med["no statistics"] - med["neither"]) / med["neither"],
             "both_fraction": (med["full"] - med["neither"]) / med["neither"],
         }  # fmt: skip
@@ -120,7 +124,8 @@ def direct(*, steps: int) -> dict[str, Any]:
 
     env = init_distributed()
 
-    def stepper(enabled: bool):
+    def stepper(mode: str):
+        enabled = mode != "off"
         job = load_job(REPO / "examples/tiny-gpt.yaml",
                        [f"data.path={REPO / 'data/shakespeare.txt'}", f"heartbeat.gradient_stats={str(enabled).lower()}"])
         model = ParallelModel(job, Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=32), env)
@@ -129,7 +134,7 @@ def direct(*, steps: int) -> dict[str, Any]:
 
         def step(k: int) -> None:  # what Trainer.step does around the statistics
             model.zero_grad()
-            model.stats.begin_step(use_adam=k > 0)
+            model.stats.begin_step(use_adam=mode == "adam" and k > 0)
             model.forward_backward(x, y, scale=1.0 / y.numel())
             g, ga = model.stats.global_terms(model.parameters())
             lo, la = model.stats.local_terms()
@@ -140,18 +145,21 @@ def direct(*, steps: int) -> dict[str, Any]:
             step(k)
         return step
 
-    steppers = {True: stepper(True), False: stepper(False)}
+    modes = ("adam", "plain", "off")
+    steppers = {mode: stepper(mode) for mode in modes}
     block = max(5, steps // 20)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(10):  # alternate blocks of steps so drift affects both settings alike
-        for enabled, step in steppers.items():
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(10):  # alternate blocks of steps so drift affects all settings alike
+        for mode, step in steppers.items():
             started = time.process_time()
             for k in range(block):
                 step(k + 1)
-            times[enabled].append((time.process_time() - started) / block)
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    return {"heartbeat_write_s": heartbeat_s, "step_cpu_s_with_statistics": on, "step_cpu_s_without": off,
-            "statistics_fraction": (on - off) / off, "blocks": {"on": times[True], "off": times[False]},
+            times[mode].append((time.process_time() - started) / block)
+    med = {mode: statistics.median(v) for mode, v in times.items()}
+    return {"heartbeat_write_s": heartbeat_s, "step_cpu_s_with_statistics": med["adam"],
+            "step_cpu_s_with_plain_statistics": med["plain"], "step_cpu_s_without": med["off"],
+            "statistics_fraction": (med["adam"] - med["off"]) / med["off"],
+            "plain_statistics_fraction": (med["plain"] - med["off"]) / med["off"], "blocks": times,
             "strategy": "dp=1,tp=1,pp=1,mbs=8,gbs=32 (world of one, in process)"}  # fmt: skip
 
 
@@ -187,7 +195,7 @@ def planner() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="steps per end-to-end run")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three settings")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four settings")
     args = parser.parse_args(argv)
     (REPO / "runs").mkdir(exist_ok=True)
     plan = planner()
@@ -198,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planner: {plan['num_candidates']:,} candidates ({plan['num_feasible']:,} feasible) on {plan['profile']}: "
           f"enumerate + rank {fmt_s(plan['enumerate_and_rank_s'])}; cona's ranking of the feasible ones "
           f"{fmt_s(plan['cona_ranking_s'])}")  # fmt: skip
-    print(f"direct: one heartbeat write {fmt_s(inproc['heartbeat_write_s'])}; statistics "
-          f"{(inproc['step_cpu_s_with_statistics'] - inproc['step_cpu_s_without']) * 1e3:.2f} ms of a "
-          f"{inproc['step_cpu_s_without'] * 1e3:.1f} ms step ({inproc['statistics_fraction'] * 100:.1f}%, world of one)")
+    off = inproc["step_cpu_s_without"]
+    print(f"direct: one heartbeat write {fmt_s(inproc['heartbeat_write_s'])}; statistics with the Adam variants "
+          f"{(inproc['step_cpu_s_with_statistics'] - off) * 1e3:.2f} ms ({inproc['statistics_fraction'] * 100:.1f}%), "
+          f"plain {(inproc['step_cpu_s_with_plain_statistics'] - off) * 1e3:.2f} ms "
+          f"({inproc['plain_statistics_fraction'] * 100:.1f}%) of a {off * 1e3:.1f} ms step (world of one)")
     print(f"JSON {path.relative_to(REPO)}")
     rows = []
     for layout, r in e2e.items():
@@ -208,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         spread = {n: f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}" for n, v in r["step_time_s"].items()}
         rows.append([f"{layout} ({r['strategy']})", *(f"{med[n] * 1e3:.2f} ms [{spread[n]}]" for n in SETTINGS),
                      f"{r['heartbeat_fraction'] * 100:+.1f}%", f"{r['statistics_fraction'] * 100:+.1f}%",
-                     f"{r['both_fraction'] * 100:+.1f}%"])  # fmt: skip
+                     f"{r['plain_statistics_fraction'] * 100:+.1f}%", f"{r['both_fraction'] * 100:+.1f}%"])  # fmt: skip
     print_table(f"step time, median [min–max] of {args.repeats} runs × {args.steps} steps; cost as a fraction of the "
-                "bare step", ["layout", *SETTINGS, "heartbeat", "statistics", "both"], rows)  # fmt: skip
+                "bare step", ["layout", *SETTINGS, "heartbeat", "statistics", "plain statistics", "both"], rows)  # fmt: skip
     return 0
 
 

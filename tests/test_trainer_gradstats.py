@@ -133,3 +133,36 @@ def test_gradient_statistics_equal_brute_force(tmp_path, preset, strategy, nproc
     for key in ("adam_global_sqnorm", "adam_local_sqnorm"):
         assert record[key] == pytest.approx(want[key], rel=1e-3), key
     assert record["local_sqnorm"] > record["global_sqnorm"], "a smaller batch has a noisier gradient"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("strategy", "nproc"),
+    [
+        pytest.param("dp=2,tp=1,pp=1,mbs=2,gbs=16", 2, id="fsdp-reduce-scatter-hook"),
+        pytest.param("dp=1,tp=1,pp=2,mbs=2,gbs=16", 2, id="micro-batch-hooks-pp2"),
+    ],
+)
+def test_statistics_do_not_change_the_training(tmp_path, strategy, nproc):
+    """Statistics read gradients and never touch the math: the losses are bit-identical with them on or off, and
+    the Adam-preconditioned norms are computed only for the estimator that reads them."""
+    records = {}
+    for name, heartbeat, estimator in (
+        ("adam", {"interval_steps": 1, "gradient_stats": True}, "adam"),
+        ("plain", {"interval_steps": 1, "gradient_stats": True}, "plain"),
+        ("off", {"interval_steps": 1, "gradient_stats": False}, "adam"),
+    ):
+        (tmp_path / name).mkdir()
+        job = write_job(tmp_path / name, heartbeat=heartbeat, policy={"noise_estimator": estimator})
+        result = launch(tmp_path / name / "run", nproc=nproc, strategy=strategy, job=job, max_steps=4)
+        assert result.exit_code == ExitCode.STOPPED, describe(result)
+        records[name] = step_records(tmp_path / name / "run", 0)
+    losses = {name: [records[name][step]["train_loss"] for step in (1, 2, 3, 4)] for name in records}
+    assert losses["adam"] == losses["plain"] == losses["off"]
+    assert [records["adam"][s]["global_sqnorm"] for s in (1, 2, 3, 4)] == [
+        records["off"][s]["global_sqnorm"] for s in (1, 2, 3, 4)
+    ]  # the clipping norm, bit for bit
+    assert records["adam"][2]["adam_local_sqnorm"] > 0 and records["adam"][2]["adam_global_sqnorm"] > 0
+    assert records["plain"][2]["local_sqnorm"] == pytest.approx(records["adam"][2]["local_sqnorm"], rel=1e-6)
+    assert records["plain"][2].get("adam_local_sqnorm") is None and records["plain"][2].get("adam_global_sqnorm") is None
+    assert records["off"][2].get("local_sqnorm") is None

@@ -71,25 +71,62 @@ class AdamView:
                 for param in group["params"]:
                     self._group[id(param)] = (optimizer, group)
 
-    def denominator(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-        """AdamW's denominator for this step if `grad` (same local shape as the parameter) were its gradient.
+    def preconditioned_sqnorm(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        weights: list[float],
+        *,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Σ weight·|g / denominator|² over the pairs, in float64; pairs without optimizer state are skipped.
 
-        This step's g² enters the second moment before Adam divides, so v = β₂·v_prev + (1−β₂)·g². Using v_prev
-        alone would let a coordinate that saw no gradient for many steps (a rare byte's embedding row, whose v
-        decayed towards 0) explode the norm, although Adam never divides by that stale value.
+        `denominator` is AdamW's for this step if grad_scale·g (same number of elements as the parameter's local
+        piece) were the gradient: this step's g² enters the second moment before Adam divides, so
+        v = β₂·v_prev + (1−β₂)·(grad_scale·g)². Using v_prev alone would let a coordinate that saw no gradient for
+        many steps (a rare byte's embedding row, whose v decayed towards 0) explode the norm, although Adam never
+        divides by that stale value. The work is batched with `torch._foreach_*` (a handful of kernels for all
+        pairs rather than about ten per parameter: on small models the per-call overhead is the whole cost).
         """
-        found = self._group.get(id(param))
-        if found is None:
-            return None
-        optimizer, group = found
-        state = optimizer.state.get(param, {})
-        if "exp_avg_sq" not in state:
-            return None
-        beta2 = group["betas"][1]
-        previous = local_tensor(state["exp_avg_sq"]).float()
-        second = previous * beta2 + grad.float().reshape(previous.shape).square() * (1.0 - beta2)
-        correction = 1.0 - beta2 ** (float(state["step"]) + 1.0)
-        return (second / correction).sqrt_().add_(group["eps"])
+        previous, pieces, kept, beta2s, squares, corrections, eps = [], [], [], [], [], [], []
+        for param, grad, weight in zip(params, grads, weights, strict=True):
+            found = self._group.get(id(param))
+            if found is None:
+                continue
+            optimizer, group = found
+            state = optimizer.state.get(param, {})
+            if "exp_avg_sq" not in state:
+                continue
+            beta2 = group["betas"][1]
+            moment = local_tensor(state["exp_avg_sq"]).float()
+            previous.append(moment if moment.shape == grad.shape else moment.reshape(grad.shape))
+            pieces.append(grad.float())
+            kept.append(weight)
+            beta2s.append(beta2)
+            squares.append((1.0 - beta2) * grad_scale * grad_scale)
+            corrections.append(1.0 / (1.0 - beta2 ** (float(state["step"]) + 1.0)))
+            eps.append(group["eps"])
+        if not pieces:
+            return torch.zeros((), dtype=torch.float64)
+        second = torch._foreach_mul(previous, beta2s)
+        torch._foreach_addcmul_(second, pieces, pieces, squares)
+        torch._foreach_mul_(second, corrections)
+        torch._foreach_sqrt_(second)
+        torch._foreach_add_(second, eps)
+        return weighted_sqnorm(torch._foreach_div(pieces, second), kept)
+
+
+def weighted_sqnorm(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ weight·|t|² in float64, with one batched norm kernel for all tensors."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double()
+    scale = torch.tensor(weights, dtype=torch.float64, device=norms.device)
+    return (norms.square() * scale).sum()
+
+
+PENDING_LIMIT = 256
+"""Micro-batch gradients queued before their norms are taken in one batch: bounds the memory they hold."""
 
 
 class GradStats:
@@ -107,6 +144,9 @@ class GradStats:
         self.local_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.local_adam = torch.zeros((), dtype=torch.float64, device=device)
         self._hooks: list = []
+        self._weights: dict[int, float] = {}
+        self._pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._pending_ids: set[int] = set()
 
     @property
     def has_local(self) -> bool:
@@ -114,6 +154,7 @@ class GradStats:
         return self.enabled and (self.dp > 1 or self.num_microbatches > 1)
 
     def begin_step(self, *, use_adam: bool) -> None:
+        self._pending, self._pending_ids = [], set()
         self.local_sq.zero_()
         self.local_adam.zero_()
         self.use_adam = use_adam and self.enabled and self.adam is not None
@@ -122,21 +163,36 @@ class GradStats:
 
     def attach_param_hooks(self, params: Iterable[nn.Parameter]) -> None:
         for param in params:
-            weight = 1.0 / replication(param, dp=self.dp, tp=self.tp)
-            self._hooks.append(param.register_hook(self._make_hook(param, weight)))
+            self._weights[id(param)] = 1.0 / replication(param, dp=self.dp, tp=self.tp)
+            self._hooks.append(param.register_hook(self._make_hook(param)))
 
-    def _make_hook(self, param: nn.Parameter, weight: float) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            with torch.no_grad():
-                piece = local_tensor(grad).float()
-                self.local_sq += weight * piece.pow(2).sum()
-                if self.use_adam:
-                    # The hook sees ∂(loss_k / global count); the micro-batch's own gradient is M times that.
-                    denom = self.adam.denominator(param, piece * self.num_microbatches)  # type: ignore[union-attr]
-                    if denom is not None:
-                        self.local_adam += weight * (piece / denom).pow(2).sum()
+            # Queue the micro-batch gradient and reduce queued ones in batches (`flush`). A queued tensor may become
+            # the parameter's .grad, which the next micro-batch accumulates into in place — but only after this
+            # parameter's hook has fired again, and a repeat flushes first.
+            if id(param) in self._pending_ids or len(self._pending) >= PENDING_LIMIT:
+                self.flush()
+            self._pending.append((param, local_tensor(grad)))
+            self._pending_ids.add(id(param))
 
         return hook
+
+    def flush(self) -> None:
+        """Add the queued micro-batch gradients' (and their Adam variants') squared norms to the local sums."""
+        if not self._pending:
+            return
+        params = [param for param, _ in self._pending]
+        pieces = [piece for _, piece in self._pending]
+        self._pending, self._pending_ids = [], set()
+        weights = [self._weights[id(param)] for param in params]
+        with torch.no_grad():
+            self.local_sq += weighted_sqnorm(pieces, weights).to(self.device)
+            if self.use_adam:
+                # The hook sees ∂(loss_k / global count); the micro-batch's own gradient is M times that.
+                self.local_adam += self.adam.preconditioned_sqnorm(  # type: ignore[union-attr]
+                    params, pieces, weights, grad_scale=float(self.num_microbatches)
+                ).to(self.device)
 
     # dp > 1: FSDP2's reduce-scatter input ---------------------------------------------------------------------
 
@@ -165,42 +221,44 @@ class GradStats:
             if uniform:  # one pass over the buffer (padding is zero-filled by FSDP's chunk_cat)
                 self.local_sq += flat.float().pow(2).sum() / self.dp
             offset = 0
+            params, owns, own_weights = [], [], []
             for fp, weight in zip(fsdp_params, weights, strict=True):
                 width = fp.padded_sharded_param_size.numel()
                 if not uniform:
                     self.local_sq += weight * rows[:, offset : offset + width].float().pow(2).sum() / self.dp
-                if self.use_adam:
-                    numel = local_tensor(fp.sharded_param).numel()
-                    own = own_row[offset : offset + numel].float()
+                numel = local_tensor(fp.sharded_param).numel()
+                if self.use_adam and numel:
                     # The loss is scaled by dp/count, so the unreduced buffer already holds the replica's G_small.
-                    denom = self.adam.denominator(fp.sharded_param, own) if numel else None  # type: ignore[union-attr]
-                    if denom is not None:
-                        self.local_adam += weight * (own / denom.reshape(-1)).pow(2).sum()
+                    params.append(fp.sharded_param)
+                    owns.append(own_row[offset : offset + numel])
+                    own_weights.append(weight)
                 offset += width
             if offset != rows.shape[1]:
                 raise RuntimeError(f"FSDP reduce-scatter layout changed: {offset} != {rows.shape[1]} per row")
+            if params:
+                self.local_adam += self.adam.preconditioned_sqnorm(params, owns, own_weights).to(self.device)  # type: ignore[union-attr]
 
     # After the reduction --------------------------------------------------------------------------------------
 
     def global_terms(self, params: Iterable[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's weighted pieces of |G_big|² and its Adam-preconditioned variant."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        adam = torch.zeros((), dtype=torch.float64, device=self.device)
+        with_grad = [param for param in params if param.grad is not None]
+        pieces = [local_tensor(param.grad) for param in with_grad]
+        weights = [1.0 / replication(param, dp=self.dp, tp=self.tp) for param in with_grad]
         with torch.no_grad():
-            for param in params:
-                if param.grad is None:
-                    continue
-                weight = 1.0 / replication(param, dp=self.dp, tp=self.tp)
-                piece = local_tensor(param.grad).float()
-                sq += weight * piece.pow(2).sum()
-                if self.use_adam:
-                    denom = self.adam.denominator(param, piece)  # type: ignore[union-attr]
-                    if denom is not None:
-                        adam += weight * (piece / denom).pow(2).sum()
+            # |G_big|² sets the clipping factor, so it is summed exactly as before the statistics were batched: a
+            # change in its last bits would change the training (losses bit-identical under a fixed seed).
+            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            for piece, weight in zip(pieces, weights, strict=True):
+                sq += weight * piece.float().pow(2).sum()
+            adam = torch.zeros((), dtype=torch.float64, device=self.device)
+            if self.use_adam:
+                adam = self.adam.preconditioned_sqnorm(with_grad, pieces, weights).to(self.device)  # type: ignore[union-attr]
         return sq, adam
 
     def local_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's pieces of the local norms, already divided so that the world SUM is the final value."""
+        self.flush()
         if self.micro_mode:
             # Hooks saw g_k = ∂(loss_k / global count); G_micro = M·g_k, and local = mean_k |G_micro|² = M·Σ|g_k|².
             scale = float(self.num_microbatches)

@@ -112,6 +112,8 @@ class Trainer:
         self._last_print = -math.inf
         self._signal_reason = "signal"
         self._signalled_now = False
+        # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
+        self._wants_adam = self.job.policy.noise_estimator == "adam"
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
@@ -230,7 +232,7 @@ class Trainer:
         lr = job_learning_rate(self.job, samples=start, gbs=strategy.gbs)
 
         model.zero_grad()
-        model.stats.begin_step(use_adam=s.step > 0)
+        model.stats.begin_step(use_adam=s.step > 0 and self._wants_adam)
         loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
         tied_pre, tied_post = model.sync_tied()
         global_sq, global_adam = model.stats.global_terms(model.parameters())
@@ -271,7 +273,7 @@ class Trainer:
         if self.is_rank0:  # only after the optimizer update succeeded
             log_step(self.run_dir, attempt=self.attempt, step=s.step, start=start, end=end)
         has_local = model.stats.has_local
-        use_adam = s.step > 1 and model.stats.enabled
+        use_adam = s.step > 1 and model.stats.enabled and self._wants_adam
         self.heartbeat.add_step(
             StepRecord(
                 loss=loss,
