@@ -2,6 +2,7 @@
 
     python -m benchmarks.ttp [--quick] [--workloads gpt,llama,bert] [--seeds 0,1]
                              [--profile slurm/profiles/a100-4x8.yaml] [--preset examples/gpt3-1.3b.yaml]
+                             [--policy-set KEY=VALUE ...] [--out NAME.json]
 
 Real training of tiny models (`benchmarks/jobs/*.yaml`: byte-level GPT, Llama and BERT on the Shakespeare plays)
 where every statistic is real and every iteration's time is the cost model's for the chosen strategy of a full-size
@@ -79,6 +80,8 @@ class Settings:
     segment_s: float
     greedy_window_s: float | None
     cap: float
+    policy_overrides: tuple[str, ...] = ()
+    """`KEY=VALUE` settings of the jobs' `policy` section (`--policy-set`)."""
 
 
 @dataclasses.dataclass
@@ -164,7 +167,7 @@ class _Context:
         from trainer.parallel import init_distributed
 
         self.s = s
-        overrides = [f"seed={s.seed}", f"target.max_samples={s.max_samples}"]
+        overrides = [f"seed={s.seed}", f"target.max_samples={s.max_samples}", *(f"policy.{o}" for o in s.policy_overrides)]
         self.job = load_job(REPO / s.job_path, overrides)
         if not Path(self.job.data.path).is_absolute():
             self.job.data.path = str(REPO / self.job.data.path)
@@ -310,7 +313,11 @@ def _scheduler(ctx: _Context, tmp: Path):
             pass
 
     target = TargetSpec(val_perplexity=math.exp(ctx.lowest), max_samples=ctx.job.target.max_samples * ctx.cluster.scale)
-    job = ctx.preset.model_copy(update={"policy": ctx.job.policy, "target": target})
+    # The tiny job's LR rule in preset samples (its base batch × the batch mapping), for `policy.lr_aware`.
+    batch = ctx.preset.batch.model_copy(update={"base_gbs": ctx.job.batch.base_gbs * ctx.cluster.scale})
+    job = ctx.preset.model_copy(
+        update={"policy": ctx.job.policy, "target": target, "optimizer": ctx.job.optimizer, "batch": batch}
+    )
     run_dir = RunDir(tmp)
     return Scheduler(run_dir=run_dir, profile=ctx.profile, job=job, backend=NoBackend(run_dir=run_dir))
 
@@ -705,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy-window-s", type=float, default=None,
                         help="also build the greedy short-window sequence with this window (modeled s; costly)")
     parser.add_argument("--cap", type=float, default=2.0, help="stop a fixed run at this × the best fixed time")
+    parser.add_argument("--policy-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a field of the jobs' policy section for cona, e.g. lr_aware=true (repeatable)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default=None, help="JSON name under benchmarks/results (default ttp[-quick].json)")
     parser.add_argument("--resummarize", metavar="JSON", help="recompute tables, plots and ratios of a finished run")
@@ -724,14 +733,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         w = WORKLOADS[name]
         from trainer.job import load_job
+        from trainer.yamlconfig import ConfigError
 
-        job = load_job(REPO / w["job"])
+        try:
+            job = load_job(REPO / w["job"], [f"policy.{o}" for o in args.policy_set])
+        except ConfigError as e:
+            parser.error(f"--policy-set: {e}")
         settings += [
             Settings(workload=name, seed=seed, job_path=w["job"],
                      targets=w["quick_targets"] if args.quick else w["targets"],
                      max_samples=w["quick_max_samples"] if args.quick else job.target.max_samples,
                      profile_path=args.profile, preset_path=args.preset, restart_s=args.restart_s,
-                     segment_s=segment_s, greedy_window_s=args.greedy_window_s, cap=args.cap)
+                     segment_s=segment_s, greedy_window_s=args.greedy_window_s, cap=args.cap,
+                     policy_overrides=tuple(args.policy_set))
             for seed in seeds
         ]  # fmt: skip
     started = time.time()
@@ -751,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "ttp", "quick": args.quick, "wall_s": wall,
         "settings": {"profile": args.profile, "preset": args.preset, "restart_s": args.restart_s,
                      "oracle_segment_s": segment_s, "greedy_window_s": args.greedy_window_s, "fixed_cap": args.cap,
+                     "policy_set": args.policy_set,
                      "seeds": seeds, "jobs": args.jobs},
         "cluster": results[0]["cluster"],
         "workloads": {name: {"job": WORKLOADS[name]["job"], "runs": [r for r in results if r["workload"] == name],

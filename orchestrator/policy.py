@@ -24,6 +24,7 @@ from orchestrator.planner import Candidate, evaluate, layout_reason, static_choi
 from orchestrator.profile import ClusterProfile
 from orchestrator.throughput import ThroughputModel
 from trainer.job import JobSpec, PolicySpec
+from trainer.lr import lr_scale_factor
 from trainer.strategy import Strategy
 
 DEFAULT_BLEND_EVALUATIONS = 3
@@ -67,19 +68,57 @@ class Decision:
     """Plain JSON values: R(current), R(best), best strategy, ratio, threshold, horizon, B_noise used, wins, ..."""
 
 
-def progress_rate(candidate: Candidate, throughput: ThroughputModel, noise_scale: float) -> float:
+MIN_LR_EFFICIENCY = 0.05
+"""Floor of `LrRule.efficiency`: the quadratic model predicts no progress at twice the best LR; keep R ranked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LrRule:
+    """The job's learning-rate scaling rule, as `policy.lr_aware` ranks with it (see `efficiency`)."""
+
+    base_gbs: int
+    """The global batch at which `optimizer.lr` is tuned (`batch.base_gbs`)."""
+    rule: str
+    """`optimizer.lr_scaling`: none, linear or sqrt."""
+    cap: float
+    """`optimizer.lr_scaling_cap`."""
+
+    @classmethod
+    def of(cls, job: JobSpec) -> LrRule:
+        return cls(base_gbs=job.batch.base_gbs, rule=job.optimizer.lr_scaling, cap=job.optimizer.lr_scaling_cap)
+
+    def efficiency(self, gbs: int, noise_scale: float) -> float:
+        """Progress per step at the LR this rule gives `gbs`, relative to the best LR for `gbs`, in (0, 1].
+
+        In the quadratic model behind B_noise (McCandlish et al. 2018) the best LR at batch B is
+        ε_max/(1 + B_noise/B) and a step at r times the best LR makes 2r − r² of the best step's progress. With
+        `optimizer.lr` taken as the best LR at `base_gbs`, the rule's LR at B is r = f(B)·(1 + B_noise/B)/
+        (1 + B_noise/base_gbs) times the best, f the rule's scale factor: a sqrt rule capped at 2× under-steps
+        batches far above base_gbs once B_noise is large, and over-steps batches below it.
+        """
+        factor = lr_scale_factor(gbs=gbs, base_gbs=self.base_gbs, rule=self.rule, cap=self.cap)
+        r = factor * (1.0 + noise_scale / gbs) / (1.0 + noise_scale / self.base_gbs)
+        return max(MIN_LR_EFFICIENCY, 2.0 * r - r * r)
+
+
+def progress_rate(
+    candidate: Candidate, throughput: ThroughputModel, noise_scale: float, *, lr_rule: LrRule | None = None
+) -> float:
     """R(c) = X(c) / (gbs(c) + B_noise): the surrogate of optimisation progress per second.
 
     With B_noise the gradient noise scale, a step of batch B makes 1/(1 + B_noise/B) of the progress of a
     noise-free step (McCandlish et al. 2018), so progress per second is X/B · B/(B + B_noise) = X/(B + B_noise)
     with X the calibrated throughput in samples/s. It ranks exactly as Pollux's goodput.
 
-    The learning-rate rule (`optimizer.lr_scaling`) is deliberately not part of R: the metric assumes each batch
-    size is trained with a suitable learning rate, which is what the scaling rule is for.
+    That assumes each batch size is trained with its best learning rate. With `lr_rule` (`policy.lr_aware`), R is
+    multiplied by how close the job's LR scaling rule comes to that (`LrRule.efficiency`).
     """
     if noise_scale < 0 or not math.isfinite(noise_scale):
         raise ValueError(f"noise scale must be finite and non-negative, got {noise_scale}")
-    return throughput.samples_per_s(candidate) / (candidate.gbs + noise_scale)
+    rate = throughput.samples_per_s(candidate) / (candidate.gbs + noise_scale)
+    if lr_rule is not None:
+        rate *= lr_rule.efficiency(candidate.gbs, noise_scale)
+    return rate
 
 
 def _same(candidate: Candidate, strategy: Strategy) -> bool:
@@ -221,6 +260,7 @@ class ConaPolicy(Policy):
         horizon_intervals: float,
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
         critical_batch_factor: float = 1.0,
+        lr_rule: LrRule | None = None,
     ) -> None:
         if prior_noise_scale <= 0:
             raise ValueError(f"prior_noise_scale must be positive, got {prior_noise_scale}")
@@ -236,6 +276,7 @@ class ConaPolicy(Policy):
         self.horizon_intervals = float(horizon_intervals)
         self.blend_evaluations = int(blend_evaluations)
         self.critical_batch_factor = float(critical_batch_factor)
+        self.lr_rule = lr_rule
         self._wins: dict[Strategy, int] = {}
         self._noise_weight = 0.0
         self._last_current: Strategy | None = None
@@ -243,12 +284,15 @@ class ConaPolicy(Policy):
         self._switches = 0
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec, *, blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS) -> ConaPolicy:
+    def from_spec(
+        cls, spec: PolicySpec, *, lr_rule: LrRule | None = None, blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS
+    ) -> ConaPolicy:
+        """The policy `spec` describes; `lr_rule` is used only with `spec.lr_aware`."""
         return cls(
             prior_noise_scale=spec.prior_noise_scale, min_gain=spec.min_gain, persistence=spec.persistence,
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
-            critical_batch_factor=spec.critical_batch_factor,
+            critical_batch_factor=spec.critical_batch_factor, lr_rule=lr_rule if spec.lr_aware else None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -279,11 +323,12 @@ class ConaPolicy(Policy):
             return None
         return (1 + self.min_gain) * horizon_s / (horizon_s - switch_cost_s)
 
-    @staticmethod
     def _ranked(
-        candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float, current: Strategy | None
+        self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float, current: Strategy | None
     ) -> list[tuple[float, Candidate]]:
-        rated = [(progress_rate(c, throughput, noise_scale), c) for c in candidates if c.feasible]
+        rated = [
+            (progress_rate(c, throughput, noise_scale, lr_rule=self.lr_rule), c) for c in candidates if c.feasible
+        ]
         # Highest R first; ties prefer the current strategy (no pointless switch), then simpler layouts.
         rated.sort(
             key=lambda rc: (
@@ -551,7 +596,7 @@ def make_policy(job: JobSpec, *, profile: ClusterProfile, candidates: list[Candi
     """
     spec = job.policy
     if spec.name == "cona":
-        return ConaPolicy.from_spec(spec)
+        return ConaPolicy.from_spec(spec, lr_rule=LrRule.of(job) if spec.lr_aware else None)
     if spec.name == "static":
         return StaticPolicy(job=job, profile=profile, candidates=candidates)
     if spec.name == "fixed":

@@ -11,9 +11,11 @@ import pytest
 from orchestrator.costmodel import Prediction
 from orchestrator.planner import Candidate, enumerate_candidates, static_choice
 from orchestrator.policy import (
+    MIN_LR_EFFICIENCY,
     ConaPolicy,
     DecisionContext,
     FixedPolicy,
+    LrRule,
     SchedulePolicy,
     StaticPolicy,
     make_policy,
@@ -104,7 +106,33 @@ def test_throughput_matters():
     assert progress_rate(fast, tm, 100.0) < progress_rate(slow, tm, 100.0)
     # A slow layout loses even at its best batch size: X counts, not only gbs.
     family = [*FAMILY, candidate(32, dp=2, tp=2, slowdown=1.2)]
-    assert ConaPolicy._ranked(family, ThroughputModel(candidates=family), 100.0, None)[0][1] is G[32]
+    assert cona()._ranked(family, ThroughputModel(candidates=family), 100.0, None)[0][1] is G[32]
+
+
+def test_lr_efficiency_follows_the_quadratic_model():
+    sqrt = LrRule(base_gbs=32, rule="sqrt", cap=2.0)
+    for noise in (0.0, 10.0, 1e3, 1e6):
+        assert sqrt.efficiency(32, noise) == pytest.approx(1.0)  # optimizer.lr is the best LR at base_gbs
+    # Noise-free, the best LR does not depend on the batch: a sqrt rule's 2× at 4·base_gbs is twice too large.
+    assert sqrt.efficiency(128, 0.0) == pytest.approx(MIN_LR_EFFICIENCY)
+    # Noise-dominated, the best LR grows linearly with the batch: 2× at 4·base_gbs is half of it (2r − r² = 0.75).
+    assert sqrt.efficiency(128, 1e9) == pytest.approx(0.75, rel=1e-6)
+    # Below base_gbs the same rule over-steps: r = 0.5·(1 + B/8)/(1 + B/32) → 2 as B → ∞.
+    assert sqrt.efficiency(8, 1e9) == pytest.approx(MIN_LR_EFFICIENCY)
+    linear = LrRule(base_gbs=32, rule="linear", cap=100.0)
+    assert linear.efficiency(128, 1e9) == pytest.approx(1.0, rel=1e-6)  # linear scaling is right when noise dominates
+    for gbs in (8, 16, 64, 128):
+        for noise in (1.0, 100.0, 1e4):
+            assert MIN_LR_EFFICIENCY <= sqrt.efficiency(gbs, noise) < 1.0
+
+
+def test_lr_aware_ranking_prefers_the_batches_the_lr_rule_serves():
+    tm = ThroughputModel(candidates=FAMILY)
+    rule = LrRule(base_gbs=32, rule="sqrt", cap=2.0)
+    plain = max(FAMILY, key=lambda c: progress_rate(c, tm, 5000.0))
+    aware = max(FAMILY, key=lambda c: progress_rate(c, tm, 5000.0, lr_rule=rule))
+    assert plain.gbs == 128 and aware.gbs == 64  # 128 would get half the LR a noise-dominated step wants
+    assert progress_rate(G[32], tm, 5000.0, lr_rule=rule) == pytest.approx(progress_rate(G[32], tm, 5000.0))
 
 
 def test_cold_start_picks_the_best_rate_under_the_prior():
@@ -321,6 +349,9 @@ def test_make_policy_cona_uses_the_job_settings(setup):
     tm = ThroughputModel(candidates=candidates)
     first = policy.initial(candidates=candidates, throughput=tm, samples=0)
     assert first in [c.strategy for c in candidates]
+    assert policy.lr_rule is None  # policy.lr_aware is off by default
+    aware = make_policy(with_policy(job, lr_aware=True), profile=profile, candidates=candidates)
+    assert aware.lr_rule == LrRule(base_gbs=job.batch.base_gbs, rule=job.optimizer.lr_scaling, cap=job.optimizer.lr_scaling_cap)
 
 
 def test_static_is_the_planners_choice_and_never_switches(setup):

@@ -275,6 +275,9 @@ class PolicySpec(StrictModel):
     critical_batch_factor: float = Field(1.0, gt=0)
     """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
     larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
+    lr_aware: bool = False
+    """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
+    best LR at `batch.base_gbs` (`orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
     noise_ema: float = Field(0.9, ge=0, lt=1)
     """EMA factor per heartbeat for the numerator and denominator of B_noise."""
     min_noise_samples: int = Field(8, ge=1)
