@@ -1,19 +1,23 @@
 """The cost of one switch on the local backend, split into its parts, next to its physical floor.
 
-    python -m benchmarks.switch [--models tiny,50m] [--profile slurm/profiles/local-cpu.yaml]
+    python -m benchmarks.switch [--models tiny,50m] [--modes relaunch,in-place] [--profile slurm/profiles/local-cpu.yaml]
 
 For each model a real run (`orchestrator.scheduler.Scheduler` + `LocalBackend`: torchrun, gloo on CPU, exactly
 what `cona run` does) follows a `schedule` policy A → B → A, so each run measures two switches that reshard the
-checkpoint between layouts (A: dp=4; B: dp=2 × pp=2). Each switch is timed from the decision (the scheduler's
+checkpoint between layouts (A: dp=4; B: dp=2 × pp=2), once per switch mode: `relaunch` (the trainer exits and
+the backend starts a new torchrun) and `in-place` (`policy.in_place_switch`: the same processes rebuild the model,
+optimizer and meshes for the new strategy). Each switch is timed from the decision (the scheduler's
 `switch` event, control.json written) to the end of the first optimizer step under the new strategy (the new
 attempt's first periodic heartbeat), split with the timestamps the run leaves behind:
 
     step boundary   decision → the trainer starts its checkpoint (it finishes the step in flight first)
     save            checkpoint start (trainer_state.json `time`) → COMPLETE marker written
-    exit            COMPLETE → torchrun exited (mtime of attempts/<n>/exit_code, written by the local backend)
+    exit            COMPLETE → torchrun exited (mtime of attempts/<n>/exit_code, written by the local backend);
+                    in place: COMPLETE → the old model is released (the new attempt's startup.json `main_start`)
     launch+rdzv     torchrun exited → the new attempt starts loading: the scheduler's poll, torchrun, interpreter
                     and `import torch` in every worker, the process-group rendezvous, model build
-                    (attempts/<n>/startup.json: process_start, main_start, dist_ready, model_ready, load_start)
+                    (attempts/<n>/startup.json: process_start, main_start, dist_ready, model_ready, load_start);
+                    in place: the model build alone (main_start → load_start)
     load            load_start → load_end (DCP read and reshard)
     first step      load_end → first heartbeat of the new attempt
 
@@ -49,13 +53,14 @@ STRATEGY_B = "dp=2,tp=1,pp=2,mbs=2,gbs=8"
 PHASES = ("step boundary", "save", "exit", "launch+rdzv", "load", "first step")
 
 
-def _job(model: str, switch_at: list[int], max_samples: int) -> Any:
+def _job(model: str, switch_at: list[int], max_samples: int, *, in_place: bool) -> Any:
     from trainer.job import job_from_dict, job_to_dict, load_job
 
     job = load_job(REPO / "examples/tiny-gpt.yaml", [
         *MODELS[model], "policy.name=cona", "policy.decision_interval_s=1", f"target.max_samples={max_samples}",
         "target.val_perplexity=1.01", "eval.interval_samples=1000000", "eval.num_windows=4", "eval.batch_size=4",
         "checkpoint.interval_steps=100000", "checkpoint.keep=4", "heartbeat.interval_steps=1",
+        f"policy.in_place_switch={str(in_place).lower()}",
         f"data.path={REPO / 'data/shakespeare.txt'}",
     ])  # fmt: skip
     strategies = [STRATEGY_A, STRATEGY_B, STRATEGY_A]
@@ -73,7 +78,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def measure_run(model: str, *, profile_path: str, keep: bool) -> dict[str, Any]:
+def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) -> dict[str, Any]:
     from orchestrator.backends import make_backend
     from orchestrator.profile import load_profile
     from orchestrator.runstate import create_run, read_events
@@ -82,9 +87,9 @@ def measure_run(model: str, *, profile_path: str, keep: bool) -> dict[str, Any]:
 
     profile = load_profile(REPO / profile_path)
     if model == "tiny":
-        job = _job(model, switch_at=[80, 480], max_samples=1200)
+        job = _job(model, switch_at=[80, 480], max_samples=1200, in_place=in_place)
     else:
-        job = _job(model, switch_at=[16, 48], max_samples=72)
+        job = _job(model, switch_at=[16, 48], max_samples=72, in_place=in_place)
     runs = REPO / "runs"
     runs.mkdir(exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"bench-switch-{model}-", dir=runs))
@@ -110,8 +115,12 @@ def measure_run(model: str, *, profile_path: str, keep: bool) -> dict[str, Any]:
         marker = json.loads((ckpt / "COMPLETE").read_text())
         size = sum(marker["files"].values())
         checkpoint_bytes.append(size)
-        exited = (run_dir.attempt_dir(old) / "exit_code").stat().st_mtime
         startup = json.loads((run_dir.attempt_dir(new) / "startup.json").read_text())
+        if startup.get("in_place"):
+            assert exit_record.get("next_attempt") == new, f"attempt {old} did not switch in place"
+            exited = startup["main_start"]
+        else:
+            exited = (run_dir.attempt_dir(old) / "exit_code").stat().st_mtime
         beats = _read_jsonl(run_dir.heartbeat_file(new))
         first = next(b for b in beats if b.get("event") is None)
         t = {
@@ -134,7 +143,7 @@ def measure_run(model: str, *, profile_path: str, keep: bool) -> dict[str, Any]:
             "torchrun + interpreter start": t["main_start"] - t["launched"],
             "imports + rendezvous": t["dist_ready"] - t["main_start"],
             "model build": t["load_start"] - t["dist_ready"],
-        }
+        } if not startup.get("in_place") else {"model build": t["load_start"] - t["dist_ready"]}  # fmt: skip
         out.append({
             "from": sw["from"], "to": sw["to"], "checkpoint_bytes": size, "total_s": t["first_step"] - t["decision"],
             "scheduler_switch_cost_s": completes[i]["switch_cost_s"] if i < len(completes) else None,
@@ -145,7 +154,8 @@ def measure_run(model: str, *, profile_path: str, keep: bool) -> dict[str, Any]:
     from trainer.job import job_to_dict
 
     return {
-        "model": model, "num_params": job.model.num_params, "run_dir": str(root) if keep else None,
+        "model": model, "mode": "in-place" if in_place else "relaunch", "num_params": job.model.num_params,
+        "run_dir": str(root) if keep else None,
         "wall_s": wall, "switches": out, "job": job_to_dict(job),
     }  # fmt: skip
 
@@ -186,23 +196,31 @@ def measure_floor(num_bytes: int, directory: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.switch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,50m", help="comma-separated: tiny, 50m")
+    parser.add_argument("--modes", default="relaunch,in-place", help="comma-separated: relaunch, in-place")
     parser.add_argument("--profile", default="slurm/profiles/local-cpu.yaml")
     parser.add_argument("--keep", action="store_true", help="keep the run directories under runs/")
     args = parser.parse_args(argv)
     results = []
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in ("relaunch", "in-place"):
+            parser.error(f"unknown mode {mode!r}; valid: relaunch, in-place")
     for model in args.models.split(","):
         if model not in MODELS:
             parser.error(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
-        print(f"switch benchmark: {model} ...", file=sys.stderr, flush=True)
-        run = measure_run(model, profile_path=args.profile, keep=args.keep)
-        size = max(s["checkpoint_bytes"] for s in run["switches"])
+        runs = []
+        for mode in modes:
+            print(f"switch benchmark: {model}, {mode} ...", file=sys.stderr, flush=True)
+            runs.append(measure_run(model, in_place=mode == "in-place", profile_path=args.profile, keep=args.keep))
+        size = max(s["checkpoint_bytes"] for run in runs for s in run["switches"])
         floor = measure_floor(size, REPO / "runs")
-        for s in run["switches"]:
-            b = s["checkpoint_bytes"]
-            s["floor_s"] = b / floor["write_bytes_per_s"] + b / floor["read_bytes_per_s"] + floor["import_torch_s"]
-            s["over_floor"] = s["total_s"] / s["floor_s"]
-        run["floor"] = floor
-        results.append(run)
+        for run in runs:
+            for s in run["switches"]:
+                b = s["checkpoint_bytes"]
+                s["floor_s"] = b / floor["write_bytes_per_s"] + b / floor["read_bytes_per_s"] + floor["import_torch_s"]
+                s["over_floor"] = s["total_s"] / s["floor_s"]
+            run["floor"] = floor
+            results.append(run)
     path = write_json("switch.json", {"benchmark": "switch", "profile": args.profile,
                                       "strategies": [STRATEGY_A, STRATEGY_B], "models": results})  # fmt: skip
     rows = []
@@ -211,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         for i, s in enumerate(run["switches"]):
             short = f"{s['from']['dp']}×{s['from']['pp']}→{s['to']['dp']}×{s['to']['pp']}"
             rows.append([
-                f"{run['model']} ({run['num_params'] / 1e6:.1f}M) #{i + 1} dp×pp {short}",
+                f"{run['model']} ({run['num_params'] / 1e6:.1f}M) {run['mode']} #{i + 1} dp×pp {short}",
                 f"{s['checkpoint_bytes'] / 1e6:.1f} MB", *(fmt_s(s["phases_s"][p]) for p in PHASES),
                 fmt_s(s["total_s"]), fmt_s(s["floor_s"]), f"{s['over_floor']:.2f}×",
             ])  # fmt: skip
-        print(f"{run['model']}: floor parts: write {f['write_bytes_per_s'] / 1e6:,.0f} MB/s, read "
+        print(f"{run['model']} {run['mode']}: floor parts: write {f['write_bytes_per_s'] / 1e6:,.0f} MB/s, read "
               f"{f['read_bytes_per_s'] / 1e6:,.0f} MB/s, python -c 'import torch' {f['import_torch_s']:.2f} s; "
-              f"launch+rdzv parts of switch #1: "
+              f"launch+rdzv (in place: rebuild) parts of switch #1: "
               + ", ".join(f"{k} {fmt_s(v)}" for k, v in run["switches"][0]["launch_parts_s"].items()))  # fmt: skip
     print(f"JSON {path.relative_to(REPO)}")
     print_table("switch cost on the local backend (decision → first step under the new strategy)",

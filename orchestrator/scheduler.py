@@ -114,14 +114,19 @@ class Scheduler:
         attempts = self.state.get("attempts") or []
         return Attempt.from_dict(attempts[-1]) if attempts else None
 
-    def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str) -> Attempt:
+    def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False) -> Attempt:
+        """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it."""
         number = int(self.state.get("attempt", 0)) + 1
         # state.json is what the trainer reads for its attempt number and strategy: write it before launching.
         self.state.update(attempt=number, strategy=strategy.to_dict(), status="running")
         self.state.setdefault("attempts", [])
         self._save()
         self.run_dir.attempt_dir(number).mkdir(parents=True, exist_ok=True)
-        attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
+        if in_place:
+            assert previous is not None
+            attempt = self.backend.continued(previous, number=number, strategy=strategy)
+        else:
+            attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
         self.state["attempts"].append(attempt.to_dict())
         self.state["heartbeat_offset"] = 0
         self.state["windows_in_attempt"] = 0
@@ -133,13 +138,14 @@ class Scheduler:
         self.live.attempt, self.live.strategy = number, strategy.short()
         return attempt
 
-    def _send(self, command: str, *, strategy: Strategy | None = None, reason: str = "") -> int:
+    def _send(self, command: str, *, strategy: Strategy | None = None, reason: str = "", in_place: bool = False) -> int:
         seq = int(self.state.get("control_seq", 0)) + 1
         existing = self.run_dir.read_control()
         if existing is not None and existing.seq >= seq:
             seq = existing.seq + 1  # `cona stop` may have written one meanwhile
+        target = strategy.to_dict() if strategy else None
         self.run_dir.write_control(
-            ControlRecord(seq=seq, command=command, strategy=strategy.to_dict() if strategy else None, reason=reason)
+            ControlRecord(seq=seq, command=command, strategy=target, reason=reason, in_place=in_place)
         )
         self.state["control_seq"] = seq
         return seq
@@ -255,9 +261,15 @@ class Scheduler:
         self.state["last_decision"] = {"time": ctx.now, "reason": decision.reason, "metrics": decision.metrics}
         if decision.switch_to is None or decision.switch_to == attempt.strategy:
             return
-        seq = self._send("switch", strategy=decision.switch_to, reason=decision.reason)
+        in_place = (
+            self.job.policy.in_place_switch
+            and self.backend.supports_in_place_switch
+            and decision.switch_to.world_size == attempt.strategy.world_size
+        )
+        seq = self._send("switch", strategy=decision.switch_to, reason=decision.reason, in_place=in_place)
         self.state["switch_requested"] = {
             "time": ctx.now, "to": decision.switch_to.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
+            "in_place": in_place,
         }  # fmt: skip
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
                   to=decision.switch_to.to_dict(), reason=decision.reason, metrics=decision.metrics,
@@ -322,6 +334,12 @@ class Scheduler:
                 log_event(self.run_dir, "time-budget", elapsed_s=round(self._elapsed(), 1))
                 self._save()
 
+            following = self._switched_in_place(attempt)
+            if following is not None:
+                attempt = following
+                next_decision = time.time() + self.job.policy.decision_interval_s
+                continue
+
             outcome = self.backend.poll(attempt)
             if outcome.status.finished:
                 # Read the heartbeats written just before the exit.
@@ -349,6 +367,26 @@ class Scheduler:
                 next_decision = time.time() + self.job.policy.decision_interval_s
             self.on_update(self.live)
             time.sleep(self.poll_interval_s)
+
+    def _switched_in_place(self, attempt: Attempt) -> Attempt | None:
+        """The next attempt, if `attempt`'s processes switched in place (their exit record names it); else None.
+
+        Checked before the backend's poll: the processes may already have finished the next attempt too, and its
+        exit belongs to that attempt, not to this one."""
+        record = self.run_dir.read_exit(attempt.number)
+        if not record or record.get("next_attempt") != attempt.number + 1 or not record.get("next_strategy"):
+            return None
+        self._absorb(attempt, self._tail_heartbeats(attempt))  # the lines written before the exit record
+        target = Strategy.from_dict(record["next_strategy"])
+        log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.get("exit_code"),
+                  detail="in place", samples=self.live.samples, step=self.live.step)  # fmt: skip
+        requested = self.state.get("switch_requested") or {"time": float(record.get("time", time.time()))}
+        self.state["restarts_in_row"] = 0
+        self.state["switch_requested"] = None
+        self.state["switch_started"] = {"time": requested["time"], "to_attempt": attempt.number + 1}
+        self.state["strategy_since"] = time.time()
+        self.live.switches += 1
+        return self._launch(target, previous=attempt, why="switch in place", in_place=True)
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,3 +228,47 @@ def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
     assert [e["kind"] for e in events if e["event"] == "failure"] == ["hang"]
     assert_attempts_never_overlap(run_dir)
     assert assert_samples_exact(run_dir) == 3200
+
+
+def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
+    """An in-place switch (the processes stay; model, optimizer and meshes are rebuilt for the new layout and batch)
+    trains exactly what a fresh torchrun of the new strategy trains from the same checkpoint, bit for bit."""
+    schedule = ["--set", "policy.name=schedule", "--set",
+                "policy.schedule=[{samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}, "
+                "{samples: 480, strategy: 'dp=2,tp=1,pp=2,mbs=4,gbs=32'}]",
+                "--set", "target.max_samples=1120", "--set", "eval.interval_samples=560",
+                "--set", "checkpoint.keep=50"]  # fmt: skip
+    run_dir = RunDir(tmp_path / "in-place")
+    proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT, *schedule)
+    out = finish(proc, timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert read_state(run_dir)["status"] == "done"
+    assert_attempts_never_overlap(run_dir)
+    assert 1120 <= assert_samples_exact(run_dir) < 1120 + 32  # the last gbs-32 step may run past the budget
+    attempts = read_state(run_dir)["attempts"]
+    assert [a["strategy"]["gbs"] for a in attempts] == [16, 32]
+    assert attempts[0]["backend_id"] == attempts[1]["backend_id"], "an in-place switch keeps the processes"
+    switched = run_dir.read_exit(1)
+    assert switched["next_attempt"] == 2 and switched["next_strategy"]["pp"] == 2
+    assert json.loads((run_dir.attempt_dir(2) / "startup.json").read_text())["in_place"] is True
+    assert [e["event"] for e in read_events(run_dir)].count("switch-complete") == 1
+
+    # The same checkpoint, relaunched by hand under the new strategy: the same losses step by step.
+    step = switched["step"]
+    fresh = RunDir(tmp_path / "relaunch")
+    fresh.checkpoints.mkdir(parents=True)
+    (fresh.root / "run.yaml").write_text((run_dir.root / "run.yaml").read_text())
+    shutil.copytree(run_dir.checkpoint_dir(step), fresh.checkpoint_dir(step))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "trainer",
+         "--run-dir", str(fresh.root), "--strategy", "dp=2,tp=1,pp=2,mbs=4,gbs=32", "--attempt", "2",
+         "--max-steps", str(step + 5)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert fresh.read_exit(2) is not None and fresh.read_exit(2)["name"] == "STOPPED", by_hand.stderr[-3000:]
+
+    def losses(rd: RunDir) -> dict[int, float]:
+        return {hb["step"]: hb["train_loss"] for hb in heartbeats(rd, 2) if hb.get("event") is None and hb["step"] <= step + 5}
+
+    assert sorted(losses(fresh)) == list(range(step + 1, step + 6))
+    assert losses(run_dir) == losses(fresh)

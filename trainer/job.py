@@ -292,6 +292,10 @@ class PolicySpec(StrictModel):
     """Minimum time on a strategy before switching again."""
     horizon_intervals: float = Field(12.0, gt=0)
     """The horizon H is at most this many decision intervals."""
+    in_place_switch: bool = True
+    """Switch between strategies of the same world size without restarting the trainer processes (the model,
+    optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local).
+    Off, every switch exits and relaunches."""
     switch_cost_s: float = Field(20.0, ge=0)
     """Switch cost assumed before one has been measured."""
     max_restarts: int = Field(3, ge=0)

@@ -15,6 +15,7 @@ a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat (`e
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -142,6 +143,22 @@ def main(argv: list[str] | None = None) -> int:
             max_steps=args.max_steps, dump_loaded_state=args.dump_loaded_state, startup=startup,
         )  # fmt: skip
         code = trainer.run()
+        while code == ExitCode.SWITCH and trainer.next_strategy is not None:
+            # An in-place switch: the process group, imports and data stay; the model, optimizer and meshes are
+            # rebuilt for the new strategy and resume from the checkpoint just written, as a relaunch would.
+            strategy, attempt = trainer.next_strategy, attempt + 1
+            groups = trainer.model.own_process_groups()
+            del trainer
+            gc.collect()
+            for group in groups:  # every rank destroys the same groups in the same order
+                dist.destroy_process_group(group)
+            now = time.time()
+            startup = {"process_start": None, "main_start": now, "dist_ready": now, "in_place": True}
+            trainer = Trainer(
+                job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
+                max_steps=args.max_steps, startup=startup,
+            )  # fmt: skip
+            code = trainer.run()
     except ConfigError as e:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)

@@ -293,6 +293,19 @@ class ParallelModel:
                 params.append(part.tok_embeddings.weight)
         return mine, params
 
+    def own_process_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this model created that this rank belongs to (not the default group): what an
+        in-place switch destroys once the model is gone, so communicators do not pile up across switches."""
+        default = dist.distributed_c10d._get_default_group()
+        groups = [self.mesh.get_group(name) for name in ("pp", "dp", "tp")]
+        if self._tied_group is not None:
+            groups.append(self._tied_group)
+        unique: list[dist.ProcessGroup] = []
+        for group in groups:
+            if group is not default and all(group is not g for g in unique):
+                unique.append(group)
+        return unique
+
     # Steps ----------------------------------------------------------------------------------------------------
 
     def autocast(self) -> AbstractContextManager:

@@ -108,6 +108,9 @@ class ControlRecord:
     command: str  # "switch" | "stop" | "checkpoint"
     strategy: dict[str, int] | None = None
     reason: str = ""
+    in_place: bool = False
+    """For a switch to a strategy of the same world size: rebuild the model in the running processes instead of
+    exiting (the exit record then names `next_attempt` and `next_strategy`, and the backend keeps watching)."""
 
     COMMANDS = ("switch", "stop", "checkpoint")
 

@@ -34,7 +34,7 @@ from trainer.heartbeat import HeartbeatWriter, StepRecord
 from trainer.heartbeat_record import Heartbeat
 from trainer.job import JobSpec
 from trainer.lr import job_learning_rate
-from trainer.parallel import DistEnv, ParallelModel
+from trainer.parallel import DistEnv, ParallelModel, check_layout
 from trainer.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
 from trainer.samples_log import log_resume, log_step
 from trainer.strategy import Strategy
@@ -112,6 +112,8 @@ class Trainer:
         self._last_print = -math.inf
         self._signal_reason = "signal"
         self._signalled_now = False
+        self.next_strategy: Strategy | None = None
+        """Set when `run` returns SWITCH for an in-place switch: the strategy to rebuild with in these processes."""
         # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
         self._wants_adam = self.job.policy.noise_estimator == "adam"
         self.startup["model_ready"] = time.time()
@@ -200,7 +202,15 @@ class Trainer:
             if action in (Action.SWITCH, Action.STOP):
                 record = self.control.mark_handled() if self.is_rank0 else None
                 if action == Action.SWITCH:
-                    return self.finish(ExitCode.SWITCH, f"switch (control seq {record.seq if record else '?'})")
+                    seq = record.seq if record else "?"
+                    self.next_strategy = self._in_place_target(record)
+                    if self.next_strategy is None:
+                        return self.finish(ExitCode.SWITCH, f"switch (control seq {seq})")
+                    return self.finish(
+                        ExitCode.SWITCH,
+                        f"switch in place to {self.next_strategy.short()} (control seq {seq})",
+                        next_attempt=self.attempt + 1,
+                    )
                 reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
                 return self.finish(ExitCode.STOPPED, reason)
             if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
@@ -210,6 +220,23 @@ class Trainer:
                     reason = f"checkpoint (control seq {record.seq if record else '?'})"
                 self.save()
                 self._heartbeat(event="checkpoint", reason=reason)
+
+    def _in_place_target(self, record: Any) -> Strategy | None:
+        """The strategy to continue with in these processes, agreed by all ranks; None to exit for a relaunch.
+
+        Only rank 0 reads control.json. In place needs the orchestrator's consent (`in_place`, given when its
+        backend can keep watching the same processes) and a strategy that fits this world.
+        """
+        shared: list[Any] = [None]
+        if self.is_rank0 and record is not None and record.in_place and record.strategy:
+            try:
+                target = Strategy.from_dict(record.strategy)
+                check_layout(self.job, target, world_size=self.env.world_size)
+                shared = [target.to_dict()]
+            except (ValueError, TypeError) as e:  # LayoutError is a ValueError: fall back to exit and relaunch
+                print(f"cona trainer: switching by relaunch, not in place: {e}", flush=True)
+        dist.broadcast_object_list(shared, src=0)
+        return Strategy.from_dict(shared[0]) if shared[0] else None
 
     def _budget_reached(self) -> tuple[ExitCode, str] | None:
         s = self.state
@@ -353,23 +380,34 @@ class Trainer:
             self._last_print = now
             print(_progress_line(heartbeat), flush=True)
 
-    def finish(self, code: ExitCode, reason: str) -> ExitCode:
-        """Checkpoint (unless the state on storage is already this one), record the exit, return the code."""
+    def finish(self, code: ExitCode, reason: str, *, next_attempt: int | None = None) -> ExitCode:
+        """Checkpoint (unless the state on storage is already this one), record the exit, return the code.
+
+        With `next_attempt` (an in-place switch to `self.next_strategy`) the exit record says so: the checkpoint is
+        complete before the record appears, and the orchestrator then watches the same processes as that attempt.
+        """
         if self.state.step > 0 and self.state.step != self.loaded_step:
             self.save()
         if self.is_rank0:
             self._heartbeat(event="exit", exit_code=int(code), reason=reason)
-            write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step)
+            follow = {}
+            if next_attempt is not None and self.next_strategy is not None:
+                follow = {"next_attempt": next_attempt, "next_strategy": self.next_strategy.to_dict()}
+            write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step, **follow)
         dist.barrier()
         return code
 
 
-def write_exit(run_dir: RunDir, attempt: int, *, code: ExitCode | int, reason: str, step: int | None) -> None:
-    """`attempts/<n>/exit.json` (see `RunDir.exit_file`); a plain int code is a crash (name CRASH)."""
+def write_exit(
+    run_dir: RunDir, attempt: int, *, code: ExitCode | int, reason: str, step: int | None, **follow: Any
+) -> None:
+    """`attempts/<n>/exit.json` (see `RunDir.exit_file`); a plain int code is a crash (name CRASH).
+
+    `follow` is `next_attempt` and `next_strategy` when the processes go on in place as the next attempt."""
     name = code.name if isinstance(code, ExitCode) else "CRASH"
     atomic_write_json(
         run_dir.exit_file(attempt),
-        {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time()},
+        {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time(), **follow},
     )
 
 

@@ -114,6 +114,13 @@ class Backend(abc.ABC):
     def cancel(self, attempt: Attempt) -> None:
         """Kill the attempt (used for hangs and `cona stop --now`); idempotent."""
 
+    supports_in_place_switch: bool = False
+    """Whether `continued` works: the backend can watch processes that go on as the next attempt."""
+
+    def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
+        """The attempt `number` that `attempt`'s processes became by switching in place to `strategy`."""
+        raise NotImplementedError(f"the {self.name} backend cannot switch in place")
+
     def adopt(self, attempt: Attempt) -> bool:
         """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""
         return not self.poll(attempt).status.finished

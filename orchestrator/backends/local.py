@@ -1,7 +1,9 @@
 """The local backend: `torchrun --standalone` on this machine (CPU + gloo when there is no GPU).
 
-Each attempt runs in its own process session under a tiny shell wrapper that records torchrun's exit code in
+Each launch runs in its own process session under a tiny shell wrapper that records torchrun's exit code in
 `attempts/<n>/exit_code`, so an orchestrator that was killed and restarted can still tell how the attempt ended.
+An in-place switch keeps the processes: the next attempt is the same process group, and its exit code lands in the
+directory of the attempt that launched it (`extra.launched_as`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ class LocalBackend(Backend):
             extra={"start_time": _process_start_time(proc.pid), "log": str(log)},
         )
 
+    supports_in_place_switch = True
+
+    def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
+        # Same processes: the exit code and log stay in the directory of the attempt that launched them.
+        extra = {**attempt.extra, "launched_as": attempt.extra.get("launched_as", attempt.number)}
+        return Attempt(number=number, strategy=strategy, backend_id=attempt.backend_id, started_at=time.time(),
+                       extra=extra)  # fmt: skip
+
     def _reap(self, pid: int) -> None:
         child = self._children.get(pid)
         if child is not None and child.poll() is not None:
@@ -104,7 +114,7 @@ class LocalBackend(Backend):
     def poll(self, attempt: Attempt) -> Outcome:
         if self._ours_and_alive(attempt):
             return Outcome(AttemptStatus.RUNNING)
-        exit_file = self.run_dir.attempt_dir(attempt.number) / EXIT_CODE_FILE
+        exit_file = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number))) / EXIT_CODE_FILE
         try:
             code = int(exit_file.read_text().strip())
         except (OSError, ValueError):
