@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             # An in-place switch: the process group, imports and data stay; the model, optimizer and meshes are
             # rebuilt for the new strategy and resume from the checkpoint just written, as a relaunch would.
             strategy, attempt = trainer.next_strategy, attempt + 1
-            groups = trainer.model.own_process_groups()
+            groups, control = trainer.model.own_process_groups(), trainer.control
             del trainer
             gc.collect()
             for group in groups:  # every rank destroys the same groups in the same order
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             startup = {"process_start": None, "main_start": now, "dist_ready": now, "in_place": True}
             trainer = Trainer(
                 job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
-                max_steps=args.max_steps, startup=startup,
+                max_steps=args.max_steps, startup=startup, control=control,
             )  # fmt: skip
             code = trainer.run()
     except ConfigError as e:

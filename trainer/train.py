@@ -93,6 +93,9 @@ class Trainer:
     """Tests: after resuming, save the loaded state as a DCP checkpoint here (to compare with the saved one)."""
     startup: dict[str, float | None] = dataclasses.field(default_factory=dict)
     """Start-up timestamps (time.time()) for `attempts/<n>/startup.json`; `main` fills the ones before the Trainer."""
+    control: ControlState = dataclasses.field(default_factory=ControlState)
+    """Control and signal state; an in-place switch hands the previous attempt's on, so a signal that arrives while
+    the model is rebuilt is not lost."""
 
     def __post_init__(self) -> None:
         self.rank = self.env.rank
@@ -101,7 +104,6 @@ class Trainer:
         self.model = ParallelModel(self.job, self.strategy, self.env)
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
                                   job_name=self.job.name)  # fmt: skip
-        self.control = ControlState()
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
