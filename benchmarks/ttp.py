@@ -784,11 +784,10 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     from trainer.job import load_job
 
     preset_base = load_job(REPO / report["settings"]["preset"]).batch.base_gbs
-    suffix = "-quick" if report.get("quick") else ""
     for workload, w in report["workloads"].items():
         targets = w.get("targets") or w["summary"]["targets"]
         w["summary"] = summarize(workload, targets, w["runs"], preset_base)
-        png = RESULTS / f"ttp{suffix}-{workload}.png"
+        png = RESULTS / f"{Path(name).stem}-{workload}.png"  # ttp-gpt.png, ttp-quick-gpt.png, <--out>-gpt.png
         plot(workload, w["runs"], targets, png)
         w["plot"] = str(png.relative_to(REPO))
     if keep_header:  # --resummarize: the machine and command are those of the run that trained
