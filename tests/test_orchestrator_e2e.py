@@ -268,7 +268,9 @@ def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
     assert fresh.read_exit(2) is not None and fresh.read_exit(2)["name"] == "STOPPED", by_hand.stderr[-3000:]
 
     def losses(rd: RunDir) -> dict[int, float]:
-        return {hb["step"]: hb["train_loss"] for hb in heartbeats(rd, 2) if hb.get("event") is None and hb["step"] <= step + 5}
+        # Every step's line: periodic, or "eval" when an evaluation followed the step.
+        return {hb["step"]: hb["train_loss"] for hb in heartbeats(rd, 2)
+                if hb.get("event") in (None, "eval") and hb["train_loss"] is not None and hb["step"] <= step + 5}  # fmt: skip
 
     assert sorted(losses(fresh)) == list(range(step + 1, step + 6))
     assert losses(run_dir) == losses(fresh)
