@@ -49,7 +49,9 @@ class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, *, run_dir: RunDir, python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
-        super().__init__(run_dir=run_dir)
+        # Absolute: the wrapper runs in the run directory, so a relative path (the default `runs/<name>`) would point
+        # elsewhere there and the exit code would be lost.
+        super().__init__(run_dir=RunDir(Path(run_dir.root).resolve()))
         self.python = python or sys.executable
         self.extra_env = dict(extra_env or {})
         self._children: dict[int, subprocess.Popen] = {}

@@ -1,0 +1,60 @@
+"""The local backend on its own: real processes, a stand-in for torchrun."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from orchestrator.backends.base import AttemptStatus
+from orchestrator.backends.local import LocalBackend
+from trainer.rundir import RunDir
+from trainer.strategy import Strategy
+
+STRATEGY = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1)
+
+
+class ExitingBackend(LocalBackend):
+    """Runs `python -c 'exit(code)'` instead of torchrun."""
+
+    def __init__(self, *, run_dir: RunDir, code: int) -> None:
+        super().__init__(run_dir=run_dir)
+        self.code = code
+
+    def command(self, *, attempt: int, strategy: Strategy) -> list[str]:
+        return [sys.executable, "-c", f"raise SystemExit({self.code})"]
+
+
+def _wait(backend: LocalBackend, attempt) -> object:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        outcome = backend.poll(attempt)
+        if outcome.status.finished:
+            return outcome
+        time.sleep(0.1)
+    raise AssertionError("the stand-in attempt did not finish")
+
+
+def test_exit_code_is_recorded_for_a_relative_run_directory(tmp_path, monkeypatch):
+    """`cona run` without --run-dir uses the relative `runs/<name>`; the wrapper runs inside the run directory."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = RunDir(tmp_path.joinpath("runs", "relative").relative_to(tmp_path))
+    run_dir.root.mkdir(parents=True)
+    for code, status in ((0, AttemptStatus.DONE), (42, AttemptStatus.SWITCHED), (3, AttemptStatus.CRASHED)):
+        backend = ExitingBackend(run_dir=run_dir, code=code)
+        attempt = backend.launch(attempt=code + 1, strategy=STRATEGY)
+        outcome = _wait(backend, attempt)
+        assert outcome.status is status and outcome.exit_code == code, outcome
+        assert (tmp_path / "runs" / "relative" / "attempts" / str(code + 1) / "exit_code").read_text().strip() == str(code)
+
+
+def test_an_attempt_continued_in_place_is_watched_through_the_launch_that_started_it(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    backend = ExitingBackend(run_dir=run_dir, code=0)
+    first = backend.launch(attempt=1, strategy=STRATEGY)
+    second = backend.continued(first, number=2, strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=2))
+    third = backend.continued(second, number=3, strategy=STRATEGY)
+    assert second.backend_id == third.backend_id == first.backend_id
+    assert third.extra["launched_as"] == 1
+    outcome = _wait(backend, third)
+    assert outcome.status is AttemptStatus.DONE and outcome.exit_code == 0
