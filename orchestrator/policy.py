@@ -596,7 +596,7 @@ def make_policy(job: JobSpec, *, profile: ClusterProfile, candidates: list[Candi
     """
     spec = job.policy
     if spec.name == "cona":
-        return ConaPolicy.from_spec(spec, lr_rule=LrRule.of(job) if spec.lr_aware else None)
+        return ConaPolicy.from_spec(spec, lr_rule=LrRule.of(job))
     if spec.name == "static":
         return StaticPolicy(job=job, profile=profile, candidates=candidates)
     if spec.name == "fixed":

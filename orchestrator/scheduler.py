@@ -377,16 +377,20 @@ class Scheduler:
         if not record or record.get("next_attempt") != attempt.number + 1 or not record.get("next_strategy"):
             return None
         self._absorb(attempt, self._tail_heartbeats(attempt))  # the lines written before the exit record
-        target = Strategy.from_dict(record["next_strategy"])
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.get("exit_code"),
                   detail="in place", samples=self.live.samples, step=self.live.step)  # fmt: skip
-        requested = self.state.get("switch_requested") or {"time": float(record.get("time", time.time()))}
         self.state["restarts_in_row"] = 0
+        requested = self.state.get("switch_requested") or {"time": float(record.get("time", time.time()))}
+        target = Strategy.from_dict(record["next_strategy"])
+        return self._follow_switch(attempt, target, requested_at=requested["time"], in_place=True)
+
+    def _follow_switch(self, attempt: Attempt, target: Strategy, *, requested_at: float, in_place: bool = False) -> Attempt:
+        """The attempt after a switch of `attempt` to `target`: relaunched, or the same processes gone on in place."""
         self.state["switch_requested"] = None
-        self.state["switch_started"] = {"time": requested["time"], "to_attempt": attempt.number + 1}
+        self.state["switch_started"] = {"time": requested_at, "to_attempt": attempt.number + 1}
         self.state["strategy_since"] = time.time()
         self.live.switches += 1
-        return self._launch(target, previous=attempt, why="switch in place", in_place=True)
+        return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s
@@ -426,12 +430,7 @@ class Scheduler:
                 if record is None or record.strategy is None:
                     raise RunFailed(f"attempt {attempt.number} exited for a switch, but control.json names no strategy")
                 requested = {"time": time.time(), "to": record.strategy}
-            target = Strategy.from_dict(requested["to"])
-            self.state["switch_requested"] = None
-            self.state["switch_started"] = {"time": requested["time"], "to_attempt": int(self.state["attempt"]) + 1}
-            self.state["strategy_since"] = time.time()
-            self.live.switches += 1
-            return self._launch(target, previous=attempt, why="switch")
+            return self._follow_switch(attempt, Strategy.from_dict(requested["to"]), requested_at=requested["time"])
         if status is AttemptStatus.STOPPED and self.state.get("stop_requested"):
             reason = "time budget reached" if self.state.get("time_budget_reached") else "stopped on request"
             self._finish("stopped", reason=reason)

@@ -15,6 +15,7 @@ a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat (`e
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -138,10 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed()
     startup["dist_ready"] = time.time()
     try:
-        trainer = Trainer(
-            job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
-            max_steps=args.max_steps, dump_loaded_state=args.dump_loaded_state, startup=startup,
-        )  # fmt: skip
+        make_trainer = functools.partial(Trainer, job=job, run_dir=run_dir, env=env, corpus=corpus, max_steps=args.max_steps)
+        trainer = make_trainer(strategy=strategy, attempt=attempt, dump_loaded_state=args.dump_loaded_state, startup=startup)
         code = trainer.run()
         while code == ExitCode.SWITCH and trainer.next_strategy is not None:
             # An in-place switch: the process group, imports and data stay; the model, optimizer and meshes are
@@ -154,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group(group)
             now = time.time()
             startup = {"process_start": None, "main_start": now, "dist_ready": now, "in_place": True}
-            trainer = Trainer(
-                job=job, strategy=strategy, run_dir=run_dir, attempt=attempt, env=env, corpus=corpus,
-                max_steps=args.max_steps, startup=startup, control=control,
-            )  # fmt: skip
+            trainer = make_trainer(strategy=strategy, attempt=attempt, startup=startup, control=control)
             code = trainer.run()
     except ConfigError as e:
         if env.rank == 0:

@@ -204,15 +204,9 @@ class Trainer:
             if action in (Action.SWITCH, Action.STOP):
                 record = self.control.mark_handled() if self.is_rank0 else None
                 if action == Action.SWITCH:
-                    seq = record.seq if record else "?"
                     self.next_strategy = self._in_place_target(record)
-                    if self.next_strategy is None:
-                        return self.finish(ExitCode.SWITCH, f"switch (control seq {seq})")
-                    return self.finish(
-                        ExitCode.SWITCH,
-                        f"switch in place to {self.next_strategy.short()} (control seq {seq})",
-                        next_attempt=self.attempt + 1,
-                    )
+                    how = f" in place to {self.next_strategy.short()}" if self.next_strategy else ""
+                    return self.finish(ExitCode.SWITCH, f"switch{how} (control seq {record.seq if record else '?'})")
                 reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
                 return self.finish(ExitCode.STOPPED, reason)
             if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
@@ -382,35 +376,34 @@ class Trainer:
             self._last_print = now
             print(_progress_line(heartbeat), flush=True)
 
-    def finish(self, code: ExitCode, reason: str, *, next_attempt: int | None = None) -> ExitCode:
+    def finish(self, code: ExitCode, reason: str) -> ExitCode:
         """Checkpoint (unless the state on storage is already this one), record the exit, return the code.
 
-        With `next_attempt` (an in-place switch to `self.next_strategy`) the exit record says so: the checkpoint is
-        complete before the record appears, and the orchestrator then watches the same processes as that attempt.
+        After an in-place switch (`self.next_strategy`) the exit record says so: the checkpoint is complete before
+        the record appears, and the orchestrator then watches the same processes as the next attempt.
         """
         if self.state.step > 0 and self.state.step != self.loaded_step:
             self.save()
         if self.is_rank0:
             self._heartbeat(event="exit", exit_code=int(code), reason=reason)
-            follow = {}
-            if next_attempt is not None and self.next_strategy is not None:
-                follow = {"next_attempt": next_attempt, "next_strategy": self.next_strategy.to_dict()}
-            write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step, **follow)
+            write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step,
+                       next_strategy=self.next_strategy)  # fmt: skip
         dist.barrier()
         return code
 
 
 def write_exit(
-    run_dir: RunDir, attempt: int, *, code: ExitCode | int, reason: str, step: int | None, **follow: Any
-) -> None:
+    run_dir: RunDir, attempt: int, *, code: ExitCode | int, reason: str, step: int | None,
+    next_strategy: Strategy | None = None,
+) -> None:  # fmt: skip
     """`attempts/<n>/exit.json` (see `RunDir.exit_file`); a plain int code is a crash (name CRASH).
 
-    `follow` is `next_attempt` and `next_strategy` when the processes go on in place as the next attempt."""
+    `next_strategy`: the processes go on in place as attempt n + 1 under it (`next_attempt`, `next_strategy`)."""
     name = code.name if isinstance(code, ExitCode) else "CRASH"
-    atomic_write_json(
-        run_dir.exit_file(attempt),
-        {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time(), **follow},
-    )
+    record = {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time()}
+    if next_strategy is not None:
+        record.update(next_attempt=attempt + 1, next_strategy=next_strategy.to_dict())
+    atomic_write_json(run_dir.exit_file(attempt), record)
 
 
 def _progress_line(hb: Heartbeat) -> str:
