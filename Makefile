@@ -24,9 +24,12 @@ demo: setup
 slurm-cluster:
 	@if [ -x slurm/local-cluster.sh ]; then slurm/local-cluster.sh start; fi
 
-test: setup slurm-cluster
-	$(VENV)/bin/ruff check .
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+# Each phase prints its wall time (scripts/timed.sh), so a slow step is visible in a CI log.
+test:
+	@scripts/timed.sh setup $(MAKE) --no-print-directory setup
+	@scripts/timed.sh "cluster start" $(MAKE) --no-print-directory slurm-cluster
+	@scripts/timed.sh ruff $(VENV)/bin/ruff check .
+	@scripts/timed.sh pytest $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

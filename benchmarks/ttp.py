@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -377,8 +378,8 @@ def run_cona(ctx: _Context) -> Run:
             dc = DecisionContext(
                 now=t, samples=sim.samples * scale, current=strategy, candidates=sched.candidates,
                 throughput=throughput, noise_scale=noise.value, noise_stable=noise.stable,
-                switch_cost_s=sched._switch_cost(), last_switch_time=since,
-                remaining_time_s=sched._remaining_time(current),
+                switch_cost_s=functools.partial(sched.switch_cost_s, strategy), last_switch_time=since,
+                remaining_time_s=sched.remaining_time_s(current),
             )  # fmt: skip
             decision = policy.decide(dc)
             m = decision.metrics
@@ -391,7 +392,7 @@ def run_cona(ctx: _Context) -> Run:
                 continue
             # The trainer checkpoints at the next step boundary, exits, and the new attempt resumes.
             t += cluster.switch_cost_s
-            sched.state.setdefault("switch_costs", []).append(cluster.switch_cost_s)
+            sched.switch_costs.observe(sched.switch_kind(strategy, decision.switch_to), cluster.switch_cost_s)
             strategy = decision.switch_to
             sim.set_gbs(cluster.tiny_gbs(strategy))
             since, attempt = t, attempt + 1

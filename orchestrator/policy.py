@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
@@ -48,8 +49,9 @@ class DecisionContext:
     """The estimator's B_noise, None while undefined (then the prior is used)."""
     noise_stable: bool
     """Whether the estimator considers its value settled (see `orchestrator.noise`)."""
-    switch_cost_s: float
-    """Measured switch cost (an average over past switches) or the prior `policy.switch_cost_s`."""
+    switch_cost_s: Callable[[Strategy], float]
+    """Seconds a switch from `current` to the given strategy costs: measured for its kind (in place, relaunch,
+    resubmission), else predicted (`orchestrator.switchcost`)."""
     last_switch_time: float
     """When the current strategy started (time.time())."""
     remaining_time_s: float | None
@@ -231,9 +233,10 @@ class ConaPolicy(Policy):
 
     Switch rule: from the current c to c* only if
 
-    - R(c*)/R(c) ≥ (1 + δ)·H/(H − C_sw), with H = min(remaining time, horizon_intervals·decision_interval_s)
-      and C_sw the switch cost: over the horizon, c* must make δ more progress than c even though it trains
-      only H − C_sw of the H seconds. No switch at all when H ≤ C_sw (the switch could never pay back);
+    - R(c*)/R(c) ≥ (1 + δ)·H/(H − C_sw(c*)), with H = min(remaining time, horizon_intervals·decision_interval_s)
+      and C_sw(c*) the cost of switching to c* (an in-place switch costs less than a relaunch): over the horizon,
+      c* must make δ more progress than c even though it trains only H − C_sw of the H seconds. No switch to c*
+      when H ≤ C_sw(c*) (the switch could never pay back);
     - c* has cleared that threshold in `persistence` consecutive evaluations ("wins"). Any candidate whose R is
       within a factor (1 + δ) of the best counts as an equivalent winner, so two near-identical candidates that
       alternate at the top do not reset each other's streaks; among equivalent candidates with enough wins the
@@ -377,7 +380,6 @@ class ConaPolicy(Policy):
             "best": best.strategy.to_dict(),
             "R_best": r_best,
             "X_best": ctx.throughput.samples_per_s(best),
-            "switch_cost_s": ctx.switch_cost_s,
             "persistence": self.persistence,
             "dwell_s": ctx.now - ctx.last_switch_time,
             "min_dwell_s": self.min_dwell_s,
@@ -400,21 +402,33 @@ class ConaPolicy(Policy):
 
         r_cur = rate[current]
         horizon = self.horizon_s(ctx.remaining_time_s)
-        threshold = self.threshold(horizon_s=horizon, switch_cost_s=ctx.switch_cost_s)
+        costs: dict[Strategy, float] = {}
+
+        def cost_of(s: Strategy) -> float:
+            if s not in costs:
+                costs[s] = ctx.switch_cost_s(s)
+            return costs[s]
+
+        def threshold_of(s: Strategy) -> float | None:
+            return self.threshold(horizon_s=horizon, switch_cost_s=cost_of(s))
+
+        threshold = threshold_of(best.strategy)
         ratio = r_best / r_cur if r_cur > 0 else math.inf
         metrics.update(
             R_current=r_cur, X_current=ctx.throughput.samples_per_s(current), ratio=_finite(ratio),
-            threshold=threshold, H_s=horizon,
+            threshold=threshold, H_s=horizon, switch_cost_s=cost_of(best.strategy),
         )  # fmt: skip
 
-        # Count wins: every candidate that clears the threshold now and is equivalent to the best.
+        # Count wins: every candidate equivalent to the best that clears its own threshold now (its switch cost
+        # decides it: an in-place switch pays back sooner than a relaunch).
         wins: dict[Strategy, int] = {}
-        if threshold is not None and r_cur > 0:
+        if r_cur > 0:
             for r, c in ranked:
-                if r * (1 + self.min_gain) < r_best or r / r_cur < threshold:
-                    break  # ranked by R: nothing further down qualifies either
+                if r * (1 + self.min_gain) < r_best:
+                    break  # ranked by R: nothing further down is equivalent to the best either
                 s = c.strategy
-                if s != ctx.current:
+                t = threshold_of(s) if s != ctx.current else None
+                if t is not None and r / r_cur >= t:
                     wins[s] = self._wins.get(s, 0) + 1
         self._wins = wins
         ready = [c for _, c in ranked if wins.get(c.strategy, 0) >= self.persistence]
@@ -423,7 +437,7 @@ class ConaPolicy(Policy):
         metrics["target"] = target.strategy.to_dict() if target else None
 
         gain = f"R {_fmt(ratio, 4)}× current" + (f", threshold {_fmt(threshold, 4)}×" if threshold else "")
-        cost = f"H={_fmt(horizon)}s, C_sw={_fmt(ctx.switch_cost_s)}s"
+        cost = f"H={_fmt(horizon)}s, C_sw={_fmt(cost_of(best.strategy))}s"
         if best.strategy == ctx.current:
             return Decision(
                 None, f"stay on {ctx.current.short()}: best R={_fmt(r_best)} at {noise_text}", metrics
@@ -432,7 +446,7 @@ class ConaPolicy(Policy):
             return Decision(
                 None,
                 f"stay on {ctx.current.short()}: best {best.strategy.short()} ({gain}) but horizon "
-                f"H={_fmt(horizon)}s ≤ switch cost {_fmt(ctx.switch_cost_s)}s; {noise_text}",
+                f"H={_fmt(horizon)}s ≤ switch cost {_fmt(cost_of(best.strategy))}s; {noise_text}",
                 metrics,
             )
         if not wins:
@@ -458,14 +472,16 @@ class ConaPolicy(Policy):
                 metrics,
             )
         r_target = rate[target]
-        metrics["R_target"] = r_target
+        metrics.update(R_target=r_target, threshold_target=threshold_of(target.strategy),
+                       switch_cost_target_s=cost_of(target.strategy))  # fmt: skip
         self._wins = {}
         self._switches += 1
         return Decision(
             target.strategy,
             f"switch {ctx.current.short()} → {target.strategy.short()}: R {_fmt(r_target / r_cur, 4)}× current ≥ "
-            f"threshold {_fmt(threshold, 4)}× (δ={self.min_gain}, {cost}), won {wins[target.strategy]}/"
-            f"{self.persistence} evaluations; {noise_text}",
+            f"threshold {_fmt(threshold_of(target.strategy), 4)}× (δ={self.min_gain}, H={_fmt(horizon)}s, "
+            f"C_sw={_fmt(cost_of(target.strategy))}s), won {wins[target.strategy]}/{self.persistence} evaluations; "
+            f"{noise_text}",
             metrics,
         )
 

@@ -19,6 +19,7 @@ from orchestrator.planner import Candidate, enumerate_candidates
 from orchestrator.policy import DecisionContext, Policy, make_policy
 from orchestrator.profile import ClusterProfile
 from orchestrator.runstate import log_event, read_state, write_state
+from orchestrator.switchcost import SwitchCosts, SwitchKind
 from orchestrator.throughput import ThroughputModel
 from trainer.heartbeat_record import Heartbeat
 from trainer.job import JobSpec
@@ -39,7 +40,10 @@ class LiveStatus:
     val_loss: float | None = None
     val_perplexity: float | None = None
     noise_scale: float | None = None
+    """The B_noise the policy ranks with (prior, blend or the scaled estimate); the estimate for other policies."""
     noise_source: str = "prior"
+    noise_estimate: float | None = None
+    """The estimator's own value, before `policy.critical_batch_factor`."""
     samples_per_s: float | None = None
     best: str = ""
     best_gain: float | None = None
@@ -84,6 +88,7 @@ class Scheduler:
         self.noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
         self.throughput = ThroughputModel(candidates=self.candidates)
         self.policy: Policy = make_policy(job, profile=profile, candidates=self.candidates)
+        self.switch_costs = SwitchCosts(job=job, profile=profile, pinned_s=pol.switch_cost_s)
         self.live = LiveStatus()
         self.state: dict[str, Any] = {}
 
@@ -93,6 +98,7 @@ class Scheduler:
         self.state["noise"] = self.noise.to_dict()
         self.state["throughput"] = self.throughput.to_dict()
         self.state["policy"] = self.policy.to_dict()
+        self.state["switch_costs"] = self.switch_costs.to_dict()
         self.state["live"] = dataclasses.asdict(self.live)
         self.state["updated"] = time.time()
         write_state(self.run_dir, self.state)
@@ -105,6 +111,8 @@ class Scheduler:
             self.throughput = ThroughputModel.from_dict(self.state["throughput"], candidates=self.candidates)
         if "policy" in self.state:
             self.policy.from_dict(self.state["policy"])
+        if isinstance(self.state.get("switch_costs"), dict):
+            self.switch_costs.restore(self.state["switch_costs"])
         if "live" in self.state:
             known = {f.name for f in dataclasses.fields(LiveStatus)}
             self.live = LiveStatus(**{k: v for k, v in self.state["live"].items() if k in known})
@@ -184,27 +192,35 @@ class Scheduler:
                     self.throughput.observe(attempt.strategy, hb.step_time_s)
                     self.live.samples_per_s = hb.samples_per_s
             self.noise.update(hb)
-        self.live.noise_scale = self.noise.value
+        self.live.noise_estimate = self.noise.value
+        if self.job.policy.name != "cona":  # no B_noise of its own: show the estimate
+            self.live.noise_scale, self.live.noise_source = self.noise.value, "estimate"
 
     def _switch_completed(self, attempt: Attempt, hb: Heartbeat) -> None:
         pending = self.state.get("switch_started")
         if not pending or pending.get("to_attempt") != attempt.number:
             return
         cost = max(0.0, hb.time - pending["time"])
-        costs = self.state.setdefault("switch_costs", [])
-        costs.append(cost)
+        kind = SwitchKind(pending.get("kind", SwitchKind.RELAUNCH.value))
+        self.switch_costs.observe(kind, cost)
         self.state["switch_started"] = None
-        log_event(self.run_dir, "switch-complete", attempt=attempt.number, switch_cost_s=round(cost, 3))
+        log_event(self.run_dir, "switch-complete", attempt=attempt.number, switch_cost_s=round(cost, 3),
+                  kind=kind.value, predicted_s=pending.get("predicted_s"))  # fmt: skip
 
-    def _switch_cost(self) -> float:
-        costs = self.state.get("switch_costs") or []
-        if not costs:
-            return self.job.policy.switch_cost_s
-        # Recent switches say the most about the next one (same model, same storage).
-        recent = costs[-3:]
-        return sum(recent) / len(recent)
+    def switch_kind(self, current: Strategy, target: Strategy) -> SwitchKind:
+        """How a switch from `current` to `target` would happen here (the backend decides)."""
+        return self.backend.switch_kind(current, target, in_place_allowed=self.job.policy.in_place_switch)
 
-    def _remaining_time(self, attempt: Attempt) -> float | None:
+    def switch_cost_s(self, current: Strategy, target: Strategy) -> float:
+        """Seconds a switch from `current` to `target` is expected to cost: measured for its kind, else predicted."""
+        kind = self.switch_kind(current, target)
+        rate = self.throughput.samples_per_s_of(current)
+        step = current.gbs / rate if rate else 0.0
+        cost, _ = self.switch_costs.cost_s(kind, overhead_s=self.backend.switch_overhead_s(kind), step_time_s=step)
+        return cost
+
+    def remaining_time_s(self, attempt: Attempt) -> float | None:
+        """Estimated seconds to the target (samples, perplexity or time budget, whichever comes first)."""
         rate = self.throughput.samples_per_s_of(attempt.strategy)
         estimates = []
         if rate and rate > 0:
@@ -244,9 +260,9 @@ class Scheduler:
             throughput=self.throughput,
             noise_scale=self.noise.value,
             noise_stable=self.noise.stable,
-            switch_cost_s=self._switch_cost(),
+            switch_cost_s=lambda target: self.switch_cost_s(attempt.strategy, target),
             last_switch_time=float(self.state.get("strategy_since", attempt.started_at)),
-            remaining_time_s=self._remaining_time(attempt),
+            remaining_time_s=self.remaining_time_s(attempt),
         )
         decision = self.policy.decide(ctx)
         self.live.eta_s = ctx.remaining_time_s
@@ -261,19 +277,18 @@ class Scheduler:
         self.state["last_decision"] = {"time": ctx.now, "reason": decision.reason, "metrics": decision.metrics}
         if decision.switch_to is None or decision.switch_to == attempt.strategy:
             return
-        in_place = (
-            self.job.policy.in_place_switch
-            and self.backend.supports_in_place_switch
-            and decision.switch_to.world_size == attempt.strategy.world_size
-        )
+        kind = self.switch_kind(attempt.strategy, decision.switch_to)
+        in_place = kind is SwitchKind.IN_PLACE
+        predicted = ctx.switch_cost_s(decision.switch_to)
         seq = self._send("switch", strategy=decision.switch_to, reason=decision.reason, in_place=in_place)
         self.state["switch_requested"] = {
             "time": ctx.now, "to": decision.switch_to.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
-            "in_place": in_place,
+            "in_place": in_place, "kind": kind.value, "predicted_s": predicted,
         }  # fmt: skip
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
                   to=decision.switch_to.to_dict(), reason=decision.reason, metrics=decision.metrics,
-                  samples=self.live.samples, noise_scale=self.noise.value, switch_cost_s=ctx.switch_cost_s)  # fmt: skip
+                  samples=self.live.samples, noise_scale=self.noise.value, switch_cost_s=predicted,
+                  kind=kind.value)  # fmt: skip
         self._save()
 
     def _user_stop_requested(self) -> bool:
@@ -382,12 +397,18 @@ class Scheduler:
         self.state["restarts_in_row"] = 0
         requested = self.state.get("switch_requested") or {"time": float(record.get("time", time.time()))}
         target = Strategy.from_dict(record["next_strategy"])
-        return self._follow_switch(attempt, target, requested_at=requested["time"], in_place=True)
+        return self._follow_switch(attempt, target, requested=requested, in_place=True)
 
-    def _follow_switch(self, attempt: Attempt, target: Strategy, *, requested_at: float, in_place: bool = False) -> Attempt:
+    def _follow_switch(self, attempt: Attempt, target: Strategy, *, requested: dict, in_place: bool = False) -> Attempt:
         """The attempt after a switch of `attempt` to `target`: relaunched, or the same processes gone on in place."""
+        if in_place:
+            kind = SwitchKind.IN_PLACE
+        else:  # the processes exited: whatever was planned, the next attempt is launched
+            kind = self.switch_kind(attempt.strategy, target)
+            kind = SwitchKind.RELAUNCH if kind is SwitchKind.IN_PLACE else kind
         self.state["switch_requested"] = None
-        self.state["switch_started"] = {"time": requested_at, "to_attempt": attempt.number + 1}
+        self.state["switch_started"] = {"time": requested["time"], "to_attempt": attempt.number + 1, "kind": kind.value,
+                                        "predicted_s": requested.get("predicted_s")}  # fmt: skip
         self.state["strategy_since"] = time.time()
         self.live.switches += 1
         return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
@@ -430,7 +451,7 @@ class Scheduler:
                 if record is None or record.strategy is None:
                     raise RunFailed(f"attempt {attempt.number} exited for a switch, but control.json names no strategy")
                 requested = {"time": time.time(), "to": record.strategy}
-            return self._follow_switch(attempt, Strategy.from_dict(requested["to"]), requested_at=requested["time"])
+            return self._follow_switch(attempt, Strategy.from_dict(requested["to"]), requested=requested)
         if status is AttemptStatus.STOPPED and self.state.get("stop_requested"):
             reason = "time budget reached" if self.state.get("time_budget_reached") else "stopped on request"
             self._finish("stopped", reason=reason)

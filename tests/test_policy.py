@@ -67,7 +67,7 @@ def context(
     return DecisionContext(
         now=now, samples=samples, current=current, candidates=candidates,
         throughput=throughput or ThroughputModel(candidates=candidates), noise_scale=noise, noise_stable=stable,
-        switch_cost_s=cost, last_switch_time=since, remaining_time_s=remaining,
+        switch_cost_s=lambda target: cost, last_switch_time=since, remaining_time_s=remaining,
     )  # fmt: skip
 
 
@@ -436,3 +436,24 @@ def test_bad_schedule_entry_is_named(setup):
         make_policy(
             with_policy(job, name="schedule", schedule=schedule), profile=profile, candidates=candidates
         )
+
+
+def test_each_candidate_is_charged_its_own_switch_cost():
+    # Two equivalent winners at B_noise 1600 (R(128)/R(32) ≈ 1.15, R(64)/R(32) ≈ 1.12): the better one is
+    # only reachable by a dear switch (a relaunch, 20 s against H = 60 s), the other by a cheap one (in place).
+    policy = cona(min_gain=0.05)
+    dear = {G[128].strategy: 20.0}
+
+    def cost(target: Strategy) -> float:
+        return dear.get(target, 1.0)
+
+    decisions = []
+    for i in range(4):
+        ctx = context(G[32].strategy, noise=1600.0, now=1000.0 + 5 * i)
+        ctx.switch_cost_s = cost
+        decisions.append(policy.decide(ctx))
+    switched = [d for d in decisions if d.switch_to is not None]
+    assert switched and switched[0].switch_to == G[64].strategy, [d.reason for d in decisions]
+    assert switched[0].metrics["switch_cost_target_s"] == 1.0
+    assert switched[0].metrics["threshold_target"] == pytest.approx(1.05 * 60 / 59)
+    assert "C_sw=1s" in switched[0].reason

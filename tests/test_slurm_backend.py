@@ -25,6 +25,7 @@ from orchestrator.backends.slurm import (
     placement,
 )
 from orchestrator.profile import load_profile
+from orchestrator.switchcost import SwitchKind
 from tests.conftest import PROFILES
 from trainer.rundir import RunDir
 from trainer.strategy import Strategy
@@ -386,3 +387,12 @@ def test_submission_env_puts_own_interpreter_first(env):
         ),
     )
     assert pinned.submission_env()["PATH"] == os.environ.get("PATH", "")
+
+
+def test_switch_kind_follows_the_node_count(env):
+    # A switch that keeps the node count is an srun step in the same allocation; another node count resubmits.
+    backend, _, _ = env
+    same_nodes = Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2)
+    assert backend.switch_kind(S4, same_nodes, in_place_allowed=True) is SwitchKind.RELAUNCH
+    assert backend.switch_kind(S4, S2, in_place_allowed=True) is SwitchKind.RESUBMIT
+    assert backend.switch_overhead_s(SwitchKind.RESUBMIT) > backend.switch_overhead_s(SwitchKind.RELAUNCH)

@@ -270,8 +270,10 @@ class PolicySpec(StrictModel):
     """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
     prior_noise_scale: float = Field(64.0, gt=0)
     """B_noise assumed before the estimate is stable (samples)."""
-    noise_estimator: Literal["plain", "adam"] = "adam"
-    """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux)."""
+    noise_estimator: Literal["plain", "adam"] = "plain"
+    """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
+    estimate depends on the batch being trained (a larger batch makes it larger, which makes a larger batch look
+    better), so it is not the default."""
     critical_batch_factor: float = Field(1.0, gt=0)
     """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
     larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
@@ -296,8 +298,10 @@ class PolicySpec(StrictModel):
     """Switch between strategies of the same world size without restarting the trainer processes (the model,
     optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local).
     Off, every switch exits and relaunches."""
-    switch_cost_s: float = Field(20.0, ge=0)
-    """Switch cost assumed before one has been measured."""
+    switch_cost_s: float | None = Field(None, ge=0)
+    """Seconds charged for a switch before one of its kind (in place, relaunch, resubmission) was measured. Unset,
+    it is predicted from the checkpoint's size, the profile's storage bandwidths and the backend's overhead
+    (`orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
     max_restarts: int = Field(3, ge=0)
     """Relaunches of a crashed or hung attempt before the run fails."""
     heartbeat_timeout_s: float = Field(300.0, gt=0)

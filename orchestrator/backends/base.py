@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from orchestrator.switchcost import SwitchKind
 from trainer.rundir import ExitCode, RunDir
 from trainer.strategy import Strategy
 
@@ -116,6 +117,30 @@ class Backend(abc.ABC):
 
     supports_in_place_switch: bool = False
     """Whether `continued` works: the backend can watch processes that go on as the next attempt."""
+
+    in_place_overhead_s: float = 1.0
+    """Seconds an in-place switch adds to checkpoint save and load (exit record, barrier, release and rebuild)."""
+    relaunch_overhead_s: float = 30.0
+    """Seconds a relaunch adds to checkpoint save and load: teardown, process start, imports, rendezvous, build."""
+    resubmit_overhead_s: float = 120.0
+    """Seconds a switch that needs a new allocation adds to checkpoint save and load (a relaunch plus the queue)."""
+
+    def switch_kind(self, current: Strategy, target: Strategy, *, in_place_allowed: bool) -> SwitchKind:
+        """How a switch from `current` to `target` happens on this backend (the one place that decides it).
+
+        In place when allowed (`policy.in_place_switch`), supported and the world size stays; otherwise the
+        processes exit and the next attempt is launched."""
+        if in_place_allowed and self.supports_in_place_switch and current.world_size == target.world_size:
+            return SwitchKind.IN_PLACE
+        return SwitchKind.RELAUNCH
+
+    def switch_overhead_s(self, kind: SwitchKind) -> float:
+        """The backend's part of a switch of `kind`, beyond the step in flight and checkpoint save and load."""
+        return {
+            SwitchKind.IN_PLACE: self.in_place_overhead_s,
+            SwitchKind.RELAUNCH: self.relaunch_overhead_s,
+            SwitchKind.RESUBMIT: self.resubmit_overhead_s,
+        }[kind]
 
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         """The attempt `number` that `attempt`'s processes became by switching in place to `strategy`."""

@@ -93,6 +93,11 @@ class LocalBackend(Backend):
         )
 
     supports_in_place_switch = True
+    # Measured by `python -m benchmarks.switch` (docs/benchmarks.md) with 4 processes on 2 cores: in place, the
+    # exit record, barrier, release and rebuild plus DCP's fixed cost took about 1 s beyond moving the bytes; a
+    # relaunch spent about 2 s tearing torchrun down and 5.5 s starting, importing and meeting at the rendezvous.
+    in_place_overhead_s = 1.0
+    relaunch_overhead_s = 8.0
 
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         # Same processes: the exit code and log stay in the directory of the attempt that launched them.

@@ -33,6 +33,7 @@ from typing import Any
 
 from orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from orchestrator.slurm_script import parse_extra_option, render_batch_script
+from orchestrator.switchcost import SwitchKind
 from trainer.rundir import ExitCode, RunDir, atomic_write_json, read_json
 from trainer.strategy import Strategy
 
@@ -345,6 +346,17 @@ class SlurmBackend(Backend):
 
     def placement(self, strategy: Strategy) -> tuple[int, int]:
         return placement(strategy, self.profile.gpus_per_node, self.profile.nodes)
+
+    # A relaunch is a new srun step in the running allocation: step start on every node, interpreter and imports,
+    # the c10d rendezvous and, on GPUs, NCCL initialisation. Another node count needs a new allocation: the
+    # resubmission adds the previous job's release and the queue, which no profile can know in advance.
+    relaunch_overhead_s = 30.0
+    resubmit_overhead_s = 120.0
+
+    def switch_kind(self, current: Strategy, target: Strategy, *, in_place_allowed: bool) -> SwitchKind:
+        if self.placement(current)[0] != self.placement(target)[0]:
+            return SwitchKind.RESUBMIT
+        return super().switch_kind(current, target, in_place_allowed=in_place_allowed)
 
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         nnodes, nproc = self.placement(strategy)
