@@ -113,11 +113,16 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         lines += ["", "## Switch decisions", ""]
         for s in switches:
             lines.append(f"- {s['time'] - t0:.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {s.get('reason', '')}")
-    costs = state.get("switch_costs") or []
-    if costs:
+    completed = [e for e in events if e["event"] == "switch-complete"]
+    if completed:
+        def measured(e: dict) -> str:
+            predicted = e.get("predicted_s")
+            versus = f" (predicted {predicted:.1f} s)" if isinstance(predicted, int | float) else ""
+            return f"{e['switch_cost_s']:.1f} s {str(e.get('kind', 'relaunch')).replace('_', ' ')}{versus}"
+
         lines.append("")
-        lines.append(f"Measured switch cost (decision → first step of the new strategy): "
-                     f"{', '.join(f'{c:.1f} s' for c in costs)}")  # fmt: skip
+        lines.append("Measured switch cost (decision → first heartbeat of the new strategy): "
+                     + ", ".join(measured(e) for e in completed))  # fmt: skip
     lines += ["", "![report](report.png)", ""]
     md.write_text("\n".join(lines))
     return png, md
