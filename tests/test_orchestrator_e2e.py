@@ -86,6 +86,14 @@ def worker_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
 def assert_attempts_never_overlap(run_dir: RunDir) -> None:
     events = read_events(run_dir)
     open_attempt = None
@@ -226,6 +234,9 @@ def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
     gaps = [e for e in events if e["event"] == "heartbeat-gap"]
     assert gaps and gaps[0]["attempt"] == 1 and gaps[0]["seconds"] >= 15
     assert [e["kind"] for e in events if e["event"] == "failure"] == ["hang"]
+    # The cancel took every worker of the hung attempt down, the frozen one and those waiting on it in a collective
+    # (torchrun runs each worker in a session of its own; they would otherwise outlive it, orphaned).
+    assert not _alive(victim) and worker_pids(run_dir.root) == []
     assert_attempts_never_overlap(run_dir)
     assert assert_samples_exact(run_dir) == 3200
 

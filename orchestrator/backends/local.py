@@ -35,6 +35,26 @@ def _process_start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text()
@@ -139,12 +159,22 @@ class LocalBackend(Backend):
         pid = int(attempt.backend_id)
         if not self._ours_and_alive(attempt):
             return
-        # The wrapper leads its own session: signal the whole group (shell, torchrun, workers).
+        # torchrun starts each worker in a session of its own, so signalling the wrapper's group reaches the shell
+        # and torchrun only. Note the workers first: once torchrun is gone they belong to init, and a worker stuck
+        # in a collective (a hang is why most cancels happen) ignores the SIGTERM that torchrun forwards.
+        tree = {p: _process_start_time(p) for p in _descendants(pid)}
+
+        def still_ours(p: int) -> bool:  # alive, and not a new process that got a recycled PID
+            return _alive(p) and _process_start_time(p) == tree[p]
+
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
         deadline = time.time() + 15
-        while time.time() < deadline and self._ours_and_alive(attempt):
+        while time.time() < deadline and (self._ours_and_alive(attempt) or any(map(still_ours, tree))):
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        for worker in filter(still_ours, tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
         self._reap(pid)
