@@ -22,7 +22,7 @@ off, plain, and with the Adam variants, in alternating blocks).
 
 **Planner**: `enumerate_candidates` + `rank_by_iter_time` for about 10^4 candidates (gpt3-1.3b on a100-4x8 grown to
 32 nodes, 6 micro-batch sizes, 40 global batch sizes), and the ranking cona does at every decision
-(`orchestrator.policy.progress_rate` over every feasible candidate).
+(`cona.orchestrator.policy.progress_rate` over every feasible candidate).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def end_to_end(*, steps: int, repeats: int) -> dict[str, Any]:
                 root = Path(tempfile.mkdtemp(prefix="bench-overhead-", dir=REPO / "runs"))
                 try:
                     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                           f"--nproc-per-node={world}", "-m", "trainer", "--run-dir", str(root), "--job",
+                           f"--nproc-per-node={world}", "-m", "cona.trainer", "--run-dir", str(root), "--job",
                            str(REPO / "examples/tiny-gpt.yaml"), "--strategy", strategy, "--max-steps", str(steps),
                            "--attempt", "1", "--set", f"data.path={REPO / 'data/shakespeare.txt'}"]  # fmt: skip
                     for o in [*COMMON, *SETTINGS[name]]:
@@ -101,12 +101,12 @@ def direct(*, steps: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from trainer.data import Batcher, load_corpus
-    from trainer.heartbeat import HeartbeatWriter, StepRecord
-    from trainer.job import load_job
-    from trainer.parallel import ParallelModel, init_distributed
-    from trainer.rundir import RunDir
-    from trainer.strategy import Strategy
+    from cona.protocol.job import load_job
+    from cona.protocol.rundir import RunDir
+    from cona.protocol.strategy import Strategy
+    from cona.trainer.data import Batcher, load_corpus
+    from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
+    from cona.trainer.parallel import ParallelModel, init_distributed
 
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-", dir=REPO / "runs"))
     try:
@@ -164,11 +164,11 @@ def direct(*, steps: int) -> dict[str, Any]:
 
 
 def planner() -> dict[str, Any]:
-    from orchestrator.planner import enumerate_candidates, rank_by_iter_time
-    from orchestrator.policy import progress_rate
-    from orchestrator.profile import load_profile
-    from orchestrator.throughput import ThroughputModel
-    from trainer.job import load_job
+    from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
+    from cona.orchestrator.policy import progress_rate
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.throughput import ThroughputModel
+    from cona.protocol.job import load_job
 
     profile = load_profile(REPO / "slurm/profiles/a100-4x8.yaml", ["nodes=32"])
     gbs = [64 * k for k in range(1, 41)]

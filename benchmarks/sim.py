@@ -2,11 +2,11 @@
 
 The loss of a step does not depend on the parallel layout — the trainer's loss is layout-invariant at equal global
 batch (`trainer.parallel`: the optimizer always gets ∂(mean loss over the global batch)) — only the global batch
-size and the learning rate it gets matter. So one process trains a tiny model exactly as `python -m trainer` would
+size and the learning rate it gets matter. So one process trains a tiny model exactly as `python -m cona.trainer` would
 at a given gbs (the trainer's own `ParallelModel` with dp = tp = pp = 1 and two micro-batches, the real sample order
-of `trainer.data`, the real LR rule of `trainer.lr` with the job's `lr_scaling` and cap, AdamW, clipping, the
+of `trainer.data`, the real LR rule of `cona.protocol.lr` with the job's `lr_scaling` and cap, AdamW, clipping, the
 trainer's gradient statistics), while a *modeled* clock advances by the cost model's iteration time of the chosen
-strategy of a full-size preset on a cluster profile (`orchestrator.costmodel.predict`).
+strategy of a full-size preset on a cluster profile (`cona.orchestrator.costmodel.predict`).
 
 **Batch mapping.** Strategy `c` of the preset (gbs_c samples of the preset) trains the tiny model at
 gbs_c / scale samples, with `scale` = the preset's max_gbs / the tiny job's max_gbs (8 for gpt3-1.3b's [64, 1024]
@@ -29,15 +29,14 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from orchestrator.planner import Candidate, enumerate_candidates, rank_by_iter_time
-from orchestrator.profile import ClusterProfile
-from trainer.data import Batcher
-from trainer.job import JobSpec
-from trainer.lr import job_learning_rate
-from trainer.parallel import DistEnv, ParallelModel
-from trainer.strategy import Strategy
-from trainer.yamlconfig import parse_bytes
+from cona.orchestrator.planner import Candidate, enumerate_candidates, rank_by_iter_time
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
+from cona.protocol.lr import job_learning_rate
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import parse_bytes
+from cona.trainer.data import Batcher
+from cona.trainer.parallel import DistEnv, ParallelModel
 
 CHECKPOINT_BYTES_PER_PARAM = 12
 """fp32 parameter + AdamW exp_avg + exp_avg_sq, as the trainer's DCP checkpoint stores them."""
@@ -125,7 +124,7 @@ class Snapshot:
 
 
 class SimTrainer:
-    """The tiny model trained as `python -m trainer` trains it, one process, any gbs, switchable and branchable."""
+    """The tiny model trained as `python -m cona.trainer` trains it, one process, any gbs, switchable and branchable."""
 
     def __init__(self, job: JobSpec, batcher: Batcher, env: DistEnv, *, gbs: int, stats: bool) -> None:
         self.job, self.batcher, self.env = job, batcher, env

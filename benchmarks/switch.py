@@ -2,7 +2,7 @@
 
     python -m benchmarks.switch [--models tiny,50m] [--modes relaunch,in-place] [--profile slurm/profiles/local-cpu.yaml]
 
-For each model a real run (`orchestrator.scheduler.Scheduler` + `LocalBackend`: torchrun, gloo on CPU, exactly
+For each model a real run (`cona.orchestrator.scheduler.Scheduler` + `LocalBackend`: torchrun, gloo on CPU, exactly
 what `cona run` does) follows a `schedule` policy A → B → A, so each run measures two switches that reshard the
 checkpoint between layouts (A: dp=4; B: dp=2 × pp=2), once per switch mode: `relaunch` (the trainer exits and
 the backend starts a new torchrun) and `in-place` (`policy.in_place_switch`: the same processes rebuild the model,
@@ -54,7 +54,7 @@ PHASES = ("step boundary", "save", "exit", "launch+rdzv", "load", "first step")
 
 
 def _job(model: str, switch_at: list[int], max_samples: int, *, in_place: bool) -> Any:
-    from trainer.job import job_from_dict, job_to_dict, load_job
+    from cona.protocol.job import job_from_dict, job_to_dict, load_job
 
     job = load_job(REPO / "examples/tiny-gpt.yaml", [
         *MODELS[model], "policy.name=cona", "policy.decision_interval_s=1", f"target.max_samples={max_samples}",
@@ -79,11 +79,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) -> dict[str, Any]:
-    from orchestrator.backends import make_backend
-    from orchestrator.profile import load_profile
-    from orchestrator.runstate import create_run, read_events
-    from orchestrator.scheduler import Scheduler
-    from trainer.rundir import RunDir
+    from cona.orchestrator.backends import make_backend
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.runstate import create_run, read_events
+    from cona.orchestrator.scheduler import Scheduler
+    from cona.protocol.rundir import RunDir
 
     profile = load_profile(REPO / profile_path)
     if model == "tiny":
@@ -151,7 +151,7 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
         })  # fmt: skip
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
-    from trainer.job import job_to_dict
+    from cona.protocol.job import job_to_dict
 
     return {
         "model": model, "mode": "in-place" if in_place else "relaunch", "num_params": job.model.num_params,

@@ -14,8 +14,8 @@ modeled switch cost). On the same seeds:
   is its step count times its own iteration time.
 - **static**: what an offline searcher picks — the fastest strategy at a base gbs; reported for every base gbs a
   user might pick (the preset's standard batch is its `batch.base_gbs`).
-- **cona**: the shipped policy (`orchestrator.policy.ConaPolicy` with the job's `policy` section), fed by the
-  shipped noise-scale estimator, throughput model and time-to-target estimate of `orchestrator.scheduler`, deciding
+- **cona**: the shipped policy (`cona.orchestrator.policy.ConaPolicy` with the job's `policy` section), fed by the
+  shipped noise-scale estimator, throughput model and time-to-target estimate of `cona.orchestrator.scheduler`, deciding
   every `policy.decision_interval_s` of modeled time; each switch costs the modeled switch cost.
 - **oracle**: a sequence built with hindsight, by rollouts. At modeled time 0 and then every `--segment-s` modeled
   seconds, from the current state (an in-process checkpoint: model, optimizer, data position) every candidate gbs is
@@ -161,11 +161,12 @@ class _Context:
         import torch
 
         torch.set_num_threads(1)
+        from cona.orchestrator.profile import load_profile
+        from cona.protocol.job import load_job
+        from cona.trainer.data import Batcher, load_corpus
+        from cona.trainer.parallel import init_distributed
+
         from benchmarks.sim import ModeledCluster
-        from orchestrator.profile import load_profile
-        from trainer.data import Batcher, load_corpus
-        from trainer.job import load_job
-        from trainer.parallel import init_distributed
 
         self.s = s
         overrides = [f"seed={s.seed}", f"target.max_samples={s.max_samples}", *(f"policy.{o}" for o in s.policy_overrides)]
@@ -296,10 +297,10 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
 
 def _scheduler(ctx: _Context, tmp: Path):
     """The shipped scheduler's statistics, policy and ETA, for the preset job with the tiny job's policy/target."""
-    from orchestrator.backends.base import Attempt, Backend, Outcome
-    from orchestrator.scheduler import Scheduler
-    from trainer.job import TargetSpec
-    from trainer.rundir import RunDir
+    from cona.orchestrator.backends.base import Attempt, Backend, Outcome
+    from cona.orchestrator.scheduler import Scheduler
+    from cona.protocol.job import TargetSpec
+    from cona.protocol.rundir import RunDir
 
     class NoBackend(Backend):
         name = "simulated"
@@ -324,10 +325,10 @@ def _scheduler(ctx: _Context, tmp: Path):
 
 
 def run_cona(ctx: _Context) -> Run:
-    from orchestrator.backends.base import Attempt
-    from orchestrator.noise import NoiseScaleEstimator
-    from orchestrator.policy import DecisionContext
-    from trainer.heartbeat_record import Heartbeat
+    from cona.orchestrator.backends.base import Attempt
+    from cona.orchestrator.noise import NoiseScaleEstimator
+    from cona.orchestrator.policy import DecisionContext
+    from cona.protocol.heartbeat_record import Heartbeat
 
     tmp = Path(tempfile.mkdtemp(prefix="cona-ttp-"))
     try:
@@ -733,8 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = []
     for name in names:
         w = WORKLOADS[name]
-        from trainer.job import load_job
-        from trainer.yamlconfig import ConfigError
+        from cona.protocol.job import load_job
+        from cona.protocol.yamlconfig import ConfigError
 
         try:
             job = load_job(REPO / w["job"], [f"policy.{o}" for o in args.policy_set])
@@ -782,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> Path:
     """Summaries, plots, JSON and the tables, from the raw runs in `report`."""
-    from trainer.job import load_job
+    from cona.protocol.job import load_job
 
     preset_base = load_job(REPO / report["settings"]["preset"]).batch.base_gbs
     for workload, w in report["workloads"].items():

@@ -7,8 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from orchestrator.backends.base import BackendError
-from trainer.yamlconfig import ConfigError
+from cona.orchestrator.backends.base import BackendError
+from cona.protocol.yamlconfig import ConfigError
 
 
 class UserError(Exception):
@@ -28,9 +28,9 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from orchestrator.planner import enumerate_candidates, rank_by_iter_time
-    from orchestrator.profile import load_profile
-    from trainer.job import load_job
+    from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
+    from cona.orchestrator.profile import load_profile
+    from cona.protocol.job import load_job
 
     profile = load_profile(args.profile)
     job = load_job(args.job, args.overrides)
@@ -42,7 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([c.to_dict() for c in shown + rejected], indent=1))
         return 0
-    from orchestrator.tables import print_plan
+    from cona.orchestrator.tables import print_plan
 
     print_plan(profile=profile, job=job, shown=shown, rejected=rejected, num_feasible=len(ranked), num_total=len(candidates))
     return 0
@@ -72,13 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from orchestrator.backends import make_backend
-    from orchestrator.live import LiveView
-    from orchestrator.profile import load_profile
-    from orchestrator.runstate import RunLock, create_run, load_run
-    from orchestrator.scheduler import RunFailed, Scheduler
-    from trainer.job import load_job
-    from trainer.rundir import RunDir
+    from cona.orchestrator.backends import make_backend
+    from cona.orchestrator.live import LiveView
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.runstate import RunLock, create_run, load_run
+    from cona.orchestrator.scheduler import RunFailed, Scheduler
+    from cona.protocol.job import load_job
+    from cona.protocol.rundir import RunDir
 
     if args.resume:
         run_dir = RunDir(Path(args.resume))
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
         view.end(scheduler)
     if not args.no_report and state.get("status") in ("done", "stopped"):
-        from orchestrator.report import write_report
+        from cona.orchestrator.report import write_report
 
         png, md = write_report(run_dir)
         print(f"report: {md} and {png}")
@@ -118,14 +118,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from orchestrator.live import status_summary
-    from trainer.rundir import RunDir
+    from cona.orchestrator.live import status_summary
+    from cona.protocol.rundir import RunDir
 
     summary = status_summary(RunDir(Path(args.run_dir)))
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
     else:
-        from orchestrator.live import print_status
+        from cona.orchestrator.live import print_status
 
         print_status(summary)
     return 0
@@ -134,8 +134,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from orchestrator.runstate import load_run, log_event
-    from trainer.rundir import ControlRecord, RunDir
+    from cona.orchestrator.runstate import load_run, log_event
+    from cona.protocol.rundir import ControlRecord, RunDir
 
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)  # a clear error when this is not a run directory
@@ -150,9 +150,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from orchestrator.report import write_report
-    from orchestrator.runstate import load_run
-    from trainer.rundir import RunDir
+    from cona.orchestrator.report import write_report
+    from cona.orchestrator.runstate import load_run
+    from cona.protocol.rundir import RunDir
 
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)
@@ -162,9 +162,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from orchestrator.profile import load_profile
-    from orchestrator.slurm_script import render_batch_script
-    from trainer.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.slurm_script import render_batch_script
+    from cona.protocol.job import load_job
 
     profile = load_profile(args.profile)
     job = load_job(args.job, args.overrides)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
 
 BYTES_PER_PARAM_STATE = 16  # bf16 param + fp32 master + bf16 grad... (Megatron/ZeRO's 16 bytes per parameter)
 BYTES_PER_ELEMENT = 2  # bf16 activations and gradients on the wire

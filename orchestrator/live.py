@@ -7,12 +7,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.runstate import read_events, read_state
-from trainer.job import JobSpec
-from trainer.rundir import RunDir, read_jsonl
+from cona.orchestrator.runstate import read_events, read_state
+from cona.protocol.job import JobSpec
+from cona.protocol.rundir import RunDir, read_jsonl
 
 if TYPE_CHECKING:
-    from orchestrator.scheduler import LiveStatus, Scheduler
+    from cona.orchestrator.scheduler import LiveStatus, Scheduler
 
 
 def _duration(seconds: float | None) -> str:
@@ -110,7 +110,7 @@ def _short(strategy: dict[str, int]) -> str:
 
 def status_summary(run_dir: RunDir) -> dict[str, Any]:
     """Everything `cona status` shows, from the run directory alone (works while the run goes on)."""
-    from orchestrator.runstate import load_run
+    from cona.orchestrator.runstate import load_run
 
     profile, job = load_run(run_dir)
     state = read_state(run_dir)

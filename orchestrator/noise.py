@@ -28,7 +28,7 @@ import math
 from collections import deque
 from typing import Any, Literal
 
-from trainer.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import Heartbeat
 
 NoiseKind = Literal["plain", "adam"]
 

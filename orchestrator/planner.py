@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator.costmodel import Prediction, predict, usable_memory_bytes
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec
-from trainer.strategy import Strategy
+from cona.orchestrator.costmodel import Prediction, predict, usable_memory_bytes
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
+from cona.protocol.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

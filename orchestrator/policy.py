@@ -21,12 +21,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
-from orchestrator.profile import ClusterProfile
-from orchestrator.throughput import ThroughputModel
-from trainer.job import JobSpec, PolicySpec
-from trainer.lr import lr_scale_factor
-from trainer.strategy import Strategy
+from cona.orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
+from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.throughput import ThroughputModel
+from cona.protocol.job import JobSpec, PolicySpec
+from cona.protocol.lr import lr_scale_factor
+from cona.protocol.strategy import Strategy
 
 DEFAULT_BLEND_EVALUATIONS = 3
 """Evaluations with a stable estimate over which cona moves B_noise from the prior to the estimate."""
@@ -48,10 +48,10 @@ class DecisionContext:
     noise_scale: float | None
     """The estimator's B_noise, None while undefined (then the prior is used)."""
     noise_stable: bool
-    """Whether the estimator considers its value settled (see `orchestrator.noise`)."""
+    """Whether the estimator considers its value settled (see `cona.orchestrator.noise`)."""
     switch_cost_s: Callable[[Strategy], float]
     """Seconds a switch from `current` to the given strategy costs: measured for its kind (in place, relaunch,
-    resubmission), else predicted (`orchestrator.switchcost`)."""
+    resubmission), else predicted (`cona.orchestrator.switchcost`)."""
     last_switch_time: float
     """When the current strategy started (time.time())."""
     remaining_time_s: float | None

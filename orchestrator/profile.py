@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Literal
 
 import pydantic
+from cona.protocol.yamlconfig import StrictModel, apply_overrides, load_yaml, parse_bytes, validate
 from pydantic import Field
-
-from trainer.yamlconfig import StrictModel, apply_overrides, load_yaml, parse_bytes, validate
 
 
 class AcceleratorSpec(StrictModel):
@@ -168,6 +167,6 @@ class ClusterProfile(StrictModel):
 
 
 def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterProfile:
-    """Load and validate a cluster profile; raises `trainer.yamlconfig.ConfigError` with a one-line message."""
+    """Load and validate a cluster profile; raises `cona.protocol.yamlconfig.ConfigError` with a one-line message."""
     data = apply_overrides(load_yaml(path), list(overrides), source="--profile-set")
     return validate(ClusterProfile, data, source=str(path))

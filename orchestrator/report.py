@@ -8,9 +8,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.runstate import load_run, read_events, read_state
-from trainer.heartbeat_record import Heartbeat
-from trainer.rundir import RunDir, read_jsonl
+from cona.orchestrator.runstate import load_run, read_events, read_state
+from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.rundir import RunDir, read_jsonl
 
 
 def _heartbeats(run_dir: RunDir) -> list[dict[str, Any]]:
@@ -30,8 +30,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from orchestrator.noise import NoiseScaleEstimator
+    from cona.orchestrator.noise import NoiseScaleEstimator
 
     profile, job = load_run(run_dir)
     state = read_state(run_dir)

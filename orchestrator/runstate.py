@@ -10,11 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec, job_from_dict, job_to_dict
-from trainer.rundir import RunDir, append_jsonl, atomic_write_json, atomic_write_text, read_json, read_jsonl
-from trainer.yamlconfig import ConfigError, validate
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec, job_from_dict, job_to_dict
+from cona.protocol.rundir import (
+    RunDir,
+    append_jsonl,
+    atomic_write_json,
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+)
+from cona.protocol.yamlconfig import ConfigError, validate
 
 
 def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: JobSpec) -> None:

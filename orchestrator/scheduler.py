@@ -13,18 +13,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Backend
-from orchestrator.noise import NoiseScaleEstimator
-from orchestrator.planner import Candidate, enumerate_candidates
-from orchestrator.policy import DecisionContext, Policy, make_policy
-from orchestrator.profile import ClusterProfile
-from orchestrator.runstate import log_event, read_state, write_state
-from orchestrator.switchcost import SwitchCosts, SwitchKind
-from orchestrator.throughput import ThroughputModel
-from trainer.heartbeat_record import Heartbeat
-from trainer.job import JobSpec
-from trainer.rundir import ControlRecord, RunDir, read_jsonl
-from trainer.strategy import Strategy
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend
+from cona.orchestrator.noise import NoiseScaleEstimator
+from cona.orchestrator.planner import Candidate, enumerate_candidates
+from cona.orchestrator.policy import DecisionContext, Policy, make_policy
+from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.runstate import log_event, read_state, write_state
+from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
+from cona.orchestrator.throughput import ThroughputModel
+from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.job import JobSpec
+from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
+from cona.protocol.strategy import Strategy
 
 
 @dataclasses.dataclass

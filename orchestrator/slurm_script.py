@@ -19,11 +19,11 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.yamlconfig import ConfigError
+from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
-    from orchestrator.profile import ClusterProfile
-    from trainer.job import JobSpec
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.protocol.job import JobSpec
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SCRIPT_TEMPLATE = TEMPLATES / "cona.sbatch.tmpl"

@@ -26,9 +26,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec
-from trainer.yamlconfig import parse_bytes
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
+from cona.protocol.yamlconfig import parse_bytes
 
 CHECKPOINT_BYTES_PER_PARAM = 12
 """The trainer's checkpoint holds fp32 parameters and Adam's two fp32 moments: 12 bytes per parameter."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from cona.orchestrator.planner import Candidate
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
 from rich.console import Console
 from rich.table import Table
-
-from orchestrator.planner import Candidate
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec
 
 
 def _fmt_time(seconds: float) -> str:

@@ -26,8 +26,8 @@ import statistics
 from collections import deque
 from typing import Any, Literal
 
-from orchestrator.planner import Candidate
-from trainer.strategy import Strategy
+from cona.orchestrator.planner import Candidate
+from cona.protocol.strategy import Strategy
 
 DEFAULT_WINDOW = 9
 Source = Literal["measured", "layout", "degrees", "calibrated", "none"]

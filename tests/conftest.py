@@ -18,7 +18,7 @@ def run_cona(*args: str, cwd: Path | None = None, timeout: float = 120, env: dic
     """Run the real `cona` entry point in a subprocess (as a user would)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "cona.orchestrator.cli", *args],
         cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, env=full_env,
     )  # fmt: skip
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.profile import load_profile
+from cona.protocol.job import PRESETS, ModelSpec, load_job
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError, parse_bytes
 
-from orchestrator.profile import load_profile
 from tests.conftest import EXAMPLES, REPO, run_cona
-from trainer.job import PRESETS, ModelSpec, load_job
-from trainer.strategy import Strategy
-from trainer.yamlconfig import ConfigError, parse_bytes
 
 ALL_PROFILES = sorted((REPO / "slurm" / "profiles").glob("*.yaml")) + sorted(
     (REPO / "manifests" / "profiles").glob("*.yaml")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 import time
 
-from orchestrator.backends.base import AttemptStatus
-from orchestrator.backends.local import LocalBackend
-from trainer.rundir import RunDir
-from trainer.strategy import Strategy
+from cona.orchestrator.backends.base import AttemptStatus
+from cona.orchestrator.backends.local import LocalBackend
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
 
 STRATEGY = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1)
 

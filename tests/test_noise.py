@@ -7,9 +7,8 @@ import math
 
 import numpy as np
 import pytest
-
-from orchestrator.noise import NoiseScaleEstimator, two_batch_estimates
-from trainer.heartbeat_record import Heartbeat
+from cona.orchestrator.noise import NoiseScaleEstimator, two_batch_estimates
+from cona.protocol.heartbeat_record import Heartbeat
 
 D = 512  # parameters
 

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.runstate import read_events, read_state
+from cona.protocol.job import load_job
+from cona.protocol.rundir import RunDir
+from cona.protocol.samples_log import audit_samples
 
-from orchestrator.runstate import read_events, read_state
 from tests.conftest import REPO
-from trainer.job import load_job
-from trainer.rundir import RunDir
-from trainer.samples_log import audit_samples
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +38,7 @@ SCHEDULE = [
 def cona(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=env,
+        [sys.executable, "-m", "cona.orchestrator.cli", *args], cwd=REPO, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
     )  # fmt: skip
 
@@ -81,7 +81,7 @@ def worker_pids(run_dir: Path) -> list[int]:
         except OSError:
             continue
         text = b" ".join(argv).decode(errors="replace")
-        if "-m trainer" in text and str(run_dir) in text and "torch.distributed.run" not in text and "/bin/sh" not in text:
+        if "-m cona.trainer" in text and str(run_dir) in text and "torch.distributed.run" not in text and "/bin/sh" not in text:
             pids.append(int(proc.name))
     return pids
 
@@ -188,7 +188,7 @@ def test_stop_then_resume(tmp_path):
             "--policy", "fixed:dp=2,tp=1,pp=2,mbs=4,gbs=16")  # fmt: skip
     proc = cona(*args)
     wait_for(lambda: len(heartbeats(run_dir, 1)) >= 3, timeout=120, what="attempt 1 heartbeats")
-    stop = subprocess.run([sys.executable, "-m", "orchestrator.cli", "stop", str(run_dir.root)], cwd=REPO,
+    stop = subprocess.run([sys.executable, "-m", "cona.orchestrator.cli", "stop", str(run_dir.root)], cwd=REPO,
                           capture_output=True, text=True)  # fmt: skip
     assert stop.returncode == 0, stop.stderr
     out = finish(proc, timeout=120)
@@ -197,7 +197,7 @@ def test_stop_then_resume(tmp_path):
     assert state["status"] == "stopped"
     stopped_at = state["live"]["samples"]
     assert 0 < stopped_at < 3200
-    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", str(run_dir.root), "--json"],
+    status = subprocess.run([sys.executable, "-m", "cona.orchestrator.cli", "status", str(run_dir.root), "--json"],
                             cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert json.loads(status.stdout)["status"] == "stopped"
     resumed = cona("run", "--resume", str(run_dir.root))
@@ -272,7 +272,7 @@ def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
     shutil.copytree(run_dir.checkpoint_dir(step), fresh.checkpoint_dir(step))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     by_hand = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "trainer",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "cona.trainer",
          "--run-dir", str(fresh.root), "--strategy", "dp=2,tp=1,pp=2,mbs=4,gbs=32", "--attempt", "2",
          "--max-steps", str(step + 5)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip

@@ -7,12 +7,12 @@ import os
 import time
 
 import pytest
+from cona.orchestrator.costmodel import predict
+from cona.orchestrator.planner import enumerate_candidates, evaluate, rank_by_iter_time, static_choice
+from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.protocol.job import load_job
 
-from orchestrator.costmodel import predict
-from orchestrator.planner import enumerate_candidates, evaluate, rank_by_iter_time, static_choice
-from orchestrator.profile import ClusterProfile, load_profile
 from tests.conftest import EXAMPLES, PROFILES, REPO, run_cona
-from trainer.job import load_job
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +114,14 @@ def test_ten_thousand_candidates_in_well_under_a_second(gpt3):
     job = gpt3.model_copy(deep=True)
     job.batch.max_gbs = 65536
     job.batch.gbs_choices = list(range(64, 65536 + 1, 256))
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: other work on the machine must not make the test fail.
+    start = time.process_time()
     candidates = enumerate_candidates(profile=big, job=job)
     ranked = rank_by_iter_time(candidates)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(candidates) >= 10_000
     assert ranked
-    assert elapsed < 1.0, f"{len(candidates)} candidates took {elapsed:.2f}s"
+    assert elapsed < 1.0, f"{len(candidates)} candidates took {elapsed:.2f} CPU-seconds"
 
 
 def test_plan_json_golden():

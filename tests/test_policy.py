@@ -7,10 +7,9 @@ import math
 
 import numpy as np
 import pytest
-
-from orchestrator.costmodel import Prediction
-from orchestrator.planner import Candidate, enumerate_candidates, static_choice
-from orchestrator.policy import (
+from cona.orchestrator.costmodel import Prediction
+from cona.orchestrator.planner import Candidate, enumerate_candidates, static_choice
+from cona.orchestrator.policy import (
     MIN_LR_EFFICIENCY,
     ConaPolicy,
     DecisionContext,
@@ -21,11 +20,12 @@ from orchestrator.policy import (
     make_policy,
     progress_rate,
 )
-from orchestrator.profile import load_profile
-from orchestrator.throughput import ThroughputModel
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.throughput import ThroughputModel
+from cona.protocol.job import job_from_dict, job_to_dict, load_job
+from cona.protocol.strategy import Strategy
+
 from tests.conftest import EXAMPLES, PROFILES
-from trainer.job import job_from_dict, job_to_dict, load_job
-from trainer.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from orchestrator.profile import load_profile
-from orchestrator.report import write_report
-from orchestrator.runstate import create_run, log_event, write_state
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.report import write_report
+from cona.orchestrator.runstate import create_run, log_event, write_state
+from cona.protocol.job import load_job
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
+
 from tests.conftest import EXAMPLES, PROFILES
-from trainer.job import load_job
-from trainer.rundir import RunDir
-from trainer.strategy import Strategy
 
 
 def test_report_lists_switches_and_their_measured_costs_by_kind(tmp_path):

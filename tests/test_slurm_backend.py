@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from orchestrator.backends.base import Attempt, AttemptStatus
-from orchestrator.backends.slurm import (
+from cona.orchestrator.backends.base import Attempt, AttemptStatus
+from cona.orchestrator.backends.slurm import (
     SlurmBackend,
     SlurmError,
     expand_hostlist,
@@ -24,11 +23,12 @@ from orchestrator.backends.slurm import (
     parse_squeue,
     placement,
 )
-from orchestrator.profile import load_profile
-from orchestrator.switchcost import SwitchKind
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
+
 from tests.conftest import PROFILES
-from trainer.rundir import RunDir
-from trainer.strategy import Strategy
 
 # Recorded with Slurm 22.05.8 (slurm/local-cluster.sh).
 SCONTROL_RUNNING = (

@@ -19,21 +19,21 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Outcome
+from cona.orchestrator.backends.slurm import SlurmBackend, parse_sinfo_nodes
+from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.orchestrator.slurm_script import render_batch_script
+from cona.protocol.rundir import ControlRecord, RunDir
+from cona.protocol.strategy import Strategy
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Outcome
-from orchestrator.backends.slurm import SlurmBackend, parse_sinfo_nodes
-from orchestrator.profile import ClusterProfile, load_profile
-from orchestrator.slurm_script import render_batch_script
 from tests.conftest import PROFILES, REPO
-from trainer.rundir import ControlRecord, RunDir
-from trainer.strategy import Strategy
 
 pytestmark = pytest.mark.slurm
 
 LOCAL_CLUSTER = REPO / "slurm" / "local-cluster.sh"
 FAKE_MODULE = "cona_fake_trainer"
 FAKE_TRAINER = '''
-"""Stands in for `python -m trainer` under torchrun in cona's Slurm tests."""
+"""Stands in for `python -m cona.trainer` under torchrun in cona's Slurm tests."""
 import json, os, signal, sys, time
 
 args = sys.argv[1:]

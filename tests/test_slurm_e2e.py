@@ -2,7 +2,7 @@
 
 Every test runs the tiny GPT on `slurm/profiles/local-slurm.yaml` (2 nodes × 2 CPU processes) and checks what a
 user relies on: the run ends DONE, no two attempts ever overlap, and the samples consumed across every switch,
-resubmission, requeue and node failure are exactly 0..N−1 (`trainer.samples_log.audit_samples`).
+resubmission, requeue and node failure are exactly 0..N−1 (`cona.protocol.samples_log.audit_samples`).
 
 - the `cona` policy switches inside its allocation (same Slurm job, same submission);
 - a `schedule` from 4 to 2 processes resubmits with `--nodes=1`;
@@ -27,11 +27,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.backends.base import Attempt
+from cona.orchestrator.backends.slurm import SlurmBackend
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.runstate import read_events, read_state
+from cona.protocol.rundir import RunDir
+from cona.protocol.samples_log import samples_file
+from cona.protocol.strategy import Strategy
 
-from orchestrator.backends.base import Attempt
-from orchestrator.backends.slurm import SlurmBackend
-from orchestrator.profile import load_profile
-from orchestrator.runstate import read_events, read_state
 from tests.conftest import REPO
 from tests.test_orchestrator_e2e import (
     assert_attempts_never_overlap,
@@ -40,9 +43,6 @@ from tests.test_orchestrator_e2e import (
     wait_for,
 )
 from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
-from trainer.rundir import RunDir
-from trainer.samples_log import samples_file
-from trainer.strategy import Strategy
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
@@ -79,7 +79,7 @@ class SlurmRun:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.out = self.out_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "run", "--profile", PROFILE, "--job", TINY,
+            [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", PROFILE, "--job", TINY,
              "--run-dir", str(self.run.root), *BASE, *args],
             cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from orchestrator.profile import ClusterProfile, load_profile
-from orchestrator.slurm_script import (
+from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.orchestrator.slurm_script import (
     HELPER,
     parse_extra_option,
     render_batch_script,
     sbatch_quote,
 )
+from cona.protocol.yamlconfig import ConfigError
+
 from tests.conftest import PROFILES, REPO
-from trainer.yamlconfig import ConfigError
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
 BASH = shutil.which("bash")

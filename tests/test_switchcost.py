@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import pytest
-
-from orchestrator.backends.base import Attempt
-from orchestrator.backends.local import LocalBackend
-from orchestrator.profile import load_profile
-from orchestrator.scheduler import Scheduler
-from orchestrator.switchcost import (
+from cona.orchestrator.backends.base import Attempt
+from cona.orchestrator.backends.local import LocalBackend
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.scheduler import Scheduler
+from cona.orchestrator.switchcost import (
     CHECKPOINT_BYTES_PER_PARAM,
     SwitchCosts,
     SwitchKind,
     checkpoint_bytes,
     predicted_switch_cost_s,
 )
+from cona.protocol.job import load_job
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
+
 from tests.conftest import EXAMPLES, PROFILES
-from trainer.job import load_job
-from trainer.rundir import RunDir
-from trainer.strategy import Strategy
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_the_scheduler_charges_what_the_local_backend_will_pay(setup, tmp_path):
 
 
 def test_a_completed_switch_is_measured_under_its_kind(setup, tmp_path):
-    from trainer.heartbeat_record import Heartbeat
+    from cona.protocol.heartbeat_record import Heartbeat
 
     profile, job = setup
     run = RunDir(tmp_path / "run")

@@ -6,14 +6,14 @@ import json
 import math
 
 import pytest
+from cona.orchestrator.costmodel import Prediction
+from cona.orchestrator.planner import Candidate, enumerate_candidates
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.throughput import ThroughputModel
+from cona.protocol.job import load_job
+from cona.protocol.strategy import Strategy
 
-from orchestrator.costmodel import Prediction
-from orchestrator.planner import Candidate, enumerate_candidates
-from orchestrator.profile import load_profile
-from orchestrator.throughput import ThroughputModel
 from tests.conftest import EXAMPLES, PROFILES
-from trainer.job import load_job
-from trainer.strategy import Strategy
 
 
 def candidate(dp: int, tp: int, pp: int, mbs: int, gbs: int, iter_time_s: float) -> Candidate:

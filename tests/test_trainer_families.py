@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from trainer.rundir import ExitCode
+from cona.protocol.rundir import ExitCode
 
 try:
     from tests.trainer_helpers import describe, heartbeats, launch, step_records, write_job
@@ -77,8 +76,7 @@ def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
     import json
 
     import yaml
-
-    from trainer.job import job_to_dict, load_job
+    from cona.protocol.job import job_to_dict, load_job
 
     job = write_job(tmp_path)
     explicit = launch(tmp_path / "explicit", nproc=0, strategy="dp=1,mbs=4,gbs=16", job=job, max_steps=3)

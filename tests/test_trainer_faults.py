@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from trainer.rundir import ControlRecord, ExitCode, RunDir
-from trainer.samples_log import audit_samples
+from cona.protocol.rundir import ControlRecord, ExitCode, RunDir
+from cona.protocol.samples_log import audit_samples
 
 try:
     import tests.trainer_helpers as helpers

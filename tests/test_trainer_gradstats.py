@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from trainer.checkpoint import read_checkpoint_tensors
-from trainer.data import Batcher, load_corpus
-from trainer.job import load_job
-from trainer.model import build_model, lm_loss_sum, materialize
-from trainer.rundir import ExitCode
-from trainer.strategy import Strategy
+from cona.protocol.job import load_job
+from cona.protocol.rundir import ExitCode
+from cona.protocol.strategy import Strategy
+from cona.trainer.checkpoint import read_checkpoint_tensors
+from cona.trainer.data import Batcher, load_corpus
+from cona.trainer.model import build_model, lm_loss_sum, materialize
 
 try:
     from tests.trainer_helpers import describe, launch, step_records, write_job

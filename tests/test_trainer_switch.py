@@ -18,10 +18,9 @@ import shutil
 
 import pytest
 import torch
-
-from trainer.checkpoint import read_checkpoint_tensors
-from trainer.rundir import ExitCode
-from trainer.samples_log import audit_samples
+from cona.protocol.rundir import ExitCode
+from cona.protocol.samples_log import audit_samples
+from cona.trainer.checkpoint import read_checkpoint_tensors
 
 try:
     from tests.trainer_helpers import describe, launch, step_records, write_job

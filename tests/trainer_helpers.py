@@ -70,7 +70,7 @@ class Launch:
 
 
 def trainer_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
@@ -80,7 +80,7 @@ def trainer_command(
     run_dir: Path, *, nproc: int, strategy: str | None, job: Path | None, max_steps: int | None = None,
     attempt: int | None = 0, extra: tuple[str, ...] = (),
 ) -> list[str]:  # fmt: skip
-    """`torchrun --standalone --nproc-per-node=N -m trainer ...`, or plain `python -m trainer` for nproc=0.
+    """`torchrun --standalone --nproc-per-node=N -m cona.trainer ...`, or plain `python -m cona.trainer` for nproc=0.
 
     `None` for job, strategy or attempt leaves the flag out (the trainer then reads the run directory).
     """
@@ -95,9 +95,9 @@ def trainer_command(
         args += ["--max-steps", str(max_steps)]
     args += list(extra)
     if nproc == 0:
-        return [sys.executable, "-m", "trainer", *args]
+        return [sys.executable, "-m", "cona.trainer", *args]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*launcher, "--max-restarts=0", "-m", "trainer", *args]
+    return [*launcher, "--max-restarts=0", "-m", "cona.trainer", *args]
 
 
 def launch(
@@ -107,7 +107,7 @@ def launch(
     """Run the trainer to completion (nproc=0: without torchrun, a world of one)."""
     cmd = trainer_command(run_dir, nproc=nproc, strategy=strategy, job=job, max_steps=max_steps, attempt=attempt, extra=extra)
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
-    from trainer.rundir import RunDir
+    from cona.protocol.rundir import RunDir
 
     exit_data = RunDir(run_dir).read_exit(attempt if attempt is not None else RunDir(run_dir).current_attempt())
     return Launch(returncode=proc.returncode, exit=exit_data, stdout=proc.stdout, stderr=proc.stderr)

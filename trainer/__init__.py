@@ -1,7 +1,7 @@
-"""cona's data plane: `python -m trainer` trains one strategy under torchrun and speaks the run-directory protocol.
+"""cona's data plane: `python -m cona.trainer` trains one strategy under torchrun and speaks the run-directory protocol.
 
-Torch-free modules (the only ones the orchestrator imports): `job`, `strategy`, `rundir`, `heartbeat_record`,
-`yamlconfig`, plus `samples_log` (the samples log and `audit_samples`), `control`, `lr` and `heartbeat`.
-The rest needs torch: `model`, `data` (numpy only, but used with the model), `parallel`, `gradstats`,
-`checkpoint`, `train`, `main`. See trainer/README.md for the protocol in one page.
+The contract it shares with the orchestrator (job spec, strategy, run-directory records, LR rule) lives in
+`cona.protocol`; this package never imports `cona.orchestrator`. `control` and `heartbeat` are torch-free; `model`,
+`data` (numpy only, but used with the model), `parallel`, `gradstats`, `checkpoint`, `train` and `main` need torch.
+See trainer/README.md for the protocol in one page.
 """

@@ -1,7 +1,7 @@
-"""`python -m trainer` (see trainer.main)."""
+"""`python -m cona.trainer` (see trainer.main)."""
 
 import sys
 
-from trainer.main import main
+from cona.trainer.main import main
 
 sys.exit(main())

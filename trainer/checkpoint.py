@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-from trainer.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

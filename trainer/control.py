@@ -15,7 +15,7 @@ import signal
 import threading
 from types import FrameType
 
-from trainer.rundir import ControlRecord, RunDir
+from cona.protocol.rundir import ControlRecord, RunDir
 
 
 class Action(enum.IntEnum):

@@ -31,9 +31,8 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-
-from trainer.job import JobSpec
-from trainer.yamlconfig import ConfigError
+from cona.protocol.job import JobSpec
+from cona.protocol.yamlconfig import ConfigError
 
 IGNORE_INDEX = -100
 """Label of positions that carry no loss (unmasked BERT tokens, padding)."""

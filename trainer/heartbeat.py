@@ -12,8 +12,8 @@ import dataclasses
 import math
 import time
 
-from trainer.heartbeat_record import Heartbeat
-from trainer.rundir import RunDir, append_jsonl
+from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.rundir import RunDir, append_jsonl
 
 
 @dataclasses.dataclass

@@ -1,13 +1,13 @@
-"""`python -m trainer`: one attempt of one strategy, launched by torchrun (or alone, as a world of one).
+"""`python -m cona.trainer`: one attempt of one strategy, launched by torchrun (or alone, as a world of one).
 
-    torchrun --standalone --nproc-per-node=4 -m trainer --run-dir RUN [--job JOB.yaml] [--strategy dp=2,tp=2,...]
+    torchrun --standalone --nproc-per-node=4 -m cona.trainer --run-dir RUN [--job JOB.yaml] [--strategy dp=2,tp=2,...]
              [--max-steps N] [--attempt N] [--set section.field=value ...]
 
 Without --job the job is `run.yaml`'s `job:` mapping; without --strategy the strategy is state.json's; without
 --attempt the attempt is state.json's. --max-steps is an absolute optimizer step of the run (see trainer.train).
 No flag is a prefix of a torchrun flag, so they can never be mistaken for torchrun's own.
 
-Exit codes (trainer.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal, --max-steps), 44 the world
+Exit codes (cona.protocol.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal, --max-steps), 44 the world
 size does not fit the strategy, 2 bad input (one line on stderr saying what to fix). torchrun itself exits 1 when
 a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat (`event: exit`) for the code.
 """
@@ -22,16 +22,16 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.rundir import ExitCode, RunDir
-from trainer.strategy import Strategy
-from trainer.yamlconfig import ConfigError
+from cona.protocol.rundir import ExitCode, RunDir
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 
 FLAGS = ("--run-dir", "--job", "--strategy", "--max-steps", "--attempt", "--set", "--dump-loaded-state")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit CONFIG, no usage dump
-        _fail(f"{message} (see python -m trainer --help)")
+        _fail(f"{message} (see python -m cona.trainer --help)")
 
 
 def _fail(message: str, code: ExitCode = ExitCode.CONFIG) -> NoReturn:
@@ -41,7 +41,7 @@ def _fail(message: str, code: ExitCode = ExitCode.CONFIG) -> NoReturn:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _Parser(prog="python -m trainer", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = _Parser(prog="python -m cona.trainer", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared by all nodes)")
     parser.add_argument("--job", type=Path, help="job YAML (default: run.yaml's `job:` in the run directory)")
     parser.add_argument("--strategy", help="e.g. dp=2,tp=2,pp=1,mbs=2,gbs=16 (default: state.json's strategy)")
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_inputs(args: argparse.Namespace):
     """Job, strategy and attempt from the flags and the run directory; raises ConfigError."""
-    from trainer.job import job_from_dict, load_job
-    from trainer.yamlconfig import apply_overrides, load_yaml
+    from cona.protocol.job import job_from_dict, load_job
+    from cona.protocol.yamlconfig import apply_overrides, load_yaml
 
     run_dir = RunDir(args.run_dir)
     if args.job is not None:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
 
-    from trainer.train import write_exit
+    from cona.trainer.train import write_exit
 
     previous = run_dir.read_exit(attempt) if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
     if previous is not None and previous.get("exit_code") in (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED):
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(code)
 
     # Validate everything that needs no process group first, so bad input never hangs a collective.
-    from trainer.data import Batcher, load_corpus
-    from trainer.parallel import LayoutError, check_layout
+    from cona.trainer.data import Batcher, load_corpus
+    from cona.trainer.parallel import LayoutError, check_layout
 
     try:
         check_layout(job, strategy, world_size=world_size)
@@ -132,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
 
     import torch.distributed as dist
-
-    from trainer.parallel import init_distributed
-    from trainer.train import Trainer, TrainingDiverged
+    from cona.trainer.parallel import init_distributed
+    from cona.trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()
     startup["dist_ready"] = time.time()

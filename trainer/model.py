@@ -27,10 +27,9 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from cona.protocol.job import ModelSpec
+from cona.trainer.data import IGNORE_INDEX
 from torch import nn
-
-from trainer.data import IGNORE_INDEX
-from trainer.job import ModelSpec
 
 INIT_STD = 0.02
 

@@ -36,14 +36,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
+from cona.protocol.job import JobSpec
+from cona.protocol.strategy import Strategy
+from cona.trainer.data import IGNORE_INDEX
+from cona.trainer.gradstats import AdamView, GradStats, local_tensor
+from cona.trainer.model import Transformer, build_model, lm_loss_sum, materialize, prune_to_stage
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from trainer.data import IGNORE_INDEX
-from trainer.gradstats import AdamView, GradStats, local_tensor
-from trainer.job import JobSpec
-from trainer.model import Transformer, build_model, lm_loss_sum, materialize, prune_to_stage
-from trainer.strategy import Strategy
 
 
 class LayoutError(ValueError):
@@ -78,7 +77,7 @@ def init_distributed() -> DistEnv:
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, device_id=device if use_cuda else None)
-        else:  # `python -m trainer` without torchrun: a world of one
+        else:  # `python -m cona.trainer` without torchrun: a world of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device, backend=backend
@@ -359,7 +358,7 @@ class ParallelModel:
         post = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._tied_group is None:
             return pre, post
-        from trainer.gradstats import replication
+        from cona.trainer.gradstats import replication
 
         for param in self.tied_params:
             grad = local_tensor(param.grad) if param.grad is not None else None

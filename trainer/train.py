@@ -6,7 +6,7 @@ Per optimizer step (all ranks in lockstep):
 2. forward/backward over the micro-batches (`trainer.parallel`), loss scaled to the global-batch token mean;
 3. one all-reduce (SUM) of a few float64 scalars: loss, local/global gradient norms and their Adam variants,
    the tied-weight correction, rank 0's control command and time-budget flag, every rank's signal flag;
-4. clip to `optimizer.grad_clip` with the all-reduced global norm, set the LR (`trainer.lr`), AdamW step;
+4. clip to `optimizer.grad_clip` with the all-reduced global norm, set the LR (`cona.protocol.lr`), AdamW step;
 5. rank 0 appends the step's sample range to the samples log, then heartbeats; evaluation every
    `eval.interval_samples` samples; checkpoint every `checkpoint.interval_steps` steps and on command.
 
@@ -26,19 +26,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from trainer import checkpoint as ckpt
-from trainer.control import Action, ControlState, decide
-from trainer.data import Batcher, Corpus
-from trainer.heartbeat import HeartbeatWriter, StepRecord
-from trainer.heartbeat_record import Heartbeat
-from trainer.job import JobSpec
-from trainer.lr import job_learning_rate
-from trainer.parallel import DistEnv, ParallelModel, check_layout
-from trainer.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
-from trainer.samples_log import log_resume, log_step
-from trainer.strategy import Strategy
-from trainer.yamlconfig import ConfigError
+from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.job import JobSpec
+from cona.protocol.lr import job_learning_rate
+from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
+from cona.protocol.samples_log import log_resume, log_step
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
+from cona.trainer import checkpoint as ckpt
+from cona.trainer.control import Action, ControlState, decide
+from cona.trainer.data import Batcher, Corpus
+from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
+from cona.trainer.parallel import DistEnv, ParallelModel, check_layout
 
 PROGRESS_INTERVAL_S = 10.0
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
-from orchestrator.profile import ClusterProfile
-from trainer.job import JobSpec
-from trainer.rundir import RunDir
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
+from cona.protocol.rundir import RunDir
 
 __all__ = ["Attempt", "AttemptStatus", "Backend", "Outcome", "make_backend"]
 
@@ -13,12 +13,12 @@ __all__ = ["Attempt", "AttemptStatus", "Backend", "Outcome", "make_backend"]
 def make_backend(*, profile: ClusterProfile, run_dir: RunDir, job: JobSpec | None = None) -> Backend:
     """The backend named by the profile. Imports lazily so a login node needs only what it uses."""
     if profile.backend == "local":
-        from orchestrator.backends.local import LocalBackend
+        from cona.orchestrator.backends.local import LocalBackend
 
         return LocalBackend(run_dir=run_dir)
     if profile.backend == "slurm":
         try:
-            from orchestrator.backends.slurm import SlurmBackend
+            from cona.orchestrator.backends.slurm import SlurmBackend
         except ModuleNotFoundError as e:  # pragma: no cover - only while the backend is being built
             raise ValueError(f"the slurm backend is not available in this installation ({e})") from None
         return SlurmBackend(run_dir=run_dir, profile=profile, job=job)

@@ -11,9 +11,9 @@ import dataclasses
 import enum
 from typing import Any
 
-from orchestrator.switchcost import SwitchKind
-from trainer.rundir import ExitCode, RunDir
-from trainer.strategy import Strategy
+from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.rundir import ExitCode, RunDir
+from cona.protocol.strategy import Strategy
 
 
 class BackendError(RuntimeError):

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
-from trainer.rundir import RunDir
-from trainer.strategy import Strategy
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
 
 EXIT_CODE_FILE = "exit_code"
 
@@ -64,7 +64,7 @@ def _alive(pid: int) -> bool:
 
 
 class LocalBackend(Backend):
-    """Runs each attempt as `torchrun --standalone --nproc-per-node=dp·tp·pp -m trainer` on this machine."""
+    """Runs each attempt as `torchrun --standalone --nproc-per-node=dp·tp·pp -m cona.trainer` on this machine."""
 
     name = "local"
 
@@ -80,7 +80,7 @@ class LocalBackend(Backend):
         return [
             self.python, "-m", "torch.distributed.run",
             "--standalone", "--nnodes=1", f"--nproc-per-node={strategy.world_size}", "--max-restarts=0",
-            "-m", "trainer", "--run-dir", str(self.run_dir.root.resolve()), "--attempt", str(attempt),
+            "-m", "cona.trainer", "--run-dir", str(self.run_dir.root.resolve()), "--attempt", str(attempt),
         ]  # fmt: skip
 
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
@@ -96,8 +96,6 @@ class LocalBackend(Backend):
         # Two cores shared by several processes: one thread each avoids oversubscription.
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 ["/bin/sh", "-c", wrapper], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

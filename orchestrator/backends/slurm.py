@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from orchestrator.slurm_script import parse_extra_option, render_batch_script
-from orchestrator.switchcost import SwitchKind
-from trainer.rundir import ExitCode, RunDir, atomic_write_json, read_json
-from trainer.strategy import Strategy
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.slurm_script import parse_extra_option, render_batch_script
+from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.rundir import ExitCode, RunDir, atomic_write_json, read_json
+from cona.protocol.strategy import Strategy
 
 # Job states (squeue/scontrol/sacct long names).
 PENDING_STATES = frozenset(

@@ -20,7 +20,7 @@ Commands:
           `requeue` (ask Slurm to requeue the job), `requeued` (Slurm is requeuing it already: K > R) or
           `exit CODE`.
 
-Exit codes of the trainer (trainer/rundir.py ExitCode): 0 done, 42 switch, 43 stopped, 44 bad world, else crash.
+Exit codes of the trainer (protocol/rundir.py ExitCode): 0 done, 42 switch, 43 stopped, 44 bad world, else crash.
 """
 
 import contextlib

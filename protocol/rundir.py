@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer.strategy import Strategy
+from cona.protocol.strategy import Strategy
 
 
 class ExitCode(enum.IntEnum):

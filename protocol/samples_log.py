@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.rundir import RunDir, append_jsonl
+from cona.protocol.rundir import RunDir, append_jsonl
 
 
 class SamplesAuditError(ValueError):

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
+from cona.protocol.yamlconfig import ConfigError, StrictModel, apply_overrides, load_yaml, validate
 from pydantic import Field
-
-from trainer.yamlconfig import ConfigError, StrictModel, apply_overrides, load_yaml, validate
 
 ModelFamily = Literal["gpt", "llama", "bert"]
 
@@ -38,7 +37,7 @@ class ModelSpec(StrictModel):
     """The architecture. A `preset` fills every dimension; explicit fields override the preset's."""
 
     preset: str | None = None
-    """One of the names in `trainer.job.PRESETS`, or None to give every dimension explicitly."""
+    """One of the names in `cona.protocol.job.PRESETS`, or None to give every dimension explicitly."""
     family: ModelFamily | None = None
     """`gpt` (learned positions, LayerNorm, GELU), `llama` (RoPE, RMSNorm, SwiGLU, GQA) or `bert` (MLM encoder)."""
     num_layers: int | None = Field(None, gt=0)
@@ -279,7 +278,7 @@ class PolicySpec(StrictModel):
     larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
     lr_aware: bool = False
     """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
-    best LR at `batch.base_gbs` (`orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
+    best LR at `batch.base_gbs` (`cona.orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
     noise_ema: float = Field(0.9, ge=0, lt=1)
     """EMA factor per heartbeat for the numerator and denominator of B_noise."""
     min_noise_samples: int = Field(8, ge=1)
@@ -301,7 +300,7 @@ class PolicySpec(StrictModel):
     switch_cost_s: float | None = Field(None, ge=0)
     """Seconds charged for a switch before one of its kind (in place, relaunch, resubmission) was measured. Unset,
     it is predicted from the checkpoint's size, the profile's storage bandwidths and the backend's overhead
-    (`orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
+    (`cona.orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
     max_restarts: int = Field(3, ge=0)
     """Relaunches of a crashed or hung attempt before the run fails."""
     heartbeat_timeout_s: float = Field(300.0, gt=0)

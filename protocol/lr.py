@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.job import JobSpec, OptimizerSpec
+from cona.protocol.job import JobSpec, OptimizerSpec
 
 _EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}
 
