@@ -1,4 +1,4 @@
-"""Analytical iteration time and memory of a strategy on a cluster (DESIGN.md §5).
+"""Analytical iteration time and memory of a strategy on a cluster (docs/architecture.md).
 
 The formulas follow the 3-D cost models of Megatron, AMP, Galvatron and Metis: compute from FLOPs at a fraction
 of peak, tensor-parallel all-reduces on the link the TP group sits on, the pipeline's fill/drain bubble and

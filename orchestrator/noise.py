@@ -1,4 +1,4 @@
-"""The gradient noise scale B_noise = tr Σ / |G|², estimated online from heartbeats (DESIGN.md §5).
+"""The gradient noise scale B_noise = tr Σ / |G|², estimated online from heartbeats (docs/architecture.md).
 
 McCandlish et al. (2018), "An Empirical Model of Large-Batch Training", appendix A: the squared norm of a
 mini-batch gradient of B samples has expectation E|G_B|² = |G|² + tr Σ / B. Two batch sizes observed on the

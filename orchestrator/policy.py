@@ -1,4 +1,4 @@
-"""Policies: which strategy to start with, and when to switch to which (DESIGN.md §5).
+"""Policies: which strategy to start with, and when to switch to which (docs/architecture.md).
 
 Every policy answers two questions through one interface, so the scheduler loop does not care which one runs:
 `initial` (the first strategy) and `decide` (called every `policy.decision_interval_s` with a `DecisionContext`;

@@ -1,4 +1,4 @@
-"""The scheduler loop: tail heartbeats → update statistics → rank candidates → switch → relaunch (DESIGN.md §3).
+"""The scheduler loop: tail heartbeats → update statistics → rank candidates → switch → relaunch (docs/architecture.md).
 
 All state that must survive an orchestrator restart lives in state.json; everything decided is logged in
 events.jsonl with its numbers. The loop never runs two attempts at once: it launches only after the previous

@@ -1,4 +1,4 @@
-"""Online calibration of the analytical cost model by measured step times (DESIGN.md §5, "Calibrate online").
+"""Online calibration of the analytical cost model by measured step times (docs/architecture.md).
 
 The cost model ranks strategies well but its absolute times are off by a factor that depends on the machine
 (achieved MFU, collective latencies, Python overheads). Measured step times fix that in three tiers, from the

@@ -1,4 +1,4 @@
-"""The run directory: the only channel between orchestrator and trainer (DESIGN.md §4). Torch-free.
+"""The run directory: the only channel between orchestrator and trainer (docs/architecture.md). Torch-free.
 
 All writes are atomic (temp file in the same directory, fsync, rename) or single appends of a whole line;
 readers tolerate a torn last line.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A two-node Slurm cluster on this one host, for cona's Slurm tests (DESIGN.md §8).
+# A two-node Slurm cluster on this one host, for cona's Slurm tests (docs/architecture.md).
 #
 # usage: slurm/local-cluster.sh start [--accounting|--no-accounting]
 #                                                      install Debian's packages if missing, write the config,

@@ -1,4 +1,4 @@
-"""Gradient statistics for the gradient noise scale (DESIGN.md §5), at the cost of a few scalars per step.
+"""Gradient statistics for the gradient noise scale (docs/architecture.md), at the cost of a few scalars per step.
 
 Definitions (the loss is the mean over the global batch's target tokens, see `trainer.parallel`):
 
