@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from cona.orchestrator.backends import BACKENDS
 from cona.orchestrator.backends.base import BackendError
 from cona.protocol.yamlconfig import ConfigError
 
@@ -162,16 +164,29 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from cona.orchestrator.backends import backend_class
+    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.policy import make_policy
     from cona.orchestrator.profile import load_profile
-    from cona.orchestrator.slurm_script import render_batch_script
+    from cona.orchestrator.throughput import ThroughputModel
     from cona.protocol.job import load_job
+    from cona.protocol.rundir import RunDir
 
     profile = load_profile(args.profile)
     job = load_job(args.job, args.overrides)
-    if profile.backend != "slurm":
-        raise UserError(f"{args.profile}: backend is {profile.backend!r}; `cona render slurm` needs a slurm profile")
-    run_dir = args.run_dir or f"{profile.storage.run_root}/{job.name}-RUN"
-    sys.stdout.write(render_batch_script(profile, job, run_dir))
+    if profile.backend != args.target:
+        raise UserError(
+            f"{args.profile}: backend is {profile.backend!r}; `cona render {args.target}` needs a {args.target} profile"
+        )
+    run_dir = RunDir(Path(args.run_dir or f"{profile.storage.run_root}/{job.name}-RUN"))
+    backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
+    # The strategy the run would start with: the policy's own choice over the feasible candidates.
+    candidates = [c for c in enumerate_candidates(profile=profile, job=job) if c.feasible]
+    if not candidates:
+        raise UserError(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
+    policy = make_policy(job, profile=profile, candidates=candidates)
+    strategy = policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
+    sys.stdout.write(backend.render(strategy=strategy))
     return 0
 
 
@@ -241,10 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory)")
     report.set_defaults(func=cmd_report)
 
-    render = sub.add_parser("render", help="print what cona would submit (the Slurm batch script)",
+    render = sub.add_parser("render", help="print what cona would run or submit (the Slurm batch script, the local command)",
                             description="Render the sbatch script `cona run` submits for a Slurm profile, with "
                             "every profile value shell-quoted.")  # fmt: skip
-    render.add_argument("target", choices=["slurm"], help="what to render (slurm: the batch script)")
+    render.add_argument("target", choices=sorted(BACKENDS), help="the backend (slurm: the batch script; local: the command)")
     _add_config_args(render)
     render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")
     render.set_defaults(func=cmd_render)

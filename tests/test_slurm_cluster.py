@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Outcome
 from cona.orchestrator.backends.slurm import SlurmBackend, parse_sinfo_nodes
+from cona.orchestrator.backends.slurm.script import render_batch_script
 from cona.orchestrator.profile import ClusterProfile, load_profile
-from cona.orchestrator.slurm_script import render_batch_script
 from cona.protocol.rundir import ControlRecord, RunDir
 from cona.protocol.strategy import Strategy
 

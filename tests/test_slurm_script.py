@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cona.orchestrator.profile import ClusterProfile, load_profile
-from cona.orchestrator.slurm_script import (
+from cona.orchestrator.backends.slurm.script import (
     HELPER,
     parse_extra_option,
     render_batch_script,
     sbatch_quote,
 )
+from cona.orchestrator.profile import ClusterProfile, load_profile
 from cona.protocol.yamlconfig import ConfigError
 
 from tests.conftest import PROFILES, REPO

@@ -64,7 +64,7 @@ def test_the_scheduler_charges_what_the_local_backend_will_pay(setup, tmp_path):
     # a relaunch (another world size, or in-place switching turned off) its relaunch overhead on top.
     profile, job = setup
     run = RunDir(tmp_path / "run")
-    sched = Scheduler(run_dir=run, profile=profile, job=job, backend=LocalBackend(run_dir=run))
+    sched = Scheduler(run_dir=run, profile=profile, job=job, backend=LocalBackend(run_dir=run, profile=profile, job=job))
     current = Strategy(dp=1, tp=1, pp=4, mbs=4, gbs=16)
     same_world = Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64)
     other_world = Strategy(dp=2, tp=1, pp=1, mbs=16, gbs=64)
@@ -75,7 +75,7 @@ def test_the_scheduler_charges_what_the_local_backend_will_pay(setup, tmp_path):
     assert dear - cheap == pytest.approx(LocalBackend.relaunch_overhead_s - LocalBackend.in_place_overhead_s)
 
     off = job.model_copy(update={"policy": job.policy.model_copy(update={"in_place_switch": False})})
-    sched_off = Scheduler(run_dir=run, profile=profile, job=off, backend=LocalBackend(run_dir=run))
+    sched_off = Scheduler(run_dir=run, profile=profile, job=off, backend=LocalBackend(run_dir=run, profile=profile, job=job))
     assert sched_off.switch_kind(current, same_world) is SwitchKind.RELAUNCH
 
 
@@ -85,7 +85,7 @@ def test_a_completed_switch_is_measured_under_its_kind(setup, tmp_path):
     profile, job = setup
     run = RunDir(tmp_path / "run")
     run.root.mkdir(parents=True)
-    sched = Scheduler(run_dir=run, profile=profile, job=job, backend=LocalBackend(run_dir=run))
+    sched = Scheduler(run_dir=run, profile=profile, job=job, backend=LocalBackend(run_dir=run, profile=profile, job=job))
     sched.state["switch_started"] = {"time": 100.0, "to_attempt": 2, "kind": "in_place", "predicted_s": 1.0}
     attempt = Attempt(number=2, strategy=Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64))
     sched._switch_completed(attempt, Heartbeat.from_dict({

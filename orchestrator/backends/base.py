@@ -11,7 +11,9 @@ import dataclasses
 import enum
 from typing import Any
 
+from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ExitCode, RunDir
 from cona.protocol.strategy import Strategy
 
@@ -96,8 +98,17 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, *, run_dir: RunDir) -> None:
+    def __init__(self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: JobSpec | None = None) -> None:
+        """Every backend is built the same way (the registry in `cona.orchestrator.backends` does it): the run
+        directory, the cluster profile (a backend reads its own section of it) and the job. Backends may take
+        further keyword-only options with defaults, for tests."""
         self.run_dir = run_dir
+        self.profile = profile
+        self.job = job
+
+    @abc.abstractmethod
+    def render(self, *, strategy: Strategy) -> str:
+        """What this backend would run or submit for an attempt of `strategy`, as text (`cona render BACKEND`)."""
 
     @abc.abstractmethod
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:

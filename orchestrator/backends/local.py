@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.job import JobSpec
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
@@ -68,10 +70,13 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, *, run_dir: RunDir, python: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: JobSpec | None = None,
+        python: str | None = None, extra_env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         # Absolute: the wrapper runs in the run directory, so a relative path (the default `runs/<name>`) would point
         # elsewhere there and the exit code would be lost.
-        super().__init__(run_dir=RunDir(Path(run_dir.root).resolve()))
+        super().__init__(run_dir=RunDir(Path(run_dir.root).resolve()), profile=profile, job=job)
         self.python = python or sys.executable
         self.extra_env = dict(extra_env or {})
         self._children: dict[int, subprocess.Popen] = {}
@@ -83,15 +88,27 @@ class LocalBackend(Backend):
             "-m", "cona.trainer", "--run-dir", str(self.run_dir.root.resolve()), "--attempt", str(attempt),
         ]  # fmt: skip
 
+    def wrapper(self, *, attempt: int, strategy: Strategy) -> str:
+        """The shell command of one attempt: torchrun, then its exit code written atomically to `exit_code`, so an
+        orchestrator that restarted meanwhile can still tell how the attempt ended."""
+        exit_file = shlex.quote(str(self.run_dir.attempt_dir(attempt) / EXIT_CODE_FILE))
+        cmd = shlex.join(self.command(attempt=attempt, strategy=strategy))
+        return f"{cmd}; rc=$?; echo $rc > {exit_file}.tmp && mv {exit_file}.tmp {exit_file}; exit $rc"
+
+    def render(self, *, strategy: Strategy) -> str:
+        return (
+            "# cona local backend: each attempt runs in its own session, from the run directory, with\n"
+            "# OMP_NUM_THREADS=1 (unless set) and PYTHONUNBUFFERED=1; the first attempt would be:\n"
+            f"{self.wrapper(attempt=1, strategy=strategy)}\n"
+        )
+
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
-        exit_file = attempt_dir / EXIT_CODE_FILE
-        exit_file.unlink(missing_ok=True)
+        (attempt_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
         log = attempt_dir / "torchrun.log"
-        cmd = shlex.join(self.command(attempt=attempt, strategy=strategy))
-        # The wrapper outlives an orchestrator restart and writes the exit code atomically.
-        wrapper = f'{cmd}; rc=$?; echo $rc > {shlex.quote(str(exit_file))}.tmp && mv {shlex.quote(str(exit_file))}.tmp {shlex.quote(str(exit_file))}; exit $rc'
+        # The wrapper outlives an orchestrator restart.
+        wrapper = self.wrapper(attempt=attempt, strategy=strategy)
         env = {**os.environ, **self.extra_env}
         # Two cores shared by several processes: one thread each avoids oversubscription.
         env.setdefault("OMP_NUM_THREADS", "1")

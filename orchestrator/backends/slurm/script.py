@@ -1,7 +1,7 @@
 """Render the Slurm batch script of a run from the cluster profile (`cona render slurm`).
 
-The script text lives in `orchestrator/templates/cona.sbatch.tmpl` and embeds the job-side helper
-`orchestrator/templates/slurm_helper.py` verbatim; this module fills in the values. Every value that reaches the
+The script text lives in `orchestrator/backends/slurm/templates/cona.sbatch.tmpl` and embeds the job-side helper
+`orchestrator/backends/slurm/templates/slurm_helper.py` verbatim; this module fills in the values. Every value that reaches the
 shell is `shlex.quote`d; `#SBATCH` lines are comments to bash and are parsed only by sbatch, whose own quoting
 (double quotes, backslash escapes) is used for them. A value with a newline or another control character is
 rejected with a `ConfigError`: no quoting can carry it on an `#SBATCH` line.

@@ -4,7 +4,7 @@
 count: the job's loop is waiting after a switch) or submits a new job (`sbatch`, or submitit when
 `slurm.use_submitit`). `poll` reads the attempt's `slurm-exit.json` (written by the batch script) and the job's
 state (`scontrol show job`, `sacct` when the cluster keeps accounting). The protocol between this module and the batch
-script is described at the top of `orchestrator/templates/cona.sbatch.tmpl`; in short, per attempt N:
+script is described at the top of `orchestrator/backends/slurm/templates/cona.sbatch.tmpl`; in short, per attempt N:
 
     attempts/N/launch.json      orchestrator → job: {"attempt", "submission", "strategy", "nnodes",
                                 "nproc_per_node"}
@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.slurm_script import parse_extra_option, render_batch_script
+from cona.orchestrator.backends.slurm.script import parse_extra_option, render_batch_script
+from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ExitCode, RunDir, atomic_write_json, read_json
 from cona.protocol.strategy import Strategy
 
@@ -225,19 +227,18 @@ class SlurmBackend(Backend):
         self,
         *,
         run_dir: RunDir,
-        profile: Any,
-        job: Any = None,
+        profile: ClusterProfile | None = None,
+        job: JobSpec | None = None,
         use_sacct: bool | None = None,
         handoff_timeout_s: float | None = None,
         release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
         env: dict[str, str] | None = None,
         runner: Any = None,
     ) -> None:
-        super().__init__(run_dir=run_dir)
-        if profile.slurm is None:
-            raise ValueError(f"profile {profile.name!r} has no slurm: section")
-        self.profile = profile
-        self.job = job
+        if profile is None or profile.slurm is None:
+            raise ValueError(f"profile {getattr(profile, 'name', None)!r} has no slurm: section")
+        super().__init__(run_dir=run_dir, profile=profile, job=job)
+        self.profile: ClusterProfile = profile
         self._use_sacct = use_sacct
         if handoff_timeout_s is None:
             handoff_timeout_s = float(os.environ.get("CONA_HANDOFF_TIMEOUT_S", DEFAULT_HANDOFF_TIMEOUT_S))
@@ -343,6 +344,10 @@ class SlurmBackend(Backend):
         atomic_write_json(self.run_dir.state_json, state)
 
     # -- Backend API ---------------------------------------------------------------------------------------
+
+    def render(self, *, strategy: Strategy) -> str:
+        """The batch script every submission of this run uses (the strategy reaches it through launch.json)."""
+        return render_batch_script(self.profile, self.job, str(self.run_dir.root))
 
     def placement(self, strategy: Strategy) -> tuple[int, int]:
         return placement(strategy, self.profile.gpus_per_node, self.profile.nodes)

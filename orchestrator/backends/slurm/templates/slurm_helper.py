@@ -1,6 +1,6 @@
 """cona's Slurm job helper: the run-directory side of the batch script (stdlib only; `agent` also needs torch).
 
-The rendered batch script (orchestrator/templates/cona.sbatch.tmpl) writes this file into the run directory and
+The rendered batch script (orchestrator/backends/slurm/templates/cona.sbatch.tmpl) writes this file into the run directory and
 calls it as `python helper.py <command> ...`; nothing here imports cona, so a running job keeps working while the
 orchestrator is upgraded. One copy of this text exists: this file; the script embeds it verbatim.
 
