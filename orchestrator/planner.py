@@ -7,6 +7,7 @@ from typing import Any
 
 from cona.orchestrator.costmodel import Prediction, predict, usable_memory_bytes
 from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.feasibility import batch_problem, layout_problem, virtual_stages
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 
@@ -62,24 +63,23 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_reason(*, job: JobSpec, profile: ClusterProfile, dp: int, tp: int, pp: int) -> str:
-    """Why the degrees (dp, tp, pp) cannot run this model on this cluster, or '' if they can."""
+    """Why the planner does not consider the degrees (dp, tp, pp) for this model on this cluster, or '' if it does.
+
+    What can run at all is decided by `cona.protocol.feasibility`; the planner adds its own choices: the job's
+    `parallel.max_tp`/`max_pp` and whole layers per (virtual) pipeline stage, which the cost model assumes."""
+    problem = layout_problem(job, tp=tp, pp=pp, gpus_per_node=profile.gpus_per_node)
+    if problem:
+        return problem
     model, par = job.model, job.parallel
-    if model.num_heads % tp or model.num_kv_heads % tp:
-        return f"tp={tp} does not divide num_heads={model.num_heads} and num_kv_heads={model.num_kv_heads}"
-    if model.ffn_hidden_size % tp:
-        return f"tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}"
-    if tp > profile.gpus_per_node:
-        return f"tp={tp} would span nodes (gpus_per_node={profile.gpus_per_node}); tensor parallelism stays inside a node"
-    if profile.gpus_per_node % tp:
-        return f"tp={tp} does not divide gpus_per_node={profile.gpus_per_node}"
     if par.max_tp is not None and tp > par.max_tp:
         return f"tp={tp} exceeds parallel.max_tp={par.max_tp}"
     if model.num_layers % pp:
-        return f"pp={pp} does not divide num_layers={model.num_layers}"
+        return f"pp={pp} does not divide model.num_layers={model.num_layers} (the planner keeps stages equal)"
     if par.max_pp is not None and pp > par.max_pp:
         return f"pp={pp} exceeds parallel.max_pp={par.max_pp}"
-    if par.pipeline_schedule == "interleaved" and pp > 1 and model.num_layers % (2 * pp):
-        return f"interleaved schedule needs num_layers={model.num_layers} divisible by 2·pp={2 * pp}"
+    chunks = pp * virtual_stages(job, pp)
+    if chunks > pp and model.num_layers % chunks:
+        return f"interleaved schedule needs model.num_layers={model.num_layers} divisible by 2·pp={chunks}"
     return ""
 
 
@@ -97,10 +97,9 @@ def evaluate(
         return rejected(f"gbs={gbs} is not a multiple of dp·mbs={dp * mbs}")
     if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
         return rejected(f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]")
-    num_micro = gbs // (dp * mbs)
-    schedule = job.parallel.pipeline_schedule
-    if pp > 1 and schedule in ("1f1b", "interleaved") and num_micro < pp:
-        return rejected(f"{schedule} needs micro-batches ≥ pp: gbs/(dp·mbs)={num_micro} < pp={pp}")
+    problem = batch_problem(job, Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs))
+    if problem:
+        return rejected(problem)
     prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
     usable = usable_memory_bytes(profile)
     if prediction.memory_bytes > usable:

@@ -47,7 +47,7 @@ def test_rejections_name_their_reason(a100, gpt3):
     reasons = {c.reason.split("=")[0] + ":" + c.reason for c in enumerate_candidates(profile=a100, job=gpt3) if not c.feasible}
     text = " | ".join(reasons)
     assert "would span nodes" in text
-    assert "does not divide num_layers" in text
+    assert "does not divide model.num_layers" in text
     assert "needs micro-batches ≥ pp" in text
     assert "GB per device" in text
 
@@ -150,3 +150,19 @@ def test_plan_works_on_every_example(job):
     result = run_cona("plan", "--profile", profile, "--job", str(job), "--top", "3")
     assert result.returncode == 0, result.stderr
     assert "feasible of" in result.stdout
+
+
+def test_one_authority_the_planner_and_the_trainer_agree(gpt3):
+    # Every strategy the planner finds feasible passes the trainer's own check, and the interleaved schedule's
+    # micro-batch rule (once checked by the trainer only) is the planner's rule too.
+    from cona.protocol.feasibility import strategy_problem
+
+    profile = load_profile(PROFILES / "local-cpu.yaml")
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        job = load_job(EXAMPLES / "tiny-gpt.yaml", [f"parallel.pipeline_schedule={schedule}", "model.num_layers=8"])
+        for c in enumerate_candidates(profile=profile, job=job):
+            if c.feasible:
+                assert strategy_problem(job, c.strategy, gpus_per_node=profile.gpus_per_node) == "", c
+    job = load_job(EXAMPLES / "tiny-gpt.yaml", ["parallel.pipeline_schedule=interleaved", "model.num_layers=8"])
+    odd = evaluate(profile=profile, job=job, dp=1, tp=1, pp=4, mbs=2, gbs=18)  # 9 micro-batches in 2 rounds
+    assert not odd.feasible and "multiple of its 2 rounds" in odd.reason

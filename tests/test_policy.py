@@ -385,7 +385,7 @@ def test_fixed_keeps_its_strategy(setup):
     [
         (
             "dp=1,tp=3,pp=1,mbs=2,gbs=16",
-            "policy.strategy dp=1,tp=3,pp=1,mbs=2,gbs=16: tp=3 does not divide num_heads=4",
+            "policy.strategy dp=1,tp=3,pp=1,mbs=2,gbs=16: tp=3 does not divide model.num_heads=4",
         ),
         ("dp=2,tp=1,pp=1,mbs=2,gbs=16", "dp·tp·pp=2 but 4 devices are present"),
         ("dp=4,tp=1,pp=1,mbs=2,gbs=4096", "gbs=4096 outside batch bounds"),

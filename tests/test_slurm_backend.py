@@ -21,10 +21,10 @@ from cona.orchestrator.backends.slurm import (
     parse_scontrol_job,
     parse_sinfo_nodes,
     parse_squeue,
-    placement,
 )
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.feasibility import placement
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 

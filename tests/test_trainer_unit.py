@@ -318,9 +318,9 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
     ("overrides", "strategy", "code", "expected"),
     [
         (["optimizer.lrr=1"], "dp=1,mbs=2,gbs=16", ExitCode.CONFIG, "'optimizer.lrr'"),
-        ([], "dp=1,tp=3,mbs=2,gbs=16", ExitCode.CONFIG, "tp=3 must divide model.num_heads=4"),
+        ([], "dp=1,tp=3,mbs=2,gbs=16", ExitCode.CONFIG, "tp=3 does not divide model.num_heads=4"),
         ([], "dp=1,pp=8,mbs=2,gbs=16", ExitCode.CONFIG, "model.num_layers=4"),
-        ([], "dp=1,pp=2,mbs=8,gbs=8", ExitCode.CONFIG, "at least pp=2 micro-batches"),
+        ([], "dp=1,pp=2,mbs=8,gbs=8", ExitCode.CONFIG, "needs micro-batches ≥ pp"),
         ([], "dp=2,mbs=2,gbs=16", ExitCode.BAD_WORLD, "needs dp·tp·pp = 2 processes but the world has 1"),
         ([], "dp=1,mbs=3,gbs=16", ExitCode.CONFIG, "--strategy"),
         ([], "dp=1,mbz=2,gbs=16", ExitCode.CONFIG, "did you mean 'mbs'"),

@@ -36,6 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
+from cona.protocol.feasibility import strategy_problem, virtual_stages, world_problem
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 from cona.trainer.data import IGNORE_INDEX
@@ -85,50 +86,21 @@ def init_distributed() -> DistEnv:
 
 
 def num_virtual_stages(job: JobSpec, strategy: Strategy) -> int:
-    return 2 if job.parallel.pipeline_schedule == "interleaved" and strategy.pp > 1 else 1
+    return virtual_stages(job, strategy.pp)
 
 
 def check_layout(job: JobSpec, strategy: Strategy, *, world_size: int) -> None:
-    """Raise LayoutError when `strategy` cannot run `job` on `world_size` processes.
+    """Raise LayoutError when `strategy` cannot run `job` on `world_size` processes (`cona.protocol.feasibility`).
 
     A strategy that cannot run this job at all is bad input; one that merely needs another world size is
     `bad_world` (checked last), so the orchestrator replans for the processes it has.
     """
-    model = job.model
-    tp = strategy.tp
-    for name, value in (
-        ("model.num_heads", model.num_heads),
-        ("model.num_kv_heads", model.num_kv_heads),
-        ("model.ffn_hidden_size", model.ffn_hidden_size),
-    ):
-        if value % tp:
-            raise LayoutError(f"strategy {strategy}: tp={tp} must divide {name}={value}; choose a smaller tp")
-    stages = strategy.pp * num_virtual_stages(job, strategy)
-    if stages > model.num_layers:
-        raise LayoutError(
-            f"strategy {strategy}: {stages} pipeline stages need at least {stages} layers but "
-            f"model.num_layers={model.num_layers}; choose a smaller pp"
-        )
-    micro = strategy.num_microbatches
-    schedule = job.parallel.pipeline_schedule
-    if strategy.pp > 1 and schedule in ("1f1b", "interleaved") and micro < strategy.pp:
-        raise LayoutError(
-            f"strategy {strategy}: the {schedule} schedule needs at least pp={strategy.pp} micro-batches per "
-            f"replica but gbs/(dp·mbs) = {micro}; raise gbs, lower mbs or dp, or set parallel.pipeline_schedule=gpipe"
-        )
-    if strategy.pp > 1 and schedule == "interleaved":
-        rounds = max(1, micro // strategy.pp)
-        if micro % rounds:
-            raise LayoutError(
-                f"strategy {strategy}: interleaved 1F1B needs the {micro} micro-batches to be a multiple of "
-                f"{rounds}; choose gbs so that gbs/(dp·mbs) is a multiple of pp={strategy.pp}"
-            )
-    if strategy.world_size != world_size:
-        raise LayoutError(
-            f"strategy {strategy} needs dp·tp·pp = {strategy.world_size} processes but the world has {world_size}; "
-            f"launch {strategy.world_size} processes or choose a strategy for {world_size}",
-            bad_world=True,
-        )
+    problem = strategy_problem(job, strategy)
+    if problem:
+        raise LayoutError(f"strategy {strategy}: {problem}")
+    problem = world_problem(strategy, world_size)
+    if problem:
+        raise LayoutError(f"strategy {strategy} {problem}", bad_world=True)
 
 
 class ScaledLoss:

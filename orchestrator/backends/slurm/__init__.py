@@ -35,6 +35,7 @@ from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Bac
 from cona.orchestrator.backends.slurm.script import parse_extra_option, render_batch_script
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.feasibility import placement
 from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ExitCode, RunDir, atomic_write_json, read_json
 from cona.protocol.strategy import Strategy
@@ -187,21 +188,6 @@ def node_is_down(state: str) -> bool:
     """DOWN, FAIL (and DOWN+DRAIN, DOWN*, ...): the node is lost to its jobs. DRAIN alone lets jobs finish."""
     base = state.rstrip("*~#!%$@^-").lower()
     return base.startswith("down") or base == "fail"
-
-
-def placement(strategy: Strategy, gpus_per_node: int, max_nodes: int | None = None) -> tuple[int, int]:
-    """(nodes, processes per node) for a strategy: the fewest nodes that hold dp·tp·pp processes evenly."""
-    world = strategy.world_size
-    nnodes = -(-world // gpus_per_node)
-    while nnodes <= world and world % nnodes:
-        nnodes += 1
-    if world % nnodes or world // nnodes > gpus_per_node:
-        raise ValueError(
-            f"strategy {strategy} ({world} processes) does not split evenly over {gpus_per_node}-GPU nodes"
-        )
-    if max_nodes is not None and nnodes > max_nodes:
-        raise ValueError(f"strategy {strategy} needs {nnodes} nodes; the profile has {max_nodes}")
-    return nnodes, world // nnodes
 
 
 # --- the backend -----------------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Whether a strategy can run a job's model, and why not: the one place that decides it. Torch-free.
+
+The planner asks it for every candidate (and adds what is a choice rather than a constraint: the job's batch bounds,
+`parallel.max_tp`/`max_pp`, whole layers per stage for the cost model, the memory model); the trainer asks it before
+building a strategy it was given; the backends use `placement` to spread a world over nodes. Each answer is one
+line that names the value at fault and says what to change.
+
+What can run:
+- tensor parallelism splits attention heads, key/value heads and the MLP: tp divides each of them, and on a
+  cluster it stays inside a node (tp divides the devices per node);
+- each pipeline stage (each virtual stage of the interleaved schedule) holds at least one layer;
+- the global batch splits into whole micro-batches on every replica: gbs is a multiple of dp·mbs;
+- 1F1B and interleaved 1F1B need at least pp micro-batches per replica, and the interleaved schedule needs their
+  number to be a multiple of its rounds (micro-batches // pp);
+- dp·tp·pp processes: exactly the world's size (checked last, so a strategy that only needs another world size can be
+  told apart from one that cannot run at all).
+"""
+
+from __future__ import annotations
+
+from cona.protocol.job import JobSpec
+from cona.protocol.strategy import Strategy
+
+
+def virtual_stages(job: JobSpec, pp: int) -> int:
+    """Model chunks per pipeline rank: 2 under the interleaved schedule, else 1."""
+    return 2 if job.parallel.pipeline_schedule == "interleaved" and pp > 1 else 1
+
+
+def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None = None) -> str:
+    """Why the degrees tp and pp cannot split this model (on nodes of `gpus_per_node` devices), or ''."""
+    model = job.model
+    for name, value in (
+        ("model.num_heads", model.num_heads),
+        ("model.num_kv_heads", model.num_kv_heads),
+        ("model.ffn_hidden_size", model.ffn_hidden_size),
+    ):
+        if value % tp:
+            return f"tp={tp} does not divide {name}={value}; choose a tp that divides it"
+    if gpus_per_node is not None:
+        if tp > gpus_per_node:
+            return (f"tp={tp} would span nodes (gpus_per_node={gpus_per_node}); tensor parallelism stays inside a "
+                    f"node")  # fmt: skip
+        if gpus_per_node % tp:
+            return f"tp={tp} does not divide gpus_per_node={gpus_per_node}"
+    stages = pp * virtual_stages(job, pp)
+    if stages > model.num_layers:
+        return (f"{stages} pipeline stages need at least {stages} layers but model.num_layers={model.num_layers}; "
+                f"choose a smaller pp")  # fmt: skip
+    return ""
+
+
+def batch_problem(job: JobSpec, strategy: Strategy) -> str:
+    """Why the batch sizes do not split over the strategy's replicas and stages, or ''."""
+    dp, pp, mbs, gbs = strategy.dp, strategy.pp, strategy.mbs, strategy.gbs
+    if gbs % (dp * mbs):
+        return f"gbs={gbs} is not a multiple of dp·mbs={dp * mbs}; choose gbs, dp and mbs so that it is"
+    micro = gbs // (dp * mbs)
+    schedule = job.parallel.pipeline_schedule
+    if pp > 1 and schedule in ("1f1b", "interleaved") and micro < pp:
+        return (f"{schedule} needs micro-batches ≥ pp: gbs/(dp·mbs)={micro} < pp={pp}; raise gbs, lower mbs or dp, "
+                f"or set parallel.pipeline_schedule=gpipe")  # fmt: skip
+    if pp > 1 and schedule == "interleaved" and micro % max(1, micro // pp):
+        return (f"interleaved 1F1B needs gbs/(dp·mbs)={micro} micro-batches to be a multiple of its "
+                f"{micro // pp} rounds (micro-batches // pp={pp}); choose gbs so that gbs/(dp·mbs) is a multiple of "
+                f"pp")  # fmt: skip
+    return ""
+
+
+def strategy_problem(job: JobSpec, strategy: Strategy, *, gpus_per_node: int | None = None) -> str:
+    """Why `strategy` cannot run `job`'s model at all (whatever the world size), or ''."""
+    return layout_problem(job, tp=strategy.tp, pp=strategy.pp, gpus_per_node=gpus_per_node) or batch_problem(
+        job, strategy
+    )
+
+
+def world_problem(strategy: Strategy, world_size: int) -> str:
+    """Why `strategy` does not fit a world of `world_size` processes, or ''."""
+    if strategy.world_size != world_size:
+        return (f"needs dp·tp·pp = {strategy.world_size} processes but the world has {world_size}; launch "
+                f"{strategy.world_size} processes or choose a strategy for {world_size}")  # fmt: skip
+    return ""
+
+
+def placement(strategy: Strategy, gpus_per_node: int, max_nodes: int | None = None) -> tuple[int, int]:
+    """(nodes, processes per node) for a strategy: the fewest nodes that hold dp·tp·pp processes evenly.
+
+    Raises ValueError when no such spread exists within `max_nodes`."""
+    world = strategy.world_size
+    nnodes = -(-world // gpus_per_node)
+    while nnodes <= world and world % nnodes:
+        nnodes += 1
+    if world % nnodes or world // nnodes > gpus_per_node:
+        raise ValueError(f"strategy {strategy}: {world} processes cannot be spread evenly over nodes of "
+                         f"{gpus_per_node} devices")  # fmt: skip
+    if max_nodes is not None and nnodes > max_nodes:
+        raise ValueError(f"strategy {strategy}: needs {nnodes} nodes but the profile has {max_nodes}")
+    return nnodes, world // nnodes
