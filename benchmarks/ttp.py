@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -295,24 +294,15 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
     return run
 
 
-def _scheduler(ctx: _Context, tmp: Path):
-    """The shipped scheduler's statistics, policy and ETA, for the preset job with the tiny job's policy/target."""
-    from cona.orchestrator.backends.base import Attempt, Backend, Outcome
-    from cona.orchestrator.scheduler import Scheduler
+def _run_model(ctx: _Context):
+    """The shipped run model (statistics, policy, ETA, switch costs), for the preset job with the tiny job's
+    policy/target, driven by simulated heartbeats."""
+    from cona.orchestrator.backends.base import Backend
+    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.runmodel import RunModel
+    from cona.orchestrator.scheduler import device_counts
+    from cona.orchestrator.switchcost import SwitchKind
     from cona.protocol.job import TargetSpec
-    from cona.protocol.rundir import RunDir
-
-    class NoBackend(Backend):
-        name = "simulated"
-
-        def launch(self, *, attempt: int, strategy, previous=None) -> Attempt:  # pragma: no cover - never called
-            raise RuntimeError("simulated runs launch nothing")
-
-        def poll(self, attempt: Attempt) -> Outcome:  # pragma: no cover
-            raise RuntimeError("simulated runs poll nothing")
-
-        def cancel(self, attempt: Attempt) -> None:  # pragma: no cover
-            pass
 
     target = TargetSpec(val_perplexity=math.exp(ctx.lowest), max_samples=ctx.job.target.max_samples * ctx.cluster.scale)
     # The tiny job's LR rule in preset samples (its base batch × the batch mapping), for `policy.lr_aware`.
@@ -320,23 +310,24 @@ def _scheduler(ctx: _Context, tmp: Path):
     job = ctx.preset.model_copy(
         update={"policy": ctx.job.policy, "target": target, "optimizer": ctx.job.optimizer, "batch": batch}
     )
-    run_dir = RunDir(tmp)
-    return Scheduler(run_dir=run_dir, profile=ctx.profile, job=job, backend=NoBackend(run_dir=run_dir))
+    candidates = [c for devices in device_counts(ctx.profile, job)
+                  for c in enumerate_candidates(profile=ctx.profile, job=job, num_devices=devices) if c.feasible]  # fmt: skip
+    # As on a cluster backend without in-place switching (Slurm): every switch is a relaunch.
+    return RunModel(profile=ctx.profile, job=job, candidates=candidates, switch_kind=lambda a, b: SwitchKind.RELAUNCH,
+                    switch_overhead_s=lambda kind: Backend.relaunch_overhead_s)  # fmt: skip
 
 
 def run_cona(ctx: _Context) -> Run:
-    from cona.orchestrator.backends.base import Attempt
     from cona.orchestrator.noise import NoiseScaleEstimator
-    from cona.orchestrator.policy import DecisionContext
     from cona.protocol.heartbeat_record import Heartbeat
 
     tmp = Path(tempfile.mkdtemp(prefix="cona-ttp-"))
     try:
-        sched = _scheduler(ctx, tmp)
-        policy, noise, throughput, cluster = sched.policy, sched.noise, sched.throughput, ctx.cluster
+        model = _run_model(ctx)
+        noise, throughput, cluster = model.noise, model.throughput, ctx.cluster
         scale = cluster.scale
         pol = ctx.job.policy
-        strategy = policy.initial(candidates=sched.candidates, throughput=throughput, samples=0)
+        strategy = model.initial_strategy()
         sim = ctx.trainer(cluster.tiny_gbs(strategy), stats=True)
         run = Run(name="cona", sequence=[{"t": 0.0, "strategy": strategy.short(), "gbs": strategy.gbs}])
         run.points.append(Point(0.0, 0, 0, sim.evaluate(), strategy.gbs))
@@ -367,41 +358,34 @@ def run_cona(ctx: _Context) -> Run:
             if ctx.eval_due(before, sim.samples):
                 v = sim.evaluate()
                 run.points.append(Point(t, sim.samples, sim.step, v, strategy.gbs))
-                sched.state.setdefault("val_history", []).append({"time": t, "samples": sim.samples * scale, "val_loss": v})
+                model.val_history.append({"time": t, "samples": sim.samples * scale, "val_loss": v})
                 noise_series.append([round(t, 2), round(v, 4), side["plain"].value, side["adam"].value, used])
                 if v <= ctx.lowest:
                     break
             if t < next_decision:
                 continue
             next_decision = t + pol.decision_interval_s
-            sched.live.samples = sim.samples * scale
-            current = Attempt(number=attempt, strategy=strategy, started_at=since)
-            dc = DecisionContext(
-                now=t, samples=sim.samples * scale, current=strategy, candidates=sched.candidates,
-                throughput=throughput, noise_scale=noise.value, noise_stable=noise.stable,
-                switch_cost_s=functools.partial(sched.switch_cost_s, strategy), last_switch_time=since,
-                remaining_time_s=sched.remaining_time_s(current),
-            )  # fmt: skip
-            decision = policy.decide(dc)
-            m = decision.metrics
+            model.live.samples = sim.samples * scale
+            plan = model.decide(now=t, current=strategy, strategy_since=since, elapsed_s=0.0)
+            m = (model.last_decision or {}).get("metrics", {})
             used = m.get("B_noise")
             decisions.append({"t": round(t, 2), "samples": sim.samples, "B_noise_used": m.get("B_noise"),
                               "B_noise_estimate": m.get("B_noise_estimate"), "source": m.get("noise_source"),
                               "best_gbs": (m.get("best") or {}).get("gbs"),
-                              "switch_to": decision.switch_to.short() if decision.switch_to else None})  # fmt: skip
-            if decision.switch_to is None or decision.switch_to == strategy:
+                              "switch_to": plan.target.short() if plan else None})  # fmt: skip
+            if plan is None:
                 continue
             # The trainer checkpoints at the next step boundary, exits, and the new attempt resumes.
             t += cluster.switch_cost_s
-            sched.switch_costs.observe(sched.switch_kind(strategy, decision.switch_to), cluster.switch_cost_s)
-            strategy = decision.switch_to
+            model.switch_costs.observe(plan.kind, cluster.switch_cost_s)
+            strategy = plan.target
             sim.set_gbs(cluster.tiny_gbs(strategy))
             since, attempt = t, attempt + 1
             next_decision = t + pol.decision_interval_s
             window = []
             run.switches += 1
             run.sequence.append({"t": round(t, 2), "strategy": strategy.short(), "gbs": strategy.gbs,
-                                 "reason": decision.reason})  # fmt: skip
+                                 "reason": plan.decision.reason})  # fmt: skip
         run.extra["decisions"] = decisions
         run.extra["noise"] = noise_series
         run.extra["noise_final"] = {"value": noise.value, "kind": noise.kind, "updates": noise.num_updates}

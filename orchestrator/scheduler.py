@@ -1,56 +1,30 @@
-"""The scheduler loop: tail heartbeats → update statistics → rank candidates → switch → relaunch (docs/architecture.md).
+"""The scheduler loop: launch, poll, follow switches, stops, crashes and hangs, persist (docs/architecture.md).
 
-All state that must survive an orchestrator restart lives in state.json; everything decided is logged in
-events.jsonl with its numbers. The loop never runs two attempts at once: it launches only after the previous
-attempt is known to have ended, and the run lock keeps a second orchestrator out.
+What the run knows and decides lives in the run model (`runmodel.py`, no I/O); this loop feeds it heartbeats and
+the time, carries out its decisions through the backend and control.json, and persists both in state.json. All
+state that must survive an orchestrator restart lives there; everything decided is logged in events.jsonl with its
+numbers. The loop never runs two attempts at once: it launches only after the previous attempt is known to have
+ended, and the run lock keeps a second orchestrator out.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend
-from cona.orchestrator.noise import NoiseScaleEstimator
 from cona.orchestrator.planner import Candidate, enumerate_candidates
-from cona.orchestrator.policy import DecisionContext, Policy, make_policy
 from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
 from cona.orchestrator.runstate import log_event, read_state, write_state
-from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
-from cona.orchestrator.throughput import ThroughputModel
+from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
-
-@dataclasses.dataclass
-class LiveStatus:
-    """What the live view shows; also the body of `cona status --json`."""
-
-    status: str = "starting"
-    attempt: int = 0
-    strategy: str = ""
-    step: int = 0
-    samples: int = 0
-    train_loss: float | None = None
-    val_loss: float | None = None
-    val_perplexity: float | None = None
-    noise_scale: float | None = None
-    """The B_noise the policy ranks with (prior, blend or the scaled estimate); the estimate for other policies."""
-    noise_source: str = "prior"
-    noise_estimate: float | None = None
-    """The estimator's own value, before `policy.critical_batch_factor`."""
-    samples_per_s: float | None = None
-    best: str = ""
-    best_gain: float | None = None
-    eta_s: float | None = None
-    switches: int = 0
-    restarts: int = 0
-    elapsed_s: float = 0.0
+__all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts"]
 
 
 class RunFailed(Exception):
@@ -84,38 +58,28 @@ class Scheduler:
         ]
         if not self.candidates:
             raise RunFailed(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
-        pol = job.policy
-        self.noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
-        self.throughput = ThroughputModel(candidates=self.candidates)
-        self.policy: Policy = make_policy(job, profile=profile, candidates=self.candidates)
-        self.switch_costs = SwitchCosts(job=job, profile=profile, pinned_s=pol.switch_cost_s)
-        self.live = LiveStatus()
+        self.model = RunModel(
+            profile=profile, job=job, candidates=self.candidates,
+            switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=job.policy.in_place_switch),
+            switch_overhead_s=backend.switch_overhead_s,
+        )  # fmt: skip
         self.state: dict[str, Any] = {}
+        """The loop's own state (attempts, control sequence, heartbeat offset, restarts, ...), with the model's."""
+
+    @property
+    def live(self) -> LiveStatus:
+        return self.model.live
 
     # ----------------------------------------------------------------------------------------------- state
 
     def _save(self) -> None:
-        self.state["noise"] = self.noise.to_dict()
-        self.state["throughput"] = self.throughput.to_dict()
-        self.state["policy"] = self.policy.to_dict()
-        self.state["switch_costs"] = self.switch_costs.to_dict()
-        self.state["live"] = dataclasses.asdict(self.live)
+        self.state.update(self.model.to_dict())
         self.state["updated"] = time.time()
         write_state(self.run_dir, self.state)
 
     def _restore(self) -> None:
         self.state = read_state(self.run_dir)
-        if "noise" in self.state:
-            self.noise = NoiseScaleEstimator.from_dict(self.state["noise"])
-        if "throughput" in self.state:
-            self.throughput = ThroughputModel.from_dict(self.state["throughput"], candidates=self.candidates)
-        if "policy" in self.state:
-            self.policy.from_dict(self.state["policy"])
-        if isinstance(self.state.get("switch_costs"), dict):
-            self.switch_costs.restore(self.state["switch_costs"])
-        if "live" in self.state:
-            known = {f.name for f in dataclasses.fields(LiveStatus)}
-            self.live = LiveStatus(**{k: v for k, v in self.state["live"].items() if k in known})
+        self.model.restore(self.state)
 
     @property
     def current(self) -> Attempt | None:
@@ -137,13 +101,12 @@ class Scheduler:
             attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
         self.state["attempts"].append(attempt.to_dict())
         self.state["heartbeat_offset"] = 0
-        self.state["windows_in_attempt"] = 0
+        self.model.attempt_started(number, strategy)
         self.state["launched_at"] = time.time()
         self.state["last_heartbeat_time"] = None
         self._save()
         log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
                   backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
-        self.live.attempt, self.live.strategy = number, strategy.short()
         return attempt
 
     def _send(self, command: str, *, strategy: Strategy | None = None, reason: str = "", in_place: bool = False) -> int:
@@ -173,76 +136,14 @@ class Scheduler:
         return beats
 
     def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
-        for hb in beats:
+        if beats:
             self.state["last_heartbeat_time"] = time.time()
-            self.live.step, self.live.samples = hb.step, hb.samples
-            if hb.train_loss is not None:
-                self.live.train_loss = hb.train_loss
-            if hb.val_loss is not None:
-                self.live.val_loss, self.live.val_perplexity = hb.val_loss, math.exp(min(hb.val_loss, 50))
-                history = self.state.setdefault("val_history", [])
-                history.append({"time": hb.time, "samples": hb.samples, "val_loss": hb.val_loss})
-            if hb.event in ("start", "resume"):
-                self._switch_completed(attempt, hb)
-                continue
-            if hb.event is None and hb.step_time_s and hb.step_time_s > 0:
-                # The first window after a launch includes warm-up (allocations, first collectives): skip it.
-                self.state["windows_in_attempt"] = self.state.get("windows_in_attempt", 0) + 1
-                if self.state["windows_in_attempt"] > 1:
-                    self.throughput.observe(attempt.strategy, hb.step_time_s)
-                    self.live.samples_per_s = hb.samples_per_s
-            self.noise.update(hb)
-        self.live.noise_estimate = self.noise.value
-        if self.job.policy.name != "cona":  # no B_noise of its own: show the estimate
-            self.live.noise_scale, self.live.noise_source = self.noise.value, "estimate"
+        for done in self.model.absorb(attempt.number, attempt.strategy, beats):
+            self._log_switch_completed(done)
 
-    def _switch_completed(self, attempt: Attempt, hb: Heartbeat) -> None:
-        pending = self.state.get("switch_started")
-        if not pending or pending.get("to_attempt") != attempt.number:
-            return
-        cost = max(0.0, hb.time - pending["time"])
-        kind = SwitchKind(pending.get("kind", SwitchKind.RELAUNCH.value))
-        self.switch_costs.observe(kind, cost)
-        self.state["switch_started"] = None
-        log_event(self.run_dir, "switch-complete", attempt=attempt.number, switch_cost_s=round(cost, 3),
-                  kind=kind.value, predicted_s=pending.get("predicted_s"))  # fmt: skip
-
-    def switch_kind(self, current: Strategy, target: Strategy) -> SwitchKind:
-        """How a switch from `current` to `target` would happen here (the backend decides)."""
-        return self.backend.switch_kind(current, target, in_place_allowed=self.job.policy.in_place_switch)
-
-    def switch_cost_s(self, current: Strategy, target: Strategy) -> float:
-        """Seconds a switch from `current` to `target` is expected to cost: measured for its kind, else predicted."""
-        kind = self.switch_kind(current, target)
-        rate = self.throughput.samples_per_s_of(current)
-        step = current.gbs / rate if rate else 0.0
-        cost, _ = self.switch_costs.cost_s(kind, overhead_s=self.backend.switch_overhead_s(kind), step_time_s=step)
-        return cost
-
-    def remaining_time_s(self, attempt: Attempt) -> float | None:
-        """Estimated seconds to the target (samples, perplexity or time budget, whichever comes first)."""
-        rate = self.throughput.samples_per_s_of(attempt.strategy)
-        estimates = []
-        if rate and rate > 0:
-            estimates.append(max(0, self.job.target.max_samples - self.live.samples) / rate)
-        target = self.job.target.val_perplexity
-        history = self.state.get("val_history") or []
-        # The first evaluation (untrained model) would make the loss look like it falls far faster than it does.
-        history = [h for h in history if h["samples"] > 0]
-        if target and len(history) >= 2 and rate and rate > 0:
-            # Loss falls roughly linearly in log(samples): L ≈ a − b·ln(s). Fit it to the last two evaluations
-            # and solve for the samples at the target; progress per sample slows down, which a straight line in
-            # time would ignore.
-            (a, b) = history[-2], history[-1]
-            drop = a["val_loss"] - b["val_loss"]
-            gap = b["val_loss"] - math.log(target)
-            if drop > 0 and gap > 0 and b["samples"] > a["samples"]:
-                slope = drop / math.log(b["samples"] / a["samples"])
-                samples_at_target = b["samples"] * math.exp(min(gap / slope, 20.0))
-                estimates.append(max(0.0, samples_at_target - self.live.samples) / rate)
-        if self.job.target.max_time_s:
-            estimates.append(max(0.0, self.job.target.max_time_s - self._elapsed()))
-        return min(estimates) if estimates else None
+    def _log_switch_completed(self, done: SwitchCompleted) -> None:
+        log_event(self.run_dir, "switch-complete", attempt=done.attempt, switch_cost_s=round(done.cost_s, 3),
+                  kind=done.kind.value, predicted_s=done.predicted_s)  # fmt: skip
 
     def _elapsed(self) -> float:
         return time.time() - float(self.state.get("run_started", time.time()))
@@ -252,43 +153,23 @@ class Scheduler:
     def _evaluate(self, attempt: Attempt) -> None:
         if self.state.get("switch_requested") or self.state.get("stop_requested"):
             return
-        ctx = DecisionContext(
-            now=time.time(),
-            samples=self.live.samples,
-            current=attempt.strategy,
-            candidates=self.candidates,
-            throughput=self.throughput,
-            noise_scale=self.noise.value,
-            noise_stable=self.noise.stable,
-            switch_cost_s=lambda target: self.switch_cost_s(attempt.strategy, target),
-            last_switch_time=float(self.state.get("strategy_since", attempt.started_at)),
-            remaining_time_s=self.remaining_time_s(attempt),
-        )
-        decision = self.policy.decide(ctx)
-        self.live.eta_s = ctx.remaining_time_s
-        used = decision.metrics.get("B_noise")
-        if isinstance(used, int | float):
-            self.live.noise_scale = used
-            self.live.noise_source = str(decision.metrics.get("noise_source", self.live.noise_source))
-        best = decision.metrics.get("best")
-        self.live.best = Strategy.from_dict(best).short() if isinstance(best, dict) else ""
-        ratio = decision.metrics.get("ratio")
-        self.live.best_gain = (ratio - 1.0) if isinstance(ratio, int | float) else None
-        self.state["last_decision"] = {"time": ctx.now, "reason": decision.reason, "metrics": decision.metrics}
-        if decision.switch_to is None or decision.switch_to == attempt.strategy:
+        now = time.time()
+        plan = self.model.decide(now=now, current=attempt.strategy, elapsed_s=self._elapsed(),
+                                 strategy_since=float(self.state.get("strategy_since", attempt.started_at)))  # fmt: skip
+        self.state["last_decision"] = self.model.last_decision
+        if plan is None:
             return
-        kind = self.switch_kind(attempt.strategy, decision.switch_to)
-        in_place = kind is SwitchKind.IN_PLACE
-        predicted = ctx.switch_cost_s(decision.switch_to)
-        seq = self._send("switch", strategy=decision.switch_to, reason=decision.reason, in_place=in_place)
+        in_place = plan.kind is SwitchKind.IN_PLACE
+        decision = plan.decision
+        seq = self._send("switch", strategy=plan.target, reason=decision.reason, in_place=in_place)
         self.state["switch_requested"] = {
-            "time": ctx.now, "to": decision.switch_to.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
-            "in_place": in_place, "kind": kind.value, "predicted_s": predicted,
+            "time": now, "to": plan.target.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
+            "in_place": in_place, "kind": plan.kind.value, "predicted_s": plan.predicted_s,
         }  # fmt: skip
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
-                  to=decision.switch_to.to_dict(), reason=decision.reason, metrics=decision.metrics,
-                  samples=self.live.samples, noise_scale=self.noise.value, switch_cost_s=predicted,
-                  kind=kind.value)  # fmt: skip
+                  to=plan.target.to_dict(), reason=decision.reason, metrics=decision.metrics,
+                  samples=self.live.samples, noise_scale=self.model.noise.value, switch_cost_s=plan.predicted_s,
+                  kind=plan.kind.value)  # fmt: skip
         self._save()
 
     def _user_stop_requested(self) -> bool:
@@ -311,7 +192,7 @@ class Scheduler:
         self.state.setdefault("run_started", time.time())
         attempt = self.current
         if attempt is None:
-            strategy = self.policy.initial(candidates=self.candidates, throughput=self.throughput, samples=0)
+            strategy = self.model.initial_strategy()
             self.state["strategy_since"] = time.time()
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
@@ -404,13 +285,12 @@ class Scheduler:
         if in_place:
             kind = SwitchKind.IN_PLACE
         else:  # the processes exited: whatever was planned, the next attempt is launched
-            kind = self.switch_kind(attempt.strategy, target)
+            kind = self.model.switch_kind(attempt.strategy, target)
             kind = SwitchKind.RELAUNCH if kind is SwitchKind.IN_PLACE else kind
         self.state["switch_requested"] = None
-        self.state["switch_started"] = {"time": requested["time"], "to_attempt": attempt.number + 1, "kind": kind.value,
-                                        "predicted_s": requested.get("predicted_s")}  # fmt: skip
+        self.model.switch_started(requested_at=requested["time"], to_attempt=attempt.number + 1, kind=kind,
+                                  predicted_s=requested.get("predicted_s"))  # fmt: skip
         self.state["strategy_since"] = time.time()
-        self.live.switches += 1
         return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
 
     def _check_hang(self, attempt: Attempt) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from cona.orchestrator.backends.base import Attempt
 from cona.orchestrator.backends.local import LocalBackend
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.scheduler import Scheduler
@@ -68,29 +67,42 @@ def test_the_scheduler_charges_what_the_local_backend_will_pay(setup, tmp_path):
     current = Strategy(dp=1, tp=1, pp=4, mbs=4, gbs=16)
     same_world = Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64)
     other_world = Strategy(dp=2, tp=1, pp=1, mbs=16, gbs=64)
-    assert sched.switch_kind(current, same_world) is SwitchKind.IN_PLACE
-    assert sched.switch_kind(current, other_world) is SwitchKind.RELAUNCH
-    cheap, dear = sched.switch_cost_s(current, same_world), sched.switch_cost_s(current, other_world)
+    assert sched.model.switch_kind(current, same_world) is SwitchKind.IN_PLACE
+    assert sched.model.switch_kind(current, other_world) is SwitchKind.RELAUNCH
+    cheap, dear = sched.model.switch_cost_s(current, same_world), sched.model.switch_cost_s(current, other_world)
     assert LocalBackend.in_place_overhead_s <= cheap < 2 * LocalBackend.in_place_overhead_s
     assert dear - cheap == pytest.approx(LocalBackend.relaunch_overhead_s - LocalBackend.in_place_overhead_s)
 
     off = job.model_copy(update={"policy": job.policy.model_copy(update={"in_place_switch": False})})
     sched_off = Scheduler(run_dir=run, profile=profile, job=off, backend=LocalBackend(run_dir=run, profile=profile, job=job))
-    assert sched_off.switch_kind(current, same_world) is SwitchKind.RELAUNCH
+    assert sched_off.model.switch_kind(current, same_world) is SwitchKind.RELAUNCH
 
 
 def test_a_completed_switch_is_measured_under_its_kind(setup, tmp_path):
+    # The run model on its own (no run directory, no clock): a switch started at t=100 s whose new attempt sends
+    # its first heartbeat at t=101.5 s cost 1.5 s, measured as an in-place switch.
+    from cona.orchestrator.runmodel import RunModel
     from cona.protocol.heartbeat_record import Heartbeat
 
     profile, job = setup
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir(parents=True)
-    sched = Scheduler(run_dir=run, profile=profile, job=job, backend=LocalBackend(run_dir=run, profile=profile, job=job))
-    sched.state["switch_started"] = {"time": 100.0, "to_attempt": 2, "kind": "in_place", "predicted_s": 1.0}
-    attempt = Attempt(number=2, strategy=Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64))
-    sched._switch_completed(attempt, Heartbeat.from_dict({
-        "step": 10, "samples": 160, "time": 101.5, "event": "resume", "attempt": 2, "strategy": "d2t1p2 m16 g64",
+    backend = LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=profile, job=job)
+    sched = Scheduler(run_dir=RunDir(tmp_path / "run"), profile=profile, job=job, backend=backend)
+    model = RunModel(profile=profile, job=job, candidates=sched.candidates,
+                     switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=True),
+                     switch_overhead_s=backend.switch_overhead_s)  # fmt: skip
+    target = Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64)
+    model.switch_started(requested_at=100.0, to_attempt=2, kind=SwitchKind.IN_PLACE, predicted_s=1.0)
+    resume = Heartbeat.from_dict({
+        "step": 10, "samples": 160, "time": 101.5, "event": "resume", "attempt": 2, "strategy": target.short(),
         "tokens": 0, "train_loss": None, "lr": None, "step_time_s": None, "samples_per_s": None,
-    }))
-    assert sched.switch_costs.measured_s(SwitchKind.IN_PLACE) == pytest.approx(1.5)
-    assert sched.switch_costs.measured_s(SwitchKind.RELAUNCH) is None
+    })  # fmt: skip
+    (done,) = model.absorb(2, target, [resume])
+    assert (done.attempt, done.kind, done.predicted_s) == (2, SwitchKind.IN_PLACE, 1.0)
+    assert done.cost_s == pytest.approx(1.5) and model.pending_switch is None
+    assert model.switch_costs.measured_s(SwitchKind.IN_PLACE) == pytest.approx(1.5)
+    assert model.switch_costs.measured_s(SwitchKind.RELAUNCH) is None
+    assert model.live.switches == 1
+    # What an orchestrator restart restores: the same measurements.
+    again = RunModel(profile=profile, job=job, candidates=sched.candidates, switch_kind=model.switch_kind,
+                     switch_overhead_s=backend.switch_overhead_s).restore(model.to_dict())  # fmt: skip
+    assert again.switch_costs.measured_s(SwitchKind.IN_PLACE) == pytest.approx(1.5)

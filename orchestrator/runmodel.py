@@ -1,0 +1,271 @@
+"""The run model: what the orchestrator knows about a run and what it decides, with no I/O.
+
+It absorbs heartbeats (loss, throughput, gradient statistics), keeps the estimators (noise scale, calibrated
+throughput, switch costs by kind), estimates the time to the target and asks the policy whether to switch. It reads
+no file, writes no file, starts nothing and never looks at the clock: the scheduler loop (`scheduler.py`) feeds it
+heartbeats and the time, carries out what it decides and persists `to_dict()` in state.json. The benchmarks drive
+the same model on simulated heartbeats (`benchmarks/ttp.py`), and the tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from cona.orchestrator.noise import NoiseScaleEstimator
+from cona.orchestrator.planner import Candidate
+from cona.orchestrator.policy import Decision, DecisionContext, Policy, make_policy
+from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
+from cona.orchestrator.throughput import ThroughputModel
+from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.job import JobSpec
+from cona.protocol.strategy import Strategy
+
+
+@dataclasses.dataclass
+class LiveStatus:
+    """What the live view shows; also the body of `cona status --json`."""
+
+    status: str = "starting"
+    attempt: int = 0
+    strategy: str = ""
+    step: int = 0
+    samples: int = 0
+    train_loss: float | None = None
+    val_loss: float | None = None
+    val_perplexity: float | None = None
+    noise_scale: float | None = None
+    """The B_noise the policy ranks with (prior, blend or the scaled estimate); the estimate for other policies."""
+    noise_source: str = "prior"
+    noise_estimate: float | None = None
+    """The estimator's own value, before `policy.critical_batch_factor`."""
+    samples_per_s: float | None = None
+    best: str = ""
+    best_gain: float | None = None
+    eta_s: float | None = None
+    switches: int = 0
+    restarts: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchCompleted:
+    """A switch whose new strategy sent its first heartbeat: what it cost, against what was predicted."""
+
+    attempt: int
+    cost_s: float
+    kind: SwitchKind
+    predicted_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchPlan:
+    """A decision to switch, with how it will happen and what it is expected to cost."""
+
+    decision: Decision
+    target: Strategy
+    kind: SwitchKind
+    predicted_s: float
+
+
+SwitchKindOf = Callable[[Strategy, Strategy], SwitchKind]
+OverheadOf = Callable[[SwitchKind], float]
+
+
+class RunModel:
+    """Estimators and decisions of one run.
+
+    `switch_kind(current, target)` and `switch_overhead_s(kind)` come from the backend (`Backend.switch_kind` with
+    `policy.in_place_switch`, `Backend.switch_overhead_s`): the only things the model needs to know about it.
+    """
+
+    def __init__(
+        self, *, profile: ClusterProfile, job: JobSpec, candidates: list[Candidate], switch_kind: SwitchKindOf,
+        switch_overhead_s: OverheadOf,
+    ) -> None:  # fmt: skip
+        self.profile = profile
+        self.job = job
+        self.candidates = candidates
+        self._kind_of = switch_kind
+        self._overhead_of = switch_overhead_s
+        pol = job.policy
+        self.noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
+        self.throughput = ThroughputModel(candidates=candidates)
+        self.policy: Policy = make_policy(job, profile=profile, candidates=candidates)
+        self.switch_costs = SwitchCosts(job=job, profile=profile, pinned_s=pol.switch_cost_s)
+        self.live = LiveStatus()
+        self.val_history: list[dict[str, float]] = []
+        """Every evaluation: time, samples, val_loss."""
+        self.windows_in_attempt = 0
+        """Periodic heartbeats of the current attempt so far (the first one, warm-up, is not a measurement)."""
+        self.pending_switch: dict[str, Any] | None = None
+        """The switch whose first heartbeat is awaited: request time, attempt it becomes, kind, prediction."""
+        self.last_decision: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------------------ heartbeats
+
+    def attempt_started(self, number: int, strategy: Strategy) -> None:
+        """A new attempt (launched or continued in place) runs `strategy`."""
+        self.windows_in_attempt = 0
+        self.live.attempt, self.live.strategy = number, strategy.short()
+
+    def absorb(self, attempt: int, strategy: Strategy, beats: list[Heartbeat]) -> list[SwitchCompleted]:
+        """Fold attempt `attempt`'s heartbeats in; returns the switches they completed."""
+        completed = []
+        for hb in beats:
+            self.live.step, self.live.samples = hb.step, hb.samples
+            if hb.train_loss is not None:
+                self.live.train_loss = hb.train_loss
+            if hb.val_loss is not None:
+                self.record_evaluation(time=hb.time, samples=hb.samples, val_loss=hb.val_loss)
+            if hb.event in ("start", "resume"):
+                done = self._switch_completed(attempt, hb.time)
+                if done is not None:
+                    completed.append(done)
+                continue
+            if hb.event is None and hb.step_time_s and hb.step_time_s > 0:
+                # The first window after a launch includes warm-up (allocations, first collectives): skip it.
+                self.windows_in_attempt += 1
+                if self.windows_in_attempt > 1:
+                    self.throughput.observe(strategy, hb.step_time_s)
+                    self.live.samples_per_s = hb.samples_per_s
+            self.noise.update(hb)
+        self.live.noise_estimate = self.noise.value
+        if self.job.policy.name != "cona":  # no B_noise of its own: show the estimate
+            self.live.noise_scale, self.live.noise_source = self.noise.value, "estimate"
+        return completed
+
+    def record_evaluation(self, *, time: float, samples: int, val_loss: float) -> None:
+        self.live.val_loss, self.live.val_perplexity = val_loss, math.exp(min(val_loss, 50))
+        self.val_history.append({"time": time, "samples": samples, "val_loss": val_loss})
+
+    def switch_started(self, *, requested_at: float, to_attempt: int, kind: SwitchKind, predicted_s: float | None) -> None:
+        """The switch requested at `requested_at` is under way as attempt `to_attempt`."""
+        self.pending_switch = {"time": requested_at, "to_attempt": to_attempt, "kind": kind.value,
+                               "predicted_s": predicted_s}  # fmt: skip
+        self.live.switches += 1
+
+    def _switch_completed(self, attempt: int, at: float) -> SwitchCompleted | None:
+        pending = self.pending_switch
+        if not pending or pending.get("to_attempt") != attempt:
+            return None
+        cost = max(0.0, at - pending["time"])
+        kind = SwitchKind(pending.get("kind", SwitchKind.RELAUNCH.value))
+        self.switch_costs.observe(kind, cost)
+        self.pending_switch = None
+        return SwitchCompleted(attempt=attempt, cost_s=cost, kind=kind, predicted_s=pending.get("predicted_s"))
+
+    # ------------------------------------------------------------------------------------------ estimates
+
+    def switch_kind(self, current: Strategy, target: Strategy) -> SwitchKind:
+        """How a switch from `current` to `target` would happen (the backend decides)."""
+        return self._kind_of(current, target)
+
+    def switch_cost_s(self, current: Strategy, target: Strategy) -> float:
+        """Seconds a switch from `current` to `target` is expected to cost: measured for its kind, else predicted."""
+        kind = self.switch_kind(current, target)
+        rate = self.throughput.samples_per_s_of(current)
+        step = current.gbs / rate if rate else 0.0
+        cost, _ = self.switch_costs.cost_s(kind, overhead_s=self._overhead_of(kind), step_time_s=step)
+        return cost
+
+    def remaining_time_s(self, strategy: Strategy, *, elapsed_s: float) -> float | None:
+        """Estimated seconds to the target (samples, perplexity or time budget, whichever comes first) on
+        `strategy`, `elapsed_s` into the run."""
+        rate = self.throughput.samples_per_s_of(strategy)
+        estimates = []
+        if rate and rate > 0:
+            estimates.append(max(0, self.job.target.max_samples - self.live.samples) / rate)
+        target = self.job.target.val_perplexity
+        # The first evaluation (untrained model) would make the loss look like it falls far faster than it does.
+        history = [h for h in self.val_history if h["samples"] > 0]
+        if target and len(history) >= 2 and rate and rate > 0:
+            # Loss falls roughly linearly in log(samples): L ≈ a − b·ln(s). Fit it to the last two evaluations
+            # and solve for the samples at the target; progress per sample slows down, which a straight line in
+            # time would ignore.
+            (a, b) = history[-2], history[-1]
+            drop = a["val_loss"] - b["val_loss"]
+            gap = b["val_loss"] - math.log(target)
+            if drop > 0 and gap > 0 and b["samples"] > a["samples"]:
+                slope = drop / math.log(b["samples"] / a["samples"])
+                samples_at_target = b["samples"] * math.exp(min(gap / slope, 20.0))
+                estimates.append(max(0.0, samples_at_target - self.live.samples) / rate)
+        if self.job.target.max_time_s:
+            estimates.append(max(0.0, self.job.target.max_time_s - elapsed_s))
+        return min(estimates) if estimates else None
+
+    # ------------------------------------------------------------------------------------------ deciding
+
+    def initial_strategy(self) -> Strategy:
+        return self.policy.initial(candidates=self.candidates, throughput=self.throughput, samples=0)
+
+    def decide(self, *, now: float, current: Strategy, strategy_since: float, elapsed_s: float) -> SwitchPlan | None:
+        """One evaluation of the policy at time `now`; a plan when it decided to switch, else None.
+
+        The decision (switch or not) is kept in `last_decision` and the live view either way."""
+        ctx = DecisionContext(
+            now=now,
+            samples=self.live.samples,
+            current=current,
+            candidates=self.candidates,
+            throughput=self.throughput,
+            noise_scale=self.noise.value,
+            noise_stable=self.noise.stable,
+            switch_cost_s=lambda target: self.switch_cost_s(current, target),
+            last_switch_time=strategy_since,
+            remaining_time_s=self.remaining_time_s(current, elapsed_s=elapsed_s),
+        )
+        decision = self.policy.decide(ctx)
+        self.live.eta_s = ctx.remaining_time_s
+        used = decision.metrics.get("B_noise")
+        if isinstance(used, int | float):
+            self.live.noise_scale = used
+            self.live.noise_source = str(decision.metrics.get("noise_source", self.live.noise_source))
+        best = decision.metrics.get("best")
+        self.live.best = Strategy.from_dict(best).short() if isinstance(best, dict) else ""
+        ratio = decision.metrics.get("ratio")
+        self.live.best_gain = (ratio - 1.0) if isinstance(ratio, int | float) else None
+        self.last_decision = {"time": now, "reason": decision.reason, "metrics": decision.metrics}
+        if decision.switch_to is None or decision.switch_to == current:
+            return None
+        target = decision.switch_to
+        return SwitchPlan(decision=decision, target=target, kind=self.switch_kind(current, target),
+                          predicted_s=ctx.switch_cost_s(target))  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data: everything an orchestrator restart needs to go on where this one stopped."""
+        return {
+            "noise": self.noise.to_dict(),
+            "throughput": self.throughput.to_dict(),
+            "policy": self.policy.to_dict(),
+            "switch_costs": self.switch_costs.to_dict(),
+            "live": dataclasses.asdict(self.live),
+            "val_history": list(self.val_history),
+            "windows_in_attempt": self.windows_in_attempt,
+            "switch_started": self.pending_switch,
+            "last_decision": self.last_decision,
+        }
+
+    def restore(self, data: dict[str, Any]) -> RunModel:
+        """Load what `to_dict` saved (keys missing from older state files keep their fresh values); returns self."""
+        if "noise" in data:
+            self.noise = NoiseScaleEstimator.from_dict(data["noise"])
+        if "throughput" in data:
+            self.throughput = ThroughputModel.from_dict(data["throughput"], candidates=self.candidates)
+        if "policy" in data:
+            self.policy.from_dict(data["policy"])
+        if isinstance(data.get("switch_costs"), dict):
+            self.switch_costs.restore(data["switch_costs"])
+        if "live" in data:
+            known = {f.name for f in dataclasses.fields(LiveStatus)}
+            self.live = LiveStatus(**{k: v for k, v in data["live"].items() if k in known})
+        self.val_history = list(data.get("val_history") or [])
+        self.windows_in_attempt = int(data.get("windows_in_attempt") or 0)
+        self.pending_switch = data.get("switch_started")
+        self.last_decision = data.get("last_decision")
+        return self
