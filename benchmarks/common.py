@@ -62,6 +62,7 @@ def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Pa
     """`benchmarks/results/<name>` with the command line, the machine and the time in front of `data`."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"command": command_line(), "machine": machine(), "written": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
     path.write_text(json.dumps(payload, indent=indent, default=_json_default) + "\n")
     return path

@@ -745,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - started
     RESULTS.mkdir(parents=True, exist_ok=True)
     raw = RESULTS / f"{args.out or ('ttp-quick.json' if args.quick else 'ttp.json')}.raw"
+    raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"wall_s": wall, "results": results}, default=str))  # kept if the summary fails
 
     report: dict[str, Any] = {

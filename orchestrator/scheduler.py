@@ -89,7 +89,7 @@ class Scheduler:
     def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False) -> Attempt:
         """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it."""
         number = int(self.state.get("attempt", 0)) + 1
-        # state.json is what the trainer reads for its attempt number and strategy: write it before launching.
+        # Saved before launching: an orchestrator that dies during the launch knows the attempt was started.
         self.state.update(attempt=number, strategy=strategy.to_dict(), status="running")
         self.state.setdefault("attempts", [])
         self._save()

@@ -100,6 +100,39 @@ def read_jsonl(path: Path, *, offset: int = 0) -> tuple[list[dict[str, Any]], in
     return records, offset + end
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """`attempts/<n>/launch.json`: what the orchestrator launched as attempt n. Written by the orchestrator (the
+    backend that launches the attempt) for every backend, before the attempt can start; it is the only place a
+    launched trainer learns its strategy from, and the newest one tells a Slurm job which attempt is current.
+
+    The JSON is flat: these fields plus the backend's own (`extra`: Slurm's submission token, node count, processes
+    per node, job id, mode), which the job-side helper reads without importing cona."""
+
+    attempt: int
+    strategy: Strategy
+    backend: str
+    written_at: float
+    in_place: bool = False
+    """The attempt continues the previous attempt's processes (an in-place switch)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    _FIELDS = ("attempt", "strategy", "backend", "written_at", "in_place")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.extra, "attempt": self.attempt, "strategy": self.strategy.to_dict(), "backend": self.backend,
+                "written_at": self.written_at, "in_place": self.in_place}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchRecord:
+        return cls(
+            attempt=int(data["attempt"]), strategy=Strategy.from_dict(data["strategy"]),
+            backend=str(data.get("backend", "")), written_at=float(data.get("written_at", 0.0)),
+            in_place=bool(data.get("in_place", False)),
+            extra={k: v for k, v in data.items() if k not in cls._FIELDS},
+        )  # fmt: skip
+
+
 @dataclasses.dataclass
 class ControlRecord:
     """Orchestrator → trainer command. The trainer acts on each `seq` once."""
@@ -223,11 +256,29 @@ class RunDir:
         except (TypeError, ValueError):
             return None
 
-    def current_strategy(self) -> Strategy | None:
-        """The strategy the orchestrator last launched (from state.json)."""
-        state = read_json(self.state_json) or {}
-        return Strategy.from_dict(state["strategy"]) if state.get("strategy") else None
+    def launch_file(self, attempt: int) -> Path:
+        """`attempts/<n>/launch.json`: the orchestrator's `LaunchRecord` of attempt n (its only writer)."""
+        return self.attempt_dir(attempt) / "launch.json"
 
-    def current_attempt(self) -> int:
-        state = read_json(self.state_json) or {}
-        return int(state.get("attempt", 0))
+    def write_launch(self, record: LaunchRecord) -> None:
+        atomic_write_json(self.launch_file(record.attempt), record.to_dict())
+
+    def read_launch(self, attempt: int) -> LaunchRecord | None:
+        """Attempt `attempt`'s launch record, or None when there is none (or it is unreadable)."""
+        try:
+            data = read_json(self.launch_file(attempt))
+            return LaunchRecord.from_dict(data) if isinstance(data, dict) else None
+        except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError):
+            return None
+
+    def latest_launch(self) -> LaunchRecord | None:
+        """The launch record of the newest attempt launched so far."""
+        numbers = sorted(
+            (int(p.parent.name) for p in self.root.glob("attempts/*/launch.json") if p.parent.name.isdigit()),
+            reverse=True,
+        )
+        for number in numbers:
+            record = self.read_launch(number)
+            if record is not None:
+                return record
+        return None

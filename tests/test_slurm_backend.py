@@ -195,18 +195,18 @@ def test_launch_submits_and_writes_handoff(env):
     assert Path(sbatch[-2]).read_text().startswith("#!/bin/bash\n#SBATCH")
     launch = json.loads((run.attempt_dir(1) / "launch.json").read_text())
     assert launch["submission"] == attempt.extra["submission"] and launch["strategy"] == S4.to_dict()
-    assert launch["job_id"] == "101"
-    state = json.loads(run.state_json.read_text())
-    assert state["attempt"] == 1 and state["strategy"] == S4.to_dict()
+    assert launch["job_id"] == "101" and launch["backend"] == "slurm" and launch["mode"] == "submit"
+    record = run.read_launch(1)
+    assert record is not None and record.strategy == S4 and record.extra["nnodes"] == 2
 
 
-def test_launch_keeps_other_state_keys(env):
+def test_launch_never_writes_the_orchestrators_state(env):
+    # state.json has one writer, the scheduler: the job side learns everything from the launch record.
     backend, _, run = env
     run.root.mkdir(parents=True)
-    run.state_json.write_text(json.dumps({"status": "running", "attempt": 0, "backend_job": "x"}))
+    run.state_json.write_text(json.dumps({"status": "running", "attempt": 0}))
     backend.launch(attempt=1, strategy=S4)
-    state = json.loads(run.state_json.read_text())
-    assert state["status"] == "running" and state["backend_job"] == "x" and state["attempt"] == 1
+    assert json.loads(run.state_json.read_text()) == {"status": "running", "attempt": 0}
 
 
 def test_in_place_relaunch_when_node_count_stays(env):

@@ -259,26 +259,25 @@ def _run_helper(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     )
 
 
-def test_helper_next_waits_for_state_and_own_submission(tmp_path):
+def test_helper_next_runs_its_own_launch_unless_the_run_moved_on(tmp_path):
     run = tmp_path / "run"
-    _write(run / "state.json", {"attempt": 0})
-    _launch(run, 1, "mine")
-    _launch(run, 2, "someone-else")
     start = time.monotonic()
     r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "0.6")
-    assert r.returncode == 3 and time.monotonic() - start >= 0.5  # state.json not at attempt 1 yet
-    _write(run / "state.json", {"attempt": 1})
+    assert r.returncode == 3 and time.monotonic() - start >= 0.5  # no launch record for this job yet
+    _launch(run, 1, "mine")
     r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "5", "--job", "7")
     assert r.returncode == 0, r.stderr
     attempt, nnodes, nproc, port, rdzv, strategy = r.stdout.split()
     assert (attempt, nnodes, nproc, strategy) == ("1", "2", "2", "dp=4,tp=1,pp=1,mbs=1,gbs=4")
     assert 29500 <= int(port) < 30500 and rdzv == "run-1-7-0"
     # after attempt 1: wait for a newer launch of ours; the run moving on elsewhere ends the wait at once
-    _write(run / "state.json", {"attempt": 2})
+    _launch(run, 2, "someone-else")
     r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5")
     assert r.returncode == 4
+    # a job (re)started while a newer attempt runs in another job does not run its own older one
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--timeout", "5")
+    assert r.returncode == 4
     _launch(run, 3, "mine", nnodes=1, nproc=4)
-    _write(run / "state.json", {"attempt": 3})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5")
     assert r.returncode == 0 and r.stdout.split()[:3] == ["3", "1", "4"]
 
@@ -286,7 +285,6 @@ def test_helper_next_waits_for_state_and_own_submission(tmp_path):
 def test_helper_next_after_restart(tmp_path):
     """A job that Slurm restarts reruns a requeued attempt but not one that had ended."""
     run = tmp_path / "run"
-    _write(run / "state.json", {"attempt": 1})
     _launch(run, 1, "s")
     _write(run / "attempts" / "1" / "slurm-exit.json", {"submission": "s", "code": 43, "requeued": True})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "1")
@@ -298,7 +296,8 @@ def test_helper_next_after_restart(tmp_path):
 
 def test_helper_next_manual_mode(tmp_path):
     run = tmp_path / "run"
-    _write(run / "state.json", {"attempt": 5, "strategy": {"dp": 2, "tp": 2, "pp": 1, "mbs": 1, "gbs": 2}})
+    _write(run / "attempts" / "5" / "launch.json",
+           {"attempt": 5, "strategy": {"dp": 2, "tp": 2, "pp": 1, "mbs": 1, "gbs": 2}})  # fmt: skip
     r = _run_helper("next", "--run-dir", str(run), "--nnodes", "2")
     assert r.returncode == 0 and r.stdout.split()[:3] == ["5", "2", "2"]
     assert r.stdout.split()[5] == "dp=2,tp=2,pp=1,mbs=1,gbs=2"

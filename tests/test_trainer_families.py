@@ -72,11 +72,12 @@ def test_targets_end_the_run_with_a_final_checkpoint(tmp_path, target, reason):
 
 
 def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
-    """Without --job/--strategy/--attempt the trainer reads run.yaml and state.json; reruns are bit-identical."""
-    import json
-
+    """Without --job/--strategy/--attempt the trainer reads run.yaml and the newest launch record; reruns are
+    bit-identical."""
     import yaml
     from cona.protocol.job import job_to_dict, load_job
+    from cona.protocol.rundir import LaunchRecord, RunDir
+    from cona.protocol.strategy import Strategy
 
     job = write_job(tmp_path)
     explicit = launch(tmp_path / "explicit", nproc=0, strategy="dp=1,mbs=4,gbs=16", job=job, max_steps=3)
@@ -85,7 +86,8 @@ def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
     run.mkdir()
     (run / "run.yaml").write_text(yaml.safe_dump({"job": job_to_dict(load_job(job))}))
     strategy = {"dp": 1, "tp": 1, "pp": 1, "mbs": 4, "gbs": 16}
-    (run / "state.json").write_text(json.dumps({"strategy": strategy, "attempt": 3}))
+    RunDir(run).write_launch(LaunchRecord(attempt=3, strategy=Strategy.from_dict(strategy), backend="local",
+                                          written_at=0.0))  # fmt: skip
     implicit = launch(run, nproc=0, strategy=None, job=None, max_steps=3, attempt=None)
     assert implicit.exit_code == ExitCode.STOPPED, describe(implicit)
     got, want = step_records(run, 3), step_records(tmp_path / "explicit", 0)

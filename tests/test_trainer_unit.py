@@ -345,7 +345,7 @@ def test_missing_job_and_strategy_are_explained(tmp_path, capsys):
     assert got == ExitCode.CONFIG and "run.yaml" in err and len(err.splitlines()) == 1
     (tmp_path / "run.yaml").write_text(json.dumps({"job": load_job(write_job(tmp_path)).model_dump(mode="json")}))
     got, err = _main(capsys, "--run-dir", str(tmp_path))
-    assert got == ExitCode.CONFIG and "--strategy" in err and "state.json" in err
+    assert got == ExitCode.CONFIG and "--strategy" in err and "launch.json" in err
     got, err = _main(capsys, "--run-dir", str(tmp_path), "--bogus")
     assert got == ExitCode.CONFIG and "--bogus" in err and len(err.splitlines()) == 1
 

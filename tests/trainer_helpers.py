@@ -109,7 +109,10 @@ def launch(
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
     from cona.protocol.rundir import RunDir
 
-    exit_data = RunDir(run_dir).read_exit(attempt if attempt is not None else RunDir(run_dir).current_attempt())
+    if attempt is None:  # the trainer took the newest launch record's attempt
+        newest = RunDir(run_dir).latest_launch()
+        attempt = newest.attempt if newest else 0
+    exit_data = RunDir(run_dir).read_exit(attempt)
     return Launch(returncode=proc.returncode, exit=exit_data, stdout=proc.stdout, stderr=proc.stderr)
 
 

@@ -67,13 +67,18 @@ def load_inputs(args: argparse.Namespace):
         if not isinstance(data.get("job"), dict):
             raise ConfigError(f"{run_dir.run_yaml}: has no `job:` mapping; pass --job JOB.yaml")
         job = job_from_dict(apply_overrides(data["job"], list(args.set)), source=f"{run_dir.run_yaml} job")
+    # A launched attempt finds its number on the command line and its strategy in its launch record; by hand, both
+    # may be given (or the newest launch record is taken).
+    launch = run_dir.read_launch(args.attempt) if args.attempt is not None else run_dir.latest_launch()
+    attempt = args.attempt if args.attempt is not None else (launch.attempt if launch else 0)
     try:
-        strategy = Strategy.parse(args.strategy) if args.strategy else run_dir.current_strategy()
+        strategy = Strategy.parse(args.strategy) if args.strategy else (launch.strategy if launch else None)
     except ValueError as e:
         raise ConfigError(f"--strategy: {e}") from None
     if strategy is None:
-        raise ConfigError(f"no --strategy given and {run_dir.state_json} has no strategy; pass --strategy dp=..,mbs=..,gbs=..")
-    attempt = args.attempt if args.attempt is not None else run_dir.current_attempt()
+        raise ConfigError(
+            f"no --strategy given and {run_dir.launch_file(attempt)} has no launch record; pass --strategy dp=..,mbs=..,gbs=.."
+        )
     if args.max_steps is not None and args.max_steps < 0:
         raise ConfigError(f"--max-steps {args.max_steps}: must be >= 0")
     return run_dir, job, strategy, attempt

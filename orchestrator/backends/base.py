@@ -9,12 +9,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import time
 from typing import Any
 
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.job import JobSpec
-from cona.protocol.rundir import ExitCode, RunDir
+from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir
 from cona.protocol.strategy import Strategy
 
 
@@ -105,6 +106,14 @@ class Backend(abc.ABC):
         self.run_dir = run_dir
         self.profile = profile
         self.job = job
+
+    def write_launch(self, attempt: int, strategy: Strategy, *, in_place: bool = False, **extra: Any) -> LaunchRecord:
+        """Write attempt `attempt`'s launch record (`attempts/<n>/launch.json`), before the attempt can start: the
+        trainer learns its strategy there. `extra` carries the backend's own fields."""
+        record = LaunchRecord(attempt=attempt, strategy=strategy, backend=self.name, written_at=time.time(),
+                              in_place=in_place, extra=extra)  # fmt: skip
+        self.run_dir.write_launch(record)
+        return record
 
     @abc.abstractmethod
     def render(self, *, strategy: Strategy) -> str:

@@ -105,6 +105,7 @@ class LocalBackend(Backend):
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
+        self.write_launch(attempt, strategy)
         (attempt_dir / EXIT_CODE_FILE).unlink(missing_ok=True)
         log = attempt_dir / "torchrun.log"
         # The wrapper outlives an orchestrator restart.
@@ -137,6 +138,7 @@ class LocalBackend(Backend):
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         # Same processes: the exit code and log stay in the directory of the attempt that launched them.
         extra = {**attempt.extra, "launched_as": attempt.extra.get("launched_as", attempt.number)}
+        self.write_launch(number, strategy, in_place=True, launched_as=extra["launched_as"])
         return Attempt(number=number, strategy=strategy, backend_id=attempt.backend_id, started_at=time.time(),
                        extra=extra)  # fmt: skip
 

@@ -8,7 +8,6 @@ script is described at the top of `orchestrator/backends/slurm/templates/cona.sb
 
     attempts/N/launch.json      orchestrator → job: {"attempt", "submission", "strategy", "nnodes",
                                 "nproc_per_node"}
-    state.json                  {"attempt": N, "strategy": {...}} merged in before the hand-off
     attempts/N/slurm.json       job → orchestrator: where and when attempt N started (job id, restarts, nodes)
     attempts/N/nodes/I.json     node I's trainer exit code
     attempts/N/slurm-exit.json  job → orchestrator: the attempt's exit code and what the job does next
@@ -37,7 +36,7 @@ from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.feasibility import placement
 from cona.protocol.job import JobSpec
-from cona.protocol.rundir import ExitCode, RunDir, atomic_write_json, read_json
+from cona.protocol.rundir import ExitCode, RunDir, read_json
 from cona.protocol.strategy import Strategy
 
 # Job states (squeue/scontrol/sacct long names).
@@ -204,7 +203,7 @@ class SlurmBackend(Backend):
     Never two attempts at once: a resubmission (other node count, or the previous job ended, crashed, was
     requeued by Slurm or lost a node) first cancels the previous job and waits until Slurm reports it ended —
     no process of it left (COMPLETING over) and no requeue that could bring it back. A requeued job that starts
-    anyway finds a newer attempt in state.json and ends without running anything (`slurm_helper.py next`).
+    anyway finds a newer attempt's launch.json and ends without running anything (`slurm_helper.py next`).
     """
 
     name = "slurm"
@@ -319,16 +318,6 @@ class SlurmBackend(Backend):
         """The attempt's slurm-exit.json as written by its job, if that job has written one."""
         return self._record(attempt.number, "slurm-exit.json", attempt.extra.get("submission"))
 
-    def _publish_state(self, attempt: int, strategy: Strategy) -> None:
-        """Merge attempt + strategy into state.json (other keys kept): the trainer reads its strategy there."""
-        try:
-            state = read_json(self.run_dir.state_json) or {}
-        except ValueError:
-            state = {}
-        state["attempt"] = attempt
-        state["strategy"] = strategy.to_dict()
-        atomic_write_json(self.run_dir.state_json, state)
-
     # -- Backend API ---------------------------------------------------------------------------------------
 
     def render(self, *, strategy: Strategy) -> str:
@@ -352,43 +341,27 @@ class SlurmBackend(Backend):
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         nnodes, nproc = self.placement(strategy)
         (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
-        record = {
-            "attempt": attempt,
-            "strategy": strategy.to_dict(),
-            "nnodes": nnodes,
-            "nproc_per_node": nproc,
-            "written_at": time.time(),
-        }
         extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
         if previous is not None and self._can_relaunch_in_place(previous, nnodes):
-            submission = str(previous.extra["submission"])
-            job_id = previous.backend_id
-            self._publish_state(attempt, strategy)
-            atomic_write_json(
-                self._attempt_file(attempt, "launch.json"),
-                {**record, "submission": submission, "job_id": job_id, "mode": "in-place"},
-            )
-            extra.update(submission=submission, mode="in-place", job_id=job_id)
-            return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
+            # "in-place" here: a new srun step of the same allocation (the processes are new).
+            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="in-place")
+            self.write_launch(attempt, strategy, **extra)
+            return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
 
         if previous is not None and previous.backend_id:
             # A job idling in its hand-off loop runs nothing and ends once it sees the newer attempt; any other
             # previous job may still have trainer processes, or run the attempt again after a requeue.
             idle = (self.exit_record(previous) or {}).get("action") == "wait"
             self._release(previous.backend_id, wait=not idle)
-        submission = secrets.token_hex(8)
-        self._publish_state(attempt, strategy)
-        launch_path = self._attempt_file(attempt, "launch.json")
-        atomic_write_json(launch_path, {**record, "submission": submission, "mode": "submit"})
+        extra.update(submission=secrets.token_hex(8), mode="submit")
+        self.write_launch(attempt, strategy, **extra)
         if self.profile.slurm.use_submitit:
-            job_id = self._submit_submitit(nnodes, submission)
+            job_id = self._submit_submitit(nnodes, extra["submission"])
         else:
-            job_id = self._submit_sbatch(nnodes, submission)
-        atomic_write_json(
-            launch_path, {**record, "submission": submission, "mode": "submit", "job_id": job_id}
-        )
+            job_id = self._submit_sbatch(nnodes, extra["submission"])
+        extra["job_id"] = job_id
+        self.write_launch(attempt, strategy, **extra)  # the same record, now with the job id
         self._jobs.add(job_id)
-        extra.update(submission=submission, mode="submit", job_id=job_id)
         return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
 
     def _can_relaunch_in_place(self, previous: Attempt, nnodes: int) -> bool:

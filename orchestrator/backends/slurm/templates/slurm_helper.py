@@ -101,12 +101,20 @@ def _launches(run_dir, submission):
     return found
 
 
-def _state_attempt(run_dir):
-    state = _read_json(os.path.join(run_dir, "state.json")) or {}
-    try:
-        return int(state.get("attempt", -1))
-    except (TypeError, ValueError):
-        return -1
+def _newest_launch(run_dir):
+    """(attempt, record) of the newest attempt the orchestrator launched, in any job; (-1, {}) if none yet.
+
+    Launch records are written before their attempt is submitted, so this is the attempt the run is on."""
+    newest = (-1, {})
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "attempts", "*", "launch.json")):
+        record = _read_json(path)
+        try:
+            number = int((record or {})["attempt"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if number > newest[0]:
+            newest = (number, record)
+    return newest
 
 
 def rendezvous_port(base, run_dir, job, attempt, restarts):
@@ -158,11 +166,10 @@ def cmd_next(argv):
     after = int(a["after"]) if a["after"] != "" else None
     deadline = time.monotonic() + float(a["timeout"])
 
-    # A manual `sbatch` of a rendered script (no submission): run state.json's attempt once.
+    # A manual `sbatch` of a rendered script (no submission): run the newest launched attempt once.
     if not submission:
-        state = _read_json(os.path.join(run_dir, "state.json")) or {}
-        strategy = state.get("strategy") or {}
-        attempt = _state_attempt(run_dir)
+        attempt, newest = _newest_launch(run_dir)
+        strategy = newest.get("strategy") or {}
         if after is not None or attempt < 0 or not strategy:
             return 3
         nnodes = int(a["nnodes"])
@@ -180,7 +187,7 @@ def cmd_next(argv):
 
     while True:
         launches = _launches(run_dir, submission)
-        state_attempt = _state_attempt(run_dir)
+        current = _newest_launch(run_dir)[0]  # the attempt the run is on, in whichever job
         mine = sorted(launches)
         if after is None and mine:
             newest = mine[-1]
@@ -190,15 +197,13 @@ def cmd_next(argv):
         candidates = [n for n in mine if after is None or n > after]
         if candidates:
             attempt = candidates[-1]
-            if state_attempt == attempt:
+            if current == attempt:
                 return _print_next(a, launches[attempt])
-            if state_attempt > attempt:
-                sys.stderr.write(
-                    f"cona: the run moved on to attempt {state_attempt}; not running {attempt}\n"
-                )
+            if current > attempt:
+                sys.stderr.write(f"cona: the run moved on to attempt {current}; not running {attempt}\n")
                 return 4
-        elif mine and state_attempt > mine[-1]:
-            sys.stderr.write(f"cona: attempt {state_attempt} runs in another job; this one is not needed\n")
+        elif mine and current > mine[-1]:
+            sys.stderr.write(f"cona: attempt {current} runs in another job; this one is not needed\n")
             return 4
         if time.monotonic() >= deadline:
             return 3
