@@ -109,15 +109,16 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
     checkpoint_bytes = []
     for i, sw in enumerate(switches):
         old, new = sw["attempt"], sw["attempt"] + 1
-        exit_record = json.loads((run_dir.attempt_dir(old) / "exit.json").read_text())
-        ckpt = run_dir.checkpoint_dir(exit_record["step"])
+        exit_record = run_dir.read_exit(old)
+        assert exit_record is not None and exit_record.step is not None, f"attempt {old} left no exit record"
+        ckpt = run_dir.checkpoint_dir(exit_record.step)
         trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
         marker = json.loads((ckpt / "COMPLETE").read_text())
         size = sum(marker["files"].values())
         checkpoint_bytes.append(size)
         startup = json.loads((run_dir.attempt_dir(new) / "startup.json").read_text())
         if startup.get("in_place"):
-            assert exit_record.get("next_attempt") == new, f"attempt {old} did not switch in place"
+            assert exit_record.next_attempt == new, f"attempt {old} did not switch in place"
             exited = startup["main_start"]
         else:
             exited = (run_dir.attempt_dir(old) / "exit_code").stat().st_mtime

@@ -270,14 +270,14 @@ class Scheduler:
         Checked before the backend's poll: the processes may already have finished the next attempt too, and its
         exit belongs to that attempt, not to this one."""
         record = self.run_dir.read_exit(attempt.number)
-        if not record or record.get("next_attempt") != attempt.number + 1 or not record.get("next_strategy"):
+        if record is None or record.next_attempt != attempt.number + 1 or record.next_strategy is None:
             return None
         self._absorb(attempt, self._tail_heartbeats(attempt))  # the lines written before the exit record
-        log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.get("exit_code"),
+        log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.exit_code,
                   detail="in place", samples=self.live.samples, step=self.live.step)  # fmt: skip
         self.state["restarts_in_row"] = 0
-        requested = self.state.get("switch_requested") or {"time": float(record.get("time", time.time()))}
-        target = Strategy.from_dict(record["next_strategy"])
+        requested = self.state.get("switch_requested") or {"time": record.time}
+        target = record.next_strategy
         return self._follow_switch(attempt, target, requested=requested, in_place=True)
 
     def _follow_switch(self, attempt: Attempt, target: Strategy, *, requested: dict, in_place: bool = False) -> Attempt:

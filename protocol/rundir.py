@@ -101,6 +101,42 @@ def read_jsonl(path: Path, *, offset: int = 0) -> tuple[list[dict[str, Any]], in
 
 
 @dataclasses.dataclass(frozen=True)
+class ExitRecord:
+    """`attempts/<n>/exit.json`: how attempt n's trainer ended, written by rank 0 just before it exits (its only
+    writer) and read through `RunDir.read_exit`. torchrun exits 1 whenever a worker exits non-zero, so this is
+    where the orchestrator reads SWITCH/STOPPED/BAD_WORLD/CONFIG; a process killed outright leaves none."""
+
+    exit_code: int
+    name: str
+    """The `ExitCode` name, or CRASH."""
+    reason: str
+    step: int | None
+    """The optimizer step of the last checkpoint, when there is one."""
+    time: float
+    next_attempt: int | None = None
+    """After an in-place switch: the attempt these processes go on as (n + 1)."""
+    next_strategy: Strategy | None = None
+    """After an in-place switch: the strategy they go on with."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"exit_code": self.exit_code, "name": self.name, "reason": self.reason,
+                                "step": self.step, "time": self.time}  # fmt: skip
+        if self.next_strategy is not None:
+            data.update(next_attempt=self.next_attempt, next_strategy=self.next_strategy.to_dict())
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExitRecord:
+        nxt = data.get("next_strategy")
+        return cls(
+            exit_code=int(data["exit_code"]), name=str(data.get("name", "")), reason=str(data.get("reason", "")),
+            step=None if data.get("step") is None else int(data["step"]), time=float(data.get("time", 0.0)),
+            next_attempt=None if data.get("next_attempt") is None else int(data["next_attempt"]),
+            next_strategy=Strategy.from_dict(nxt) if nxt else None,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchRecord:
     """`attempts/<n>/launch.json`: what the orchestrator launched as attempt n. Written by the orchestrator (the
     backend that launches the attempt) for every backend, before the attempt can start; it is the only place a
@@ -205,13 +241,16 @@ class RunDir:
         """
         return self.attempt_dir(attempt) / "exit.json"
 
-    def read_exit(self, attempt: int) -> dict[str, Any] | None:
-        """{"exit_code": int, "reason": str, "step": int, "time": float}, or None (no protocol exit recorded)."""
+    def read_exit(self, attempt: int) -> ExitRecord | None:
+        """Attempt `attempt`'s exit record, or None (no protocol exit recorded, or an unreadable one)."""
         try:
             data = read_json(self.exit_file(attempt))
-        except (json.JSONDecodeError, OSError):
+            return ExitRecord.from_dict(data) if isinstance(data, dict) else None
+        except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError):
             return None
-        return data if isinstance(data, dict) else None
+
+    def write_exit(self, attempt: int, record: ExitRecord) -> None:
+        atomic_write_json(self.exit_file(attempt), record.to_dict())
 
     def heartbeat_file(self, attempt: int) -> Path:
         return self.heartbeats / f"{attempt}.jsonl"

@@ -260,12 +260,12 @@ def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
     assert [a["strategy"]["gbs"] for a in attempts] == [16, 32]
     assert attempts[0]["backend_id"] == attempts[1]["backend_id"], "an in-place switch keeps the processes"
     switched = run_dir.read_exit(1)
-    assert switched["next_attempt"] == 2 and switched["next_strategy"]["pp"] == 2
+    assert switched is not None and switched.next_attempt == 2 and switched.next_strategy.pp == 2
     assert json.loads((run_dir.attempt_dir(2) / "startup.json").read_text())["in_place"] is True
     assert [e["event"] for e in read_events(run_dir)].count("switch-complete") == 1
 
     # The same checkpoint, relaunched by hand under the new strategy: the same losses step by step.
-    step = switched["step"]
+    step = switched.step
     fresh = RunDir(tmp_path / "relaunch")
     fresh.checkpoints.mkdir(parents=True)
     (fresh.root / "run.yaml").write_text((run_dir.root / "run.yaml").read_text())
@@ -276,7 +276,7 @@ def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
          "--run-dir", str(fresh.root), "--strategy", "dp=2,tp=1,pp=2,mbs=4,gbs=32", "--attempt", "2",
          "--max-steps", str(step + 5)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
-    assert fresh.read_exit(2) is not None and fresh.read_exit(2)["name"] == "STOPPED", by_hand.stderr[-3000:]
+    assert fresh.read_exit(2) is not None and fresh.read_exit(2).name == "STOPPED", by_hand.stderr[-3000:]
 
     def losses(rd: RunDir) -> dict[int, float]:
         # Every step's line: periodic, or "eval" when an evaluation followed the step.

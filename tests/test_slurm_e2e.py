@@ -255,11 +255,12 @@ def test_scancel_mid_run_resubmits_and_resumes(slurm_run):
     end = slurm_run.events("attempt-end")[0]
     assert end["attempt"] == 1 and end["status"] in ("stopped", "crashed"), end
     # SIGTERM makes the trainer checkpoint and exit 43; attempt 2 resumes from that checkpoint
-    trainer_exit = slurm_run.run.read_exit(1) or {}
+    trainer_exit = slurm_run.run.read_exit(1)
     resume = slurm_run.resumes(2)[0]
     assert resume["resume"] >= 10, resume
     if end["status"] == "stopped":
-        assert trainer_exit.get("exit_code") == 43 and trainer_exit.get("step") == resume["resume"], trainer_exit
+        assert trainer_exit is not None, "the trainer wrote no exit record"
+        assert (trainer_exit.exit_code, trainer_exit.step) == (43, resume["resume"]), trainer_exit
     second = slurm_run.attempt_json(2, "launch.json")
     assert second["mode"] == "submit" and second["job_id"] != job
     assert slurm_state(job) == "CANCELLED"

@@ -59,10 +59,10 @@ def test_targets_end_the_run_with_a_final_checkpoint(tmp_path, target, reason):
     run = tmp_path / "run"
     result = launch(run, nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job)
     assert result.returncode == ExitCode.DONE == result.exit_code, describe(result)
-    assert reason in result.exit["reason"]
+    assert reason in result.exit.reason
     last = heartbeats(run)[-1]
-    assert last["event"] == "exit" and last["exit_code"] == ExitCode.DONE and last["step"] == result.exit["step"]
-    assert (run / "checkpoints" / f"step-{result.exit['step']:08d}" / "COMPLETE").exists()
+    assert last["event"] == "exit" and last["exit_code"] == ExitCode.DONE and last["step"] == result.exit.step
+    assert (run / "checkpoints" / f"step-{result.exit.step:08d}" / "COMPLETE").exists()
     if "max_samples" in target:
         assert last["samples"] == 96
     else:

@@ -142,10 +142,10 @@ def test_commands_and_signals(tmp_path):
     finally:
         first.kill()
     assert switched.exit_code == ExitCode.SWITCH, describe(switched)
-    assert "control seq 2" in switched.exit["reason"]
+    assert "control seq 2" in switched.exit.reason
     checkpoint_events = [hb for hb in heartbeats(run, 0) if hb.get("event") == "checkpoint"]
     assert "control seq 1" in checkpoint_events[0]["reason"]
-    switch_step = switched.exit["step"]
+    switch_step = switched.exit.step
     assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(switch_step)
     assert run_dir.latest_trainer_state()["last_control_seq"] == 2
     last = heartbeats(run, 0)[-1]
@@ -161,19 +161,19 @@ def test_commands_and_signals(tmp_path):
     finally:
         second.kill()
     assert stopped.exit_code == ExitCode.STOPPED, describe(stopped)
-    assert stopped.exit["reason"] == "signal SIGUSR1 (1 rank)"
-    assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(stopped.exit["step"])
+    assert stopped.exit.reason == "signal SIGUSR1 (1 rank)"
+    assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(stopped.exit.step)
 
     # SIGTERM to torchrun (preemption): torchrun forwards it, the workers checkpoint and exit STOPPED.
     third = Running(run, job=job, attempt=2)
     try:
-        third.wait_for(lambda: third.last_step() >= stopped.exit["step"] + 2, "two more steps")
+        third.wait_for(lambda: third.last_step() >= stopped.exit.step + 2, "two more steps")
         third.proc.send_signal(signal.SIGTERM)
         preempted = third.finish()
     finally:
         third.kill()
     assert preempted.exit_code == ExitCode.STOPPED, describe(preempted)
-    assert "SIGTERM" in preempted.exit["reason"]
-    assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(preempted.exit["step"])
-    steps = preempted.exit["step"]
+    assert "SIGTERM" in preempted.exit.reason
+    assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(preempted.exit.step)
+    steps = preempted.exit.step
     assert audit_samples(run) == [(16 * k, 16 * k + 16) for k in range(steps)]

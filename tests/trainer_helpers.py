@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from cona.protocol.rundir import ExitRecord
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "data" / "shakespeare.txt"
@@ -59,14 +62,14 @@ def write_job(directory: Path, *, preset: str = "tiny-gpt", name: str = "job.yam
 @dataclasses.dataclass
 class Launch:
     returncode: int
-    exit: dict[str, Any] | None
+    exit: ExitRecord | None
     """attempts/<n>/exit.json (the trainer's own exit code; torchrun exits 1 whenever a worker does not exit 0)."""
     stdout: str
     stderr: str
 
     @property
     def exit_code(self) -> int | None:
-        return self.exit["exit_code"] if self.exit else None
+        return self.exit.exit_code if self.exit else None
 
 
 def trainer_env() -> dict[str, str]:

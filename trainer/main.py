@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     from cona.trainer.train import write_exit
 
     previous = run_dir.read_exit(attempt) if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
-    if previous is not None and previous.get("exit_code") in (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED):
+    if previous is not None and previous.exit_code in (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED):
         # torchrun (--max-restarts) restarted the workers because a protocol exit is non-zero: exit the same way
         # instead of training on under a strategy the orchestrator is replacing.
-        code = ExitCode(previous["exit_code"])
+        code = ExitCode(previous.exit_code)
         if rank == 0:
-            print(f"cona trainer: attempt {attempt} already exited {code.name} ({previous.get('reason')})", file=sys.stderr)
+            print(f"cona trainer: attempt {attempt} already exited {code.name} ({previous.reason})", file=sys.stderr)
         return int(code)
 
     # Validate everything that needs no process group first, so bad input never hangs a collective.

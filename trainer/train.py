@@ -29,7 +29,7 @@ import torch.distributed as dist
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
-from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, RunDir, atomic_write_json
+from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir, atomic_write_json
 from cona.protocol.samples_log import log_resume, log_step
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -399,10 +399,10 @@ def write_exit(
 
     `next_strategy`: the processes go on in place as attempt n + 1 under it (`next_attempt`, `next_strategy`)."""
     name = code.name if isinstance(code, ExitCode) else "CRASH"
-    record = {"exit_code": int(code), "name": name, "reason": reason, "step": step, "time": time.time()}
-    if next_strategy is not None:
-        record.update(next_attempt=attempt + 1, next_strategy=next_strategy.to_dict())
-    atomic_write_json(run_dir.exit_file(attempt), record)
+    run_dir.write_exit(attempt, ExitRecord(
+        exit_code=int(code), name=name, reason=reason, step=step, time=time.time(),
+        next_attempt=attempt + 1 if next_strategy is not None else None, next_strategy=next_strategy,
+    ))  # fmt: skip
 
 
 def _progress_line(hb: Heartbeat) -> str:

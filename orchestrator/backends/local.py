@@ -166,8 +166,8 @@ class LocalBackend(Backend):
         if code != 0:
             # torchrun exits 1 whatever protocol code its workers returned; rank 0 recorded the real one.
             recorded = self.run_dir.read_exit(attempt.number)
-            if recorded is not None and isinstance(recorded.get("exit_code"), int):
-                code = recorded["exit_code"]
+            if recorded is not None:
+                code = recorded.exit_code
         status = AttemptStatus.from_exit_code(code)
         detail = f"torchrun exited {code}" if status is AttemptStatus.CRASHED else ""
         return Outcome(status, code, detail)
