@@ -99,8 +99,8 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
     scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir))
     state = scheduler.run()
     wall = time.time() - started
-    if state.get("status") != "done":
-        raise RuntimeError(f"{model}: the run ended {state.get('status')}: {state.get('reason')} (see {root})")
+    if state.status != "done":
+        raise RuntimeError(f"{model}: the run ended {state.status}: {state.reason} (see {root})")
     events = read_events(run_dir)
     switches = [e for e in events if e["event"] == "switch"]
     launches = {e["attempt"]: e for e in events if e["event"] == "launch"}

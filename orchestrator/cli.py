@@ -109,12 +109,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             view.end(scheduler)
             raise UserError(str(e)) from None
         view.end(scheduler)
-    if not args.no_report and state.get("status") in ("done", "stopped"):
+    if not args.no_report and state.status in ("done", "stopped"):
         from cona.orchestrator.report import write_report
 
         png, md = write_report(run_dir)
         print(f"report: {md} and {png}")
-    return 0 if state.get("status") in ("done", "stopped") else 1
+    return 0 if state.status in ("done", "stopped") else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:

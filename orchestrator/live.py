@@ -96,9 +96,9 @@ class LiveView:
         live = scheduler.live
         ppl = f"{live.val_perplexity:.2f}" if live.val_perplexity else "n/a"
         print(
-            f"cona: run {state.get('status')} after {_duration(live.elapsed_s)}: {live.samples:,} samples, "
-            f"val perplexity {ppl}, {live.switches} switch(es), {int(state.get('attempt', 0))} attempt(s)"
-            + (f"; {state['reason']}" if state.get("reason") else ""),
+            f"cona: run {state.status} after {_duration(live.elapsed_s)}: {live.samples:,} samples, "
+            f"val perplexity {ppl}, {live.switches} switch(es), {len(state.attempts)} attempt(s)"
+            + (f"; {state.reason}" if state.reason else ""),
             file=sys.stdout,
             flush=True,
         )
@@ -116,16 +116,17 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     state = read_state(run_dir)
     events = read_events(run_dir)
     switches = [e for e in events if e.get("event") == "switch"]
-    live = state.get("live", {})
+    live = state.live
+    current = state.current
     latest = run_dir.latest_checkpoint()
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
         "profile": profile.name,
         "policy": job.policy.name,
-        "status": state.get("status", "created"),
-        "attempt": state.get("attempt", 0),
-        "strategy": state.get("strategy"),
+        "status": state.status,
+        "attempt": current.number if current else 0,
+        "strategy": current.strategy.to_dict() if current else None,
         "step": live.get("step", 0),
         "samples": live.get("samples", 0),
         "train_loss": live.get("train_loss"),
@@ -139,10 +140,10 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
         ],
-        "last_decision": state.get("last_decision"),
-        "reason": state.get("reason"),
+        "last_decision": state.model.get("last_decision"),
+        "reason": state.reason,
         "latest_checkpoint": str(latest) if latest else None,
-        "updated": state.get("updated"),
+        "updated": state.updated,
     }
 
 

@@ -82,10 +82,10 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
 
     md = out_dir / "report.md"
     lines = [
-        f"# {job.name} — {state.get('status', 'unknown')}",
+        f"# {job.name} — {state.status}",
         "",
         f"- profile: `{profile.name}` ({profile.backend}, {profile.nodes}×{profile.gpus_per_node} {profile.accelerator.name})",
-        f"- policy: `{pol.name}`; attempts: {state.get('attempt', 0)}; switches: {len(switches)}",
+        f"- policy: `{pol.name}`; attempts: {len(state.attempts)}; switches: {len(switches)}",
     ]
     if beats:
         last = beats[-1]

@@ -1,4 +1,5 @@
-"""The orchestrator's side of the run directory: run.yaml, state.json, events.jsonl and the single-owner lock."""
+"""The orchestrator's side of the run directory: run.yaml, state.json (`RunState`), events.jsonl and the single-owner
+lock."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from cona.orchestrator.backends.base import Attempt
 from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.job import JobSpec, job_from_dict, job_to_dict
 from cona.protocol.rundir import (
     RunDir,
@@ -20,6 +23,7 @@ from cona.protocol.rundir import (
     read_json,
     read_jsonl,
 )
+from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, validate
 
 
@@ -70,12 +74,136 @@ def read_events(run_dir: RunDir) -> list[dict[str, Any]]:
     return read_jsonl(run_dir.events)[0]
 
 
-def read_state(run_dir: RunDir) -> dict[str, Any]:
-    return read_json(run_dir.state_json) or {}
+STATE_VERSION = 2
+"""Version of state.json's layout. 1 (cona 0.1, unversioned): the run model's fields at the top level next to
+`attempt` and `strategy` copies of the newest attempt; still read. 2: `RunState`."""
 
 
-def write_state(run_dir: RunDir, state: dict[str, Any]) -> None:
-    atomic_write_json(run_dir.state_json, state)
+@dataclasses.dataclass
+class SwitchRequest:
+    """A switch the orchestrator asked for and whose attempt has not ended yet."""
+
+    time: float
+    """When it was decided (the switch's cost is measured from here)."""
+    seq: int
+    """The control.json seq that carries it."""
+    source: Strategy
+    target: Strategy
+    kind: SwitchKind
+    """How it is carried out: in place, by relaunch or by resubmission."""
+    predicted_s: float | None = None
+
+    @property
+    def in_place(self) -> bool:
+        return self.kind is SwitchKind.IN_PLACE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time": self.time, "seq": self.seq, "from": self.source.to_dict(), "to": self.target.to_dict(),
+                "kind": self.kind.value, "predicted_s": self.predicted_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SwitchRequest:
+        kind = data.get("kind") or (SwitchKind.IN_PLACE if data.get("in_place") else SwitchKind.RELAUNCH).value
+        return cls(time=float(data["time"]), seq=int(data.get("seq", 0)), source=Strategy.from_dict(data["from"]),
+                   target=Strategy.from_dict(data["to"]), kind=SwitchKind(kind), predicted_s=data.get("predicted_s"))  # fmt: skip
+
+
+@dataclasses.dataclass
+class RunState:
+    """state.json: what the orchestrator must know to go on after a restart. One writer, the scheduler; `cona
+    status` and the report read it. Times are Unix seconds."""
+
+    status: str = "created"
+    """created, running, done, stopped or failed."""
+    final: bool = False
+    """The run ended (done, stopped or failed); `cona run --resume` clears it to go on."""
+    reason: str | None = None
+    """Why it stopped or failed."""
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+    """Every attempt launched, oldest first; the last is the current one."""
+    attempts_started: int = 0
+    """The highest attempt number handed out, saved before the launch so a restart never reuses a number."""
+    run_started: float | None = None
+    strategy_since: float | None = None
+    """When the current strategy started (the policy's minimum dwell time counts from here)."""
+    launched_at: float | None = None
+    last_heartbeat_time: float | None = None
+    """When the current attempt's last heartbeat was read (None: none yet, the start-up timeout applies)."""
+    pending_seen_at: float | None = None
+    """The last poll that found the attempt queued (the heartbeat-gap clock restarts there)."""
+    heartbeat_offset: int = 0
+    """Bytes of the current attempt's heartbeat file already read."""
+    control_seq: int = 0
+    """The newest control.json seq this orchestrator wrote or took note of."""
+    restarts_in_row: int = 0
+    """Crashes since the last attempt that ended well (policy.max_restarts bounds it)."""
+    hang_cancelled: int | None = None
+    """The attempt cancelled for a heartbeat gap, so its end is reported as a hang."""
+    switch_requested: SwitchRequest | None = None
+    stop_requested: bool = False
+    time_budget_reached: bool = False
+    finished_at: float | None = None
+    updated: float | None = None
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The run model's own state (`RunModel.to_dict`): estimators, switch costs, the live view, the last decision."""
+    version: int = STATE_VERSION
+
+    @property
+    def current(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def live(self) -> dict[str, Any]:
+        """The live view as saved (step, samples, losses, noise scale, ...)."""
+        return dict(self.model.get("live") or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["attempts"] = [a.to_dict() for a in self.attempts]
+        data["switch_requested"] = self.switch_requested.to_dict() if self.switch_requested else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "state.json") -> RunState:
+        version = data.get("version", 1)
+        if not isinstance(version, int) or version > STATE_VERSION:
+            raise ConfigError(
+                f"{source}: written by a newer cona (state version {version}; this cona reads up to "
+                f"{STATE_VERSION}); resume the run with the cona that started it, or upgrade cona"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if version == 1:
+            # Unversioned: the run model's keys sat at the top level; `attempt`/`strategy` copied the newest attempt.
+            model = {k: v for k, v in data.items() if k not in fields and k not in ("attempt", "strategy")}
+            model["last_decision"] = data.get("last_decision")
+            data = {**{k: v for k, v in data.items() if k in fields}, "model": model,
+                    "attempts_started": int(data.get("attempt", 0))}  # fmt: skip
+        try:
+            known = {k: v for k, v in data.items() if k in fields}
+            known["attempts"] = [Attempt.from_dict(a) for a in data.get("attempts") or []]
+            request = data.get("switch_requested")
+            known["switch_requested"] = SwitchRequest.from_dict(request) if request else None
+            known["version"] = STATE_VERSION
+            return cls(**known)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: unreadable run state ({e}); the run cannot be resumed from it") from None
+
+
+def read_state(run_dir: RunDir) -> RunState:
+    """The run's state.json (a fresh RunState when there is none yet)."""
+    try:
+        data = read_json(run_dir.state_json)
+    except (OSError, ValueError):
+        raise ConfigError(f"{run_dir.state_json}: unreadable; the run cannot be resumed from it") from None
+    if data is None:
+        return RunState()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{run_dir.state_json}: not a JSON object; the run cannot be resumed from it")
+    return RunState.from_dict(data, source=str(run_dir.state_json))
+
+
+def write_state(run_dir: RunDir, state: RunState) -> None:
+    atomic_write_json(run_dir.state_json, state.to_dict())
 
 
 @dataclasses.dataclass

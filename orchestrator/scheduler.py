@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
-from cona.orchestrator.runstate import log_event, read_state, write_state
+from cona.orchestrator.runstate import RunState, SwitchRequest, log_event, read_state, write_state
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.job import JobSpec
@@ -63,7 +62,7 @@ class Scheduler:
             switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=job.policy.in_place_switch),
             switch_overhead_s=backend.switch_overhead_s,
         )  # fmt: skip
-        self.state: dict[str, Any] = {}
+        self.state = RunState()
         """The loop's own state (attempts, control sequence, heartbeat offset, restarts, ...), with the model's."""
 
     @property
@@ -73,25 +72,24 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------------- state
 
     def _save(self) -> None:
-        self.state.update(self.model.to_dict())
-        self.state["updated"] = time.time()
+        self.state.model = self.model.to_dict()
+        self.state.updated = time.time()
         write_state(self.run_dir, self.state)
 
     def _restore(self) -> None:
         self.state = read_state(self.run_dir)
-        self.model.restore(self.state)
+        self.model.restore(self.state.model)
 
     @property
     def current(self) -> Attempt | None:
-        attempts = self.state.get("attempts") or []
-        return Attempt.from_dict(attempts[-1]) if attempts else None
+        return self.state.current
 
     def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False) -> Attempt:
         """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it."""
-        number = int(self.state.get("attempt", 0)) + 1
-        # Saved before launching: an orchestrator that dies during the launch knows the attempt was started.
-        self.state.update(attempt=number, strategy=strategy.to_dict(), status="running")
-        self.state.setdefault("attempts", [])
+        number = max(self.state.attempts_started, previous.number if previous else 0) + 1
+        # Saved before launching: an orchestrator that dies during the launch never hands out the number again.
+        self.state.attempts_started = number
+        self.state.status = "running"
         self._save()
         self.run_dir.attempt_dir(number).mkdir(parents=True, exist_ok=True)
         if in_place:
@@ -99,34 +97,40 @@ class Scheduler:
             attempt = self.backend.continued(previous, number=number, strategy=strategy)
         else:
             attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
-        self.state["attempts"].append(attempt.to_dict())
-        self.state["heartbeat_offset"] = 0
+        self.state.attempts.append(attempt)
+        # Cleared only now: an orchestrator that died during the launch still knows which switch it followed.
+        self.state.switch_requested = None
+        self.state.heartbeat_offset = 0
         self.model.attempt_started(number, strategy)
-        self.state["launched_at"] = time.time()
-        self.state["last_heartbeat_time"] = None
+        self.state.launched_at = time.time()
+        self.state.last_heartbeat_time = None
         self._save()
         log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
                   backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
         return attempt
 
-    def _send(self, command: str, *, strategy: Strategy | None = None, reason: str = "", in_place: bool = False) -> int:
-        seq = int(self.state.get("control_seq", 0)) + 1
+    def _next_seq(self) -> int:
+        seq = self.state.control_seq + 1
         existing = self.run_dir.read_control()
         if existing is not None and existing.seq >= seq:
             seq = existing.seq + 1  # `cona stop` may have written one meanwhile
-        target = strategy.to_dict() if strategy else None
-        self.run_dir.write_control(
-            ControlRecord(seq=seq, command=command, strategy=target, reason=reason, in_place=in_place)
-        )
-        self.state["control_seq"] = seq
         return seq
+
+    def _send(self, command: str, *, seq: int | None = None, reason: str = "", in_place: bool = False) -> int:
+        seq = self._next_seq() if seq is None else seq
+        self.run_dir.write_control(ControlRecord(seq=seq, command=command, reason=reason, in_place=in_place))
+        self.state.control_seq = seq
+        return seq
+
+    def _send_switch(self, request: SwitchRequest, reason: str) -> None:
+        self._send("switch", seq=request.seq, reason=reason, in_place=request.in_place)
 
     # ----------------------------------------------------------------------------------------------- heartbeats
 
     def _tail_heartbeats(self, attempt: Attempt) -> list[Heartbeat]:
         path = self.run_dir.heartbeat_file(attempt.number)
-        records, offset = read_jsonl(path, offset=int(self.state.get("heartbeat_offset", 0)))
-        self.state["heartbeat_offset"] = offset
+        records, offset = read_jsonl(path, offset=self.state.heartbeat_offset)
+        self.state.heartbeat_offset = offset
         beats = []
         for record in records:
             try:
@@ -137,7 +141,7 @@ class Scheduler:
 
     def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
         if beats:
-            self.state["last_heartbeat_time"] = time.time()
+            self.state.last_heartbeat_time = time.time()
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
             self._log_switch_completed(done)
 
@@ -146,26 +150,29 @@ class Scheduler:
                   kind=done.kind.value, predicted_s=done.predicted_s)  # fmt: skip
 
     def _elapsed(self) -> float:
-        return time.time() - float(self.state.get("run_started", time.time()))
+        return time.time() - (self.state.run_started or time.time())
 
     # ----------------------------------------------------------------------------------------------- decisions
 
     def _evaluate(self, attempt: Attempt) -> None:
-        if self.state.get("switch_requested") or self.state.get("stop_requested"):
+        if self.state.switch_requested or self.state.stop_requested:
             return
         now = time.time()
         plan = self.model.decide(now=now, current=attempt.strategy, elapsed_s=self._elapsed(),
-                                 strategy_since=float(self.state.get("strategy_since", attempt.started_at)))  # fmt: skip
-        self.state["last_decision"] = self.model.last_decision
+                                 strategy_since=self.state.strategy_since or attempt.started_at)  # fmt: skip
         if plan is None:
             return
-        in_place = plan.kind is SwitchKind.IN_PLACE
         decision = plan.decision
-        seq = self._send("switch", strategy=plan.target, reason=decision.reason, in_place=in_place)
-        self.state["switch_requested"] = {
-            "time": now, "to": plan.target.to_dict(), "from": attempt.strategy.to_dict(), "seq": seq,
-            "in_place": in_place, "kind": plan.kind.value, "predicted_s": plan.predicted_s,
-        }  # fmt: skip
+        request = SwitchRequest(time=now, seq=self._next_seq(), source=attempt.strategy, target=plan.target,
+                                kind=plan.kind, predicted_s=plan.predicted_s)  # fmt: skip
+        if request.in_place:
+            # The trainer learns every strategy from a launch record: the one of the attempt it goes on as.
+            self.backend.offer_in_place(attempt, number=attempt.number + 1, strategy=plan.target)
+        # Saved before the control record goes out: a restarted orchestrator knows what it asked for (and sends it
+        # again if it died in between).
+        self.state.switch_requested = request
+        self._save()
+        self._send_switch(request, decision.reason)
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
                   to=plan.target.to_dict(), reason=decision.reason, metrics=decision.metrics,
                   samples=self.live.samples, noise_scale=self.model.noise.value, switch_cost_s=plan.predicted_s,
@@ -174,37 +181,43 @@ class Scheduler:
 
     def _user_stop_requested(self) -> bool:
         record = self.run_dir.read_control()
-        return record is not None and record.command == "stop" and record.seq > int(self.state.get("control_seq", 0))
+        return record is not None and record.command == "stop" and record.seq > self.state.control_seq
 
     # ----------------------------------------------------------------------------------------------- the loop
 
     def start_or_resume(self) -> Attempt | None:
         self._restore()
-        if self.state.get("status") == "done":
+        if self.state.status == "done":
             return None
-        if self.state.get("final"):
+        if self.state.final:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
-            log_event(self.run_dir, "resume-run", previous_status=self.state.get("status"))
-            for key in ("final", "stop_requested", "time_budget_reached", "reason", "switch_requested"):
-                self.state.pop(key, None)
-            self.state["restarts_in_row"] = 0
-            self.state["status"] = "running"
-        self.state.setdefault("run_started", time.time())
+            log_event(self.run_dir, "resume-run", previous_status=self.state.status)
+            self.state.final = self.state.stop_requested = self.state.time_budget_reached = False
+            self.state.reason = self.state.switch_requested = None
+            self.state.restarts_in_row = 0
+            self.state.status = "running"
+        if self.state.run_started is None:
+            self.state.run_started = time.time()
         attempt = self.current
         if attempt is None:
             strategy = self.model.initial_strategy()
-            self.state["strategy_since"] = time.time()
+            self.state.strategy_since = time.time()
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
                       prior_noise_scale=self.job.policy.prior_noise_scale)  # fmt: skip
             return self._launch(strategy, previous=None, why="initial strategy")
+        request = self.state.switch_requested
+        control = self.run_dir.read_control()
+        if request is not None and (control is None or control.seq < request.seq):
+            # The previous orchestrator decided a switch and died before the control record went out.
+            self._send_switch(request, "switch decided before an orchestrator restart")
         if self.backend.adopt(attempt):
             log_event(self.run_dir, "adopt", attempt=attempt.number, backend_id=attempt.backend_id)
         else:
             log_event(self.run_dir, "resume", attempt=attempt.number, note="orchestrator restarted; attempt not running")
         return attempt
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunState:
         """Run to the end; returns the final state. Raises RunFailed with a clear reason."""
         attempt = self.start_or_resume()
         if attempt is None:
@@ -214,19 +227,19 @@ class Scheduler:
             beats = self._tail_heartbeats(attempt)
             self._absorb(attempt, beats)
             self.live.elapsed_s = self._elapsed()
-            self.live.restarts = int(self.state.get("restarts_in_row", 0))
+            self.live.restarts = self.state.restarts_in_row
             if beats:
                 self._save()
             if self._user_stop_requested():
-                self.state["stop_requested"] = True
-                self.state["control_seq"] = self.run_dir.read_control().seq  # type: ignore[union-attr]
+                self.state.stop_requested = True
+                self.state.control_seq = self.run_dir.read_control().seq  # type: ignore[union-attr]
                 log_event(self.run_dir, "stop-requested", attempt=attempt.number)
                 self._save()
             max_time = self.job.target.max_time_s
-            if max_time and self._elapsed() > max_time and not self.state.get("stop_requested"):
+            if max_time and self._elapsed() > max_time and not self.state.stop_requested:
                 self._send("stop", reason=f"time budget of {max_time:.0f}s reached")
-                self.state["stop_requested"] = True
-                self.state["time_budget_reached"] = True
+                self.state.stop_requested = True
+                self.state.time_budget_reached = True
                 log_event(self.run_dir, "time-budget", elapsed_s=round(self._elapsed(), 1))
                 self._save()
 
@@ -250,7 +263,7 @@ class Scheduler:
             if outcome.status is AttemptStatus.PENDING:
                 # Queued, or requeued by Slurm (a node failure, `scontrol requeue`, the pre-timeout USR1): no
                 # heartbeat is due until it runs again, so the heartbeat-gap clock restarts instead of firing.
-                self.state["pending_seen_at"] = time.time()
+                self.state.pending_seen_at = time.time()
                 if self.live.status != "pending":
                     log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
                     self.live.status = "pending"
@@ -258,7 +271,7 @@ class Scheduler:
             else:
                 self.live.status = "running"
                 self._check_hang(attempt)
-            if time.time() >= next_decision and self.state.get("last_heartbeat_time"):
+            if time.time() >= next_decision and self.state.last_heartbeat_time:
                 self._evaluate(attempt)
                 next_decision = time.time() + self.job.policy.decision_interval_s
             self.on_update(self.live)
@@ -275,41 +288,44 @@ class Scheduler:
         self._absorb(attempt, self._tail_heartbeats(attempt))  # the lines written before the exit record
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.exit_code,
                   detail="in place", samples=self.live.samples, step=self.live.step)  # fmt: skip
-        self.state["restarts_in_row"] = 0
-        requested = self.state.get("switch_requested") or {"time": record.time}
-        target = record.next_strategy
-        return self._follow_switch(attempt, target, requested=requested, in_place=True)
+        self.state.restarts_in_row = 0
+        requested = self.state.switch_requested
+        return self._follow_switch(attempt, record.next_strategy, requested=requested, in_place=True,
+                                   requested_at=requested.time if requested else record.time)  # fmt: skip
 
-    def _follow_switch(self, attempt: Attempt, target: Strategy, *, requested: dict, in_place: bool = False) -> Attempt:
+    def _follow_switch(
+        self, attempt: Attempt, target: Strategy, *, requested: SwitchRequest | None, requested_at: float,
+        in_place: bool = False,
+    ) -> Attempt:  # fmt: skip
         """The attempt after a switch of `attempt` to `target`: relaunched, or the same processes gone on in place."""
         if in_place:
             kind = SwitchKind.IN_PLACE
         else:  # the processes exited: whatever was planned, the next attempt is launched
             kind = self.model.switch_kind(attempt.strategy, target)
             kind = SwitchKind.RELAUNCH if kind is SwitchKind.IN_PLACE else kind
-        self.state["switch_requested"] = None
-        self.model.switch_started(requested_at=requested["time"], to_attempt=attempt.number + 1, kind=kind,
-                                  predicted_s=requested.get("predicted_s"))  # fmt: skip
-        self.state["strategy_since"] = time.time()
+        self.model.switch_started(requested_at=requested_at, to_attempt=attempt.number + 1, kind=kind,
+                                  predicted_s=requested.predicted_s if requested else None)  # fmt: skip
+        self.state.strategy_since = time.time()
         return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s
-        if not self.state.get("last_heartbeat_time"):
+        if not self.state.last_heartbeat_time:
             # Still starting: processes, rendezvous and the checkpoint load come before the first heartbeat.
             timeout = max(timeout, self.job.policy.startup_timeout_s)
         # The gap runs from the latest of: the last heartbeat, the launch, the last poll that said PENDING.
-        marks = [self.state.get(k) for k in ("last_heartbeat_time", "launched_at", "pending_seen_at")]
-        last = max([float(m) for m in marks if m] or [attempt.started_at])
+        marks = [self.state.last_heartbeat_time, self.state.launched_at, self.state.pending_seen_at]
+        last = max([m for m in marks if m] or [attempt.started_at])
         if time.time() - last > timeout:
             log_event(self.run_dir, "heartbeat-gap", attempt=attempt.number, seconds=round(time.time() - last, 1),
                       timeout_s=timeout)  # fmt: skip
             self.backend.cancel(attempt)
-            self.state["hang_cancelled"] = attempt.number
+            self.state.hang_cancelled = attempt.number
             self._save()
 
-    def _finish(self, status: str, **fields: Any) -> None:
-        self.state.update(status=status, final=True, finished_at=time.time(), **fields)
+    def _finish(self, status: str, *, reason: str | None = None) -> None:
+        self.state.status, self.state.final, self.state.finished_at = status, True, time.time()
+        self.state.reason = reason
         self.live.status = status
         self._save()
         self.backend.close()
@@ -318,35 +334,33 @@ class Scheduler:
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status=status.value, exit_code=code,
                   detail=detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
         if status is AttemptStatus.DONE:
-            self._finish("done", samples=self.live.samples, val_perplexity=self.live.val_perplexity)
+            self._finish("done")
             log_event(self.run_dir, "done", samples=self.live.samples, val_perplexity=self.live.val_perplexity,
                       elapsed_s=round(self._elapsed(), 2), switches=self.live.switches)  # fmt: skip
             return None
         if status is AttemptStatus.SWITCHED:
-            self.state["restarts_in_row"] = 0
-            requested = self.state.get("switch_requested")
-            if not requested:
-                # A switch record from a previous orchestrator life: follow what control.json asked for.
-                record = self.run_dir.read_control()
-                if record is None or record.strategy is None:
-                    raise RunFailed(f"attempt {attempt.number} exited for a switch, but control.json names no strategy")
-                requested = {"time": time.time(), "to": record.strategy}
-            return self._follow_switch(attempt, Strategy.from_dict(requested["to"]), requested=requested)
-        if status is AttemptStatus.STOPPED and self.state.get("stop_requested"):
-            reason = "time budget reached" if self.state.get("time_budget_reached") else "stopped on request"
+            self.state.restarts_in_row = 0
+            requested = self.state.switch_requested
+            if requested is None:
+                # Every switch request is saved before it is sent, so nobody asked for this one: carry on as before.
+                log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)
+                return self._launch(attempt.strategy, previous=attempt, why="resume after an unrequested switch exit")
+            return self._follow_switch(attempt, requested.target, requested=requested, requested_at=requested.time)
+        if status is AttemptStatus.STOPPED and self.state.stop_requested:
+            reason = "time budget reached" if self.state.time_budget_reached else "stopped on request"
             self._finish("stopped", reason=reason)
             log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples)
             return None
         if status is AttemptStatus.STOPPED:
             # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
-            self.state["restarts_in_row"] = 0
+            self.state.restarts_in_row = 0
             return self._launch(attempt.strategy, previous=attempt, why="resume after preemption")
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
-        restarts = int(self.state.get("restarts_in_row", 0)) + 1
-        self.state["restarts_in_row"] = restarts
-        self.state["switch_requested"] = None
+        restarts = self.state.restarts_in_row + 1
+        self.state.restarts_in_row = restarts
+        self.state.switch_requested = None
         limit = self.job.policy.max_restarts
-        what = "hang" if self.state.get("hang_cancelled") == attempt.number else status.value
+        what = "hang" if self.state.hang_cancelled == attempt.number else status.value
         if restarts > limit:
             reason = f"attempt {attempt.number} {what} ({detail or f'exit {code}'}); gave up after {limit} restarts"
             self._finish("failed", reason=reason)

@@ -175,11 +175,12 @@ class ControlRecord:
 
     seq: int
     command: str  # "switch" | "stop" | "checkpoint"
-    strategy: dict[str, int] | None = None
     reason: str = ""
     in_place: bool = False
-    """For a switch to a strategy of the same world size: rebuild the model in the running processes instead of
-    exiting (the exit record then names `next_attempt` and `next_strategy`, and the backend keeps watching)."""
+    """For a switch: the orchestrator wrote the launch record of the next attempt (`in_place: true`, the new
+    strategy) and will watch the same processes go on as it; the trainer rebuilds the model in place instead of
+    exiting (its exit record then names `next_attempt` and `next_strategy`). Without it the trainer exits and the
+    orchestrator launches the next attempt."""
 
     COMMANDS = ("switch", "stop", "checkpoint")
 
@@ -290,8 +291,9 @@ class RunDir:
             return None
         if not isinstance(data, dict):
             return None
-        try:
-            return ControlRecord(**data)
+        known = {f.name for f in dataclasses.fields(ControlRecord)}
+        try:  # unknown keys (an older orchestrator's `strategy`) are ignored
+            return ControlRecord(**{k: v for k, v in data.items() if k in known})
         except (TypeError, ValueError):
             return None
 

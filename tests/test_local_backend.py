@@ -52,9 +52,16 @@ def test_an_attempt_continued_in_place_is_watched_through_the_launch_that_starte
     run_dir.root.mkdir()
     backend = ExitingBackend(run_dir=run_dir, code=0)
     first = backend.launch(attempt=1, strategy=STRATEGY)
-    second = backend.continued(first, number=2, strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=2))
+    smaller = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=2)
+    backend.offer_in_place(first, number=2, strategy=smaller)
+    second = backend.continued(first, number=2, strategy=smaller)
+    backend.offer_in_place(second, number=3, strategy=STRATEGY)
     third = backend.continued(second, number=3, strategy=STRATEGY)
     assert second.backend_id == third.backend_id == first.backend_id
     assert third.extra["launched_as"] == 1
+    # The trainer learns the strategy it goes on with from the offered launch record.
+    offered = run_dir.read_launch(2)
+    assert offered is not None and offered.in_place and offered.strategy == smaller and offered.extra["launched_as"] == 1
+    assert run_dir.read_launch(3).extra["launched_as"] == 1
     outcome = _wait(backend, third)
     assert outcome.status is AttemptStatus.DONE and outcome.exit_code == 0

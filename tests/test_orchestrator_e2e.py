@@ -122,15 +122,15 @@ def test_main_command_switches_and_reaches_target(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     state = read_state(run_dir)
     job = load_job(TINY)
-    assert state["status"] == "done"
-    assert state["val_perplexity"] <= job.target.val_perplexity, out[-2000:]
+    assert state.status == "done"
+    assert state.live["val_perplexity"] <= job.target.val_perplexity, out[-2000:]
     switches = [e for e in read_events(run_dir) if e["event"] == "switch"]
     assert any((s["from"]["dp"], s["from"]["tp"], s["from"]["pp"]) != (s["to"]["dp"], s["to"]["tp"], s["to"]["pp"])
                for s in switches), f"no switch changed the degrees: {switches}"  # fmt: skip
     assert any(s["from"]["gbs"] != s["to"]["gbs"] for s in switches), f"no switch changed gbs: {switches}"
     assert_attempts_never_overlap(run_dir)
     total = assert_samples_exact(run_dir)
-    assert total == state["samples"]
+    assert total == state.live["samples"]
     assert (run_dir.root / "report.png").stat().st_size > 10_000
     assert "report:" in out
 
@@ -153,12 +153,12 @@ def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
     assert again.returncode == 0, out[-3000:]
     events = read_events(run_dir)
     assert any(e["event"] == "adopt" and e["attempt"] == 1 for e in events), out[-2000:]
-    assert read_state(run_dir)["status"] == "done"
+    assert read_state(run_dir).status == "done"
     assert_attempts_never_overlap(run_dir)
     # The switch lands at a step boundary after sample 1200 and the last step may run past the budget by less
     # than one global batch; every sample is still consumed exactly once.
     total = assert_samples_exact(run_dir)
-    assert total == read_state(run_dir)["samples"]
+    assert total == read_state(run_dir).live["samples"]
     assert 1600 <= total < 1600 + 32
     assert [e["strategy"]["gbs"] for e in events if e["event"] == "launch"] == [16, 32]
 
@@ -194,8 +194,8 @@ def test_stop_then_resume(tmp_path):
     out = finish(proc, timeout=120)
     assert proc.returncode == 0, out[-3000:]
     state = read_state(run_dir)
-    assert state["status"] == "stopped"
-    stopped_at = state["live"]["samples"]
+    assert state.status == "stopped"
+    stopped_at = state.live["samples"]
     assert 0 < stopped_at < 1600
     status = subprocess.run([sys.executable, "-m", "cona.orchestrator.cli", "status", str(run_dir.root), "--json"],
                             cwd=REPO, capture_output=True, text=True)  # fmt: skip
@@ -203,7 +203,7 @@ def test_stop_then_resume(tmp_path):
     resumed = cona("run", "--resume", str(run_dir.root))
     out = finish(resumed, timeout=300)
     assert resumed.returncode == 0, out[-3000:]
-    assert read_state(run_dir)["status"] == "done"
+    assert read_state(run_dir).status == "done"
     assert assert_samples_exact(run_dir) == 1600
 
 
@@ -253,12 +253,15 @@ def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
     proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT, *schedule)
     out = finish(proc, timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    assert read_state(run_dir)["status"] == "done"
+    assert read_state(run_dir).status == "done"
     assert_attempts_never_overlap(run_dir)
     assert 1120 <= assert_samples_exact(run_dir) < 1120 + 32  # the last gbs-32 step may run past the budget
-    attempts = read_state(run_dir)["attempts"]
-    assert [a["strategy"]["gbs"] for a in attempts] == [16, 32]
-    assert attempts[0]["backend_id"] == attempts[1]["backend_id"], "an in-place switch keeps the processes"
+    attempts = read_state(run_dir).attempts
+    assert [a.strategy.gbs for a in attempts] == [16, 32]
+    assert attempts[0].backend_id == attempts[1].backend_id, "an in-place switch keeps the processes"
+    launch = run_dir.read_launch(2)
+    assert launch is not None and launch.in_place and launch.strategy == attempts[1].strategy
+    assert launch.extra["launched_as"] == 1
     switched = run_dir.read_exit(1)
     assert switched is not None and switched.next_attempt == 2 and switched.next_strategy.pp == 2
     assert json.loads((run_dir.attempt_dir(2) / "startup.json").read_text())["in_place"] is True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.report import write_report
-from cona.orchestrator.runstate import create_run, log_event, write_state
+from cona.orchestrator.runstate import RunState, create_run, log_event, write_state
 from cona.protocol.job import load_job
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
@@ -22,7 +22,7 @@ def test_report_lists_switches_and_their_measured_costs_by_kind(tmp_path):
     log_event(run, "launch", attempt=2, strategy=b.to_dict(), reason="switch in place")
     log_event(run, "switch-complete", attempt=2, switch_cost_s=1.234, kind="in_place", predicted_s=1.0)
     log_event(run, "done", samples=100, val_perplexity=5.4)
-    write_state(run, {"status": "done", "switch_costs": {"in_place": [1.234]}})
+    write_state(run, RunState(status="done", final=True, model={"switch_costs": {"in_place": [1.234]}}))
     png, md = write_report(run)
     text = md.read_text()
     assert png.stat().st_size > 10_000

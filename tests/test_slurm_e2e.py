@@ -149,7 +149,7 @@ class SlurmRun:
             pytest.fail(f"cona run did not finish in {timeout}s\n{self.logs()}")
         assert self.proc.returncode == 0, self.logs()
         state = read_state(self.run)
-        assert state["status"] == "done", self.logs()
+        assert state.status == "done", self.logs()
         return state
 
     def logs(self) -> str:
@@ -222,8 +222,8 @@ def test_cona_policy_switches_inside_the_allocation(slurm_run):
         assert launch["mode"] == ("submit" if n == 1 else "in-place")
     assert slurm_run.attempt_json(1, "slurm-exit.json")["action"] == "wait"
     assert slurm_run.resumes(2)[0]["resume"] > 0  # attempt 2 resumed from the switch checkpoint
-    assert_samples(slurm_run, state["samples"])
-    assert state["samples"] >= 1600
+    assert_samples(slurm_run, state.live["samples"])
+    assert state.live["samples"] >= 1600
 
 
 def test_schedule_to_fewer_nodes_resubmits_with_one_node(slurm_run):
@@ -264,7 +264,7 @@ def test_scancel_mid_run_resubmits_and_resumes(slurm_run):
     second = slurm_run.attempt_json(2, "launch.json")
     assert second["mode"] == "submit" and second["job_id"] != job
     assert slurm_state(job) == "CANCELLED"
-    assert_samples(slurm_run, state["samples"])
+    assert_samples(slurm_run, state.live["samples"])
 
 
 def test_usr1_and_scontrol_requeue_resume_in_the_same_job(slurm_run):
@@ -293,8 +293,8 @@ def test_usr1_and_scontrol_requeue_resume_in_the_same_job(slurm_run):
     assert (usr1["code"], usr1["action"], usr1["signal"], usr1["job_id"]) == (43, "requeue", "USR1", job), usr1
     resumes = slurm_run.resumes(1)
     assert len(resumes) == 3 and resumes[1]["resume"] >= 12 and resumes[2]["resume"] > resumes[1]["resume"]
-    assert_samples(slurm_run, state["samples"])
-    assert state["samples"] >= 1600
+    assert_samples(slurm_run, state.live["samples"])
+    assert state.live["samples"] >= 1600
 
 
 def test_resubmission_waits_until_the_previous_job_has_ended(cluster, tmp_path):  # noqa: F811
@@ -389,5 +389,5 @@ def test_node_failure_is_detected_and_the_run_finishes(slurm_run):
         assert slurm_run.attempt_json(2, "launch.json")["job_id"] != job
     last = max(e["attempt"] for e in launches)
     assert slurm_run.resumes(last)[-1]["resume"] >= 10  # from the last complete checkpoint
-    assert_samples(slurm_run, state["samples"])
-    assert state["samples"] >= 1600
+    assert_samples(slurm_run, state.live["samples"])
+    assert state.live["samples"] >= 1600

@@ -137,7 +137,7 @@ def test_commands_and_signals(tmp_path):
         first.wait_for(lambda: first.last_step() >= 2, "step 2")
         run_dir.write_control(ControlRecord(seq=1, command="checkpoint"))
         first.wait_for(lambda: any(hb.get("event") == "checkpoint" for hb in heartbeats(run, 0)), "a checkpoint")
-        run_dir.write_control(ControlRecord(seq=2, command="switch", strategy={"dp": 1, "tp": 1, "pp": 1, "mbs": 8, "gbs": 16}))
+        run_dir.write_control(ControlRecord(seq=2, command="switch"))
         switched = first.finish()
     finally:
         first.kill()

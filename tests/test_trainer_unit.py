@@ -206,7 +206,7 @@ def test_control_records_are_acted_on_once(tmp_path):
     assert state.poll(run) == Action.CHECKPOINT, "still pending until handled"
     assert state.mark_handled().seq == 1
     assert state.poll(run) == Action.NONE
-    run.write_control(ControlRecord(seq=2, command="switch", strategy={"dp": 2, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16}))
+    run.write_control(ControlRecord(seq=2, command="switch"))
     assert state.poll(run) == Action.SWITCH
     state.mark_handled()
     relaunched = ControlState(last_seq=state.last_seq)  # the seq travels in trainer_state.json

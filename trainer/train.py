@@ -219,13 +219,15 @@ class Trainer:
     def _in_place_target(self, record: Any) -> Strategy | None:
         """The strategy to continue with in these processes, agreed by all ranks; None to exit for a relaunch.
 
-        Only rank 0 reads control.json. In place needs the orchestrator's consent (`in_place`, given when its
-        backend can keep watching the same processes) and a strategy that fits this world.
+        Only rank 0 reads the run directory. In place needs the orchestrator's consent (`in_place`, given when its
+        backend can keep watching the same processes), the next attempt's launch record (where the strategy comes
+        from, as for every attempt) and a strategy that fits this world.
         """
         shared: list[Any] = [None]
-        if self.is_rank0 and record is not None and record.in_place and record.strategy:
+        launch = self.run_dir.read_launch(self.attempt + 1) if self.is_rank0 and record is not None and record.in_place else None
+        if launch is not None and launch.in_place:
             try:
-                target = Strategy.from_dict(record.strategy)
+                target = launch.strategy
                 check_layout(self.job, target, world_size=self.env.world_size)
                 shared = [target.to_dict()]
             except (ValueError, TypeError) as e:  # LayoutError is a ValueError: fall back to exit and relaunch

@@ -136,7 +136,7 @@ class Backend(abc.ABC):
         """Kill the attempt (used for hangs and `cona stop --now`); idempotent."""
 
     supports_in_place_switch: bool = False
-    """Whether `continued` works: the backend can watch processes that go on as the next attempt."""
+    """Whether `offer_in_place`/`continued` work: the backend can watch processes that go on as the next attempt."""
 
     in_place_overhead_s: float = 1.0
     """Seconds an in-place switch adds to checkpoint save and load (exit record, barrier, release and rebuild)."""
@@ -162,8 +162,17 @@ class Backend(abc.ABC):
             SwitchKind.RESUBMIT: self.resubmit_overhead_s,
         }[kind]
 
+    def offer_in_place(self, attempt: Attempt, *, number: int, strategy: Strategy) -> None:
+        """Before an in-place switch is asked for: write the launch record of attempt `number`, which `attempt`'s
+        processes go on as under `strategy` (the trainer reads it there; `launched_as` names the attempt that
+        started the processes, whose directory keeps their log and exit code)."""
+        if not self.supports_in_place_switch:
+            raise NotImplementedError(f"the {self.name} backend cannot switch in place")
+        self.write_launch(number, strategy, in_place=True, launched_as=attempt.extra.get("launched_as", attempt.number))
+
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
-        """The attempt `number` that `attempt`'s processes became by switching in place to `strategy`."""
+        """The attempt `number` that `attempt`'s processes became by switching in place to `strategy` (its launch
+        record was written by `offer_in_place`)."""
         raise NotImplementedError(f"the {self.name} backend cannot switch in place")
 
     def adopt(self, attempt: Attempt) -> bool:

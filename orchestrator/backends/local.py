@@ -138,7 +138,6 @@ class LocalBackend(Backend):
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         # Same processes: the exit code and log stay in the directory of the attempt that launched them.
         extra = {**attempt.extra, "launched_as": attempt.extra.get("launched_as", attempt.number)}
-        self.write_launch(number, strategy, in_place=True, launched_as=extra["launched_as"])
         return Attempt(number=number, strategy=strategy, backend_id=attempt.backend_id, started_at=time.time(),
                        extra=extra)  # fmt: skip
 

@@ -1,0 +1,118 @@
+"""The job as the orchestrator reads it: the trainer's `JobSpec` plus the `policy` section.
+
+The policy (how strategies are picked and changed, the timeouts of the lifecycle loop) is the orchestrator's
+alone; the trainer reads the same YAML through `cona.protocol.job`, which sets that section aside. The one thing
+the trainer needs from it, whether to measure the Adam-preconditioned gradient norms, reaches it as its own field
+`heartbeat.adam_stats`, which `Job` turns on for the `adam` noise estimator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from cona.protocol.job import JobSpec, read_job_file
+from cona.protocol.yamlconfig import StrictModel, validate
+from pydantic import Field
+
+__all__ = ["Job", "PolicySpec", "ScheduleEntry", "job_from_dict", "job_to_dict", "load_job"]
+
+
+class ScheduleEntry(StrictModel):
+    """One step of a `schedule` policy: from `samples` on, train with `strategy`."""
+
+    samples: int = Field(ge=0)
+    strategy: str
+    """A strategy string such as `dp=2,tp=2,pp=1,mbs=2,gbs=16`."""
+
+
+class PolicySpec(StrictModel):
+    """How the orchestrator picks and changes strategies."""
+
+    name: Literal["cona", "static", "fixed", "schedule"] = "cona"
+    """`cona` switches online; `static` keeps the fastest strategy at base_gbs; `fixed` keeps `strategy`;
+    `schedule` follows `schedule`."""
+    strategy: str | None = None
+    """The strategy of the `fixed` policy."""
+    schedule: list[ScheduleEntry] = Field(default_factory=list)
+    """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
+    prior_noise_scale: float = Field(64.0, gt=0)
+    """B_noise assumed before the estimate is stable (samples)."""
+    noise_estimator: Literal["plain", "adam"] = "plain"
+    """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
+    estimate depends on the batch being trained (a larger batch makes it larger, which makes a larger batch look
+    better), so it is not the default."""
+    critical_batch_factor: float = Field(1.0, gt=0)
+    """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
+    larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
+    lr_aware: bool = False
+    """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
+    best LR at `batch.base_gbs` (`cona.orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
+    noise_ema: float = Field(0.9, ge=0, lt=1)
+    """EMA factor per heartbeat for the numerator and denominator of B_noise."""
+    min_noise_samples: int = Field(8, ge=1)
+    """Heartbeats with gradient statistics needed before the estimate replaces the prior."""
+    decision_interval_s: float = Field(5.0, gt=0)
+    """Seconds between evaluations of the candidates."""
+    min_gain: float = Field(0.05, ge=0)
+    """δ: the best candidate must beat the current one by at least this fraction, net of switch cost."""
+    persistence: int = Field(2, ge=1)
+    """k: consecutive evaluations a candidate must win before a switch."""
+    min_dwell_s: float = Field(10.0, ge=0)
+    """Minimum time on a strategy before switching again."""
+    horizon_intervals: float = Field(12.0, gt=0)
+    """The horizon H is at most this many decision intervals."""
+    in_place_switch: bool = True
+    """Switch between strategies of the same world size without restarting the trainer processes (the model,
+    optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local).
+    Off, every switch exits and relaunches."""
+    switch_cost_s: float | None = Field(None, ge=0)
+    """Seconds charged for a switch before one of its kind (in place, relaunch, resubmission) was measured. Unset,
+    it is predicted from the checkpoint's size, the profile's storage bandwidths and the backend's overhead
+    (`cona.orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
+    max_restarts: int = Field(3, ge=0)
+    """Relaunches of a crashed or hung attempt before the run fails."""
+    heartbeat_timeout_s: float = Field(300.0, gt=0)
+    """A running attempt without a heartbeat for this long counts as hung."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Allowance before an attempt's first heartbeat (process start, rendezvous, checkpoint load)."""
+
+    @pydantic.model_validator(mode="after")
+    def _policy_fields(self) -> PolicySpec:
+        if self.name == "fixed" and not self.strategy:
+            raise ValueError("policy 'fixed' needs policy.strategy, e.g. dp=2,tp=1,pp=2,mbs=2,gbs=32")
+        if self.name == "schedule":
+            if not self.schedule:
+                raise ValueError("policy 'schedule' needs policy.schedule: a list of {samples, strategy}")
+            starts = [e.samples for e in self.schedule]
+            if starts != sorted(starts) or starts[0] != 0:
+                raise ValueError("policy.schedule must start at samples 0 and increase")
+        return self
+
+
+class Job(JobSpec):
+    """A training job with its policy. Load with `load_job`."""
+
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+
+    @pydantic.model_validator(mode="after")
+    def _trainer_measures_what_the_policy_needs(self) -> Job:
+        if self.policy.noise_estimator == "adam" and not self.heartbeat.adam_stats:
+            self.heartbeat.adam_stats = True
+        return self
+
+
+def job_from_dict(data: dict[str, Any], *, source: str = "job") -> Job:
+    """Validate a job given as a mapping (for example `run.yaml`'s `job` section)."""
+    return validate(Job, data, source=source)
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
+    """Load and validate a job YAML file, applying `--set dotted.key=value` overrides; raises `ConfigError`."""
+    return read_job_file(Job, path, overrides)
+
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    """The resolved job as plain data (for run.yaml); `job_from_dict` reads it back unchanged."""
+    return job.model_dump(mode="json")
