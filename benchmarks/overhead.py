@@ -105,8 +105,9 @@ def direct(*, steps: int) -> dict[str, Any]:
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
     from cona.trainer.data import Batcher, load_corpus
+    from cona.trainer.distributed import init_distributed
     from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
-    from cona.trainer.parallel import ParallelModel, init_distributed
+    from cona.trainer.parallel import ParallelModel
 
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-", dir=REPO / "runs"))
     try:

@@ -36,7 +36,8 @@ from cona.protocol.lr import job_learning_rate
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import parse_bytes
 from cona.trainer.data import Batcher
-from cona.trainer.parallel import DistEnv, ParallelModel
+from cona.trainer.distributed import DistEnv
+from cona.trainer.parallel import ParallelModel
 
 CHECKPOINT_BYTES_PER_PARAM = 12
 """fp32 parameter + AdamW exp_avg + exp_avg_sq, as the trainer's DCP checkpoint stores them."""

@@ -163,7 +163,7 @@ class _Context:
         from cona.orchestrator.profile import load_profile
         from cona.protocol.job import load_job
         from cona.trainer.data import Batcher, load_corpus
-        from cona.trainer.parallel import init_distributed
+        from cona.trainer.distributed import init_distributed
 
         from benchmarks.sim import ModeledCluster
 

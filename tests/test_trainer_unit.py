@@ -279,6 +279,18 @@ def test_pipeline_stages_compose_to_the_full_model(preset):
     assert x.shape == (2, spec.seq_len, spec.vocab_size)
 
 
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-llama", "tiny-bert"])
+def test_the_tp_plan_names_every_linear_layer_of_a_block(preset):
+    # A renamed or added projection must show up in the plan next to it, or tp would silently replicate it.
+    from cona.trainer.model import build_model, tp_plan
+    from torch import nn
+
+    for block in build_model(ModelSpec(preset=preset), device="meta").layers.values():
+        linears = {name for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+        assert set(tp_plan(block)) == linears
+        assert set(tp_plan(block).values()) == {"colwise", "rowwise"}
+
+
 def test_gpt_is_causal_and_bert_is_not():
     import torch
     from cona.trainer.model import build_model, materialize

@@ -2,6 +2,7 @@
 
 The contract it shares with the orchestrator (job spec, strategy, run-directory records, LR rule) lives in
 `cona.protocol`; this package never imports `cona.orchestrator`. `control` and `heartbeat` are torch-free; `model`,
-`data` (numpy only, but used with the model), `parallel`, `gradstats`, `checkpoint`, `train` and `main` need torch.
+`data` (numpy only, but used with the model), `distributed`, `pipeline`, `tp`, `fsdp`, `optim`, `parallel`,
+`gradstats`, `checkpoint`, `train` and `main` need torch.
 See trainer/README.md for the protocol in one page.
 """

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Validate everything that needs no process group first, so bad input never hangs a collective.
     from cona.trainer.data import Batcher, load_corpus
-    from cona.trainer.parallel import LayoutError, check_layout
+    from cona.trainer.distributed import LayoutError, check_layout
 
     try:
         check_layout(job, strategy, world_size=world_size)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
 
     import torch.distributed as dist
-    from cona.trainer.parallel import init_distributed
+    from cona.trainer.distributed import init_distributed
     from cona.trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()

@@ -8,7 +8,7 @@ Every family is one `Transformer`:
 * llama — RoPE, pre-RMSNorm, SwiGLU MLP, grouped-query attention, no biases, untied output.
 * bert  — learned positions, embedding LayerNorm, post-LayerNorm blocks, bidirectional attention, and an MLM head
   (dense → GELU → LayerNorm → decoder with bias) whose decoder weight is tied to the token embedding. Under a
-  pipeline the last stage keeps `tok_embeddings` (for its weight only) and `trainer.parallel` sums the two partial
+  pipeline the last stage keeps `tok_embeddings` (for its weight only) and `trainer.pipeline` sums the two partial
   gradients of the tied weight across the first and last stage, so both copies stay identical.
 
 Pipeline stages are carved out of the full model: blocks are keyed by their global index in a `ModuleDict`, and
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,26 @@ class Block(nn.Module):
 
             return checkpoint(self._forward, x, rope, use_reentrant=False)
         return self._forward(x, rope)
+
+
+TpStyle = Literal["colwise", "rowwise"]
+"""How `trainer.tp` splits one linear layer over the tp ranks: by output features or by input features."""
+
+
+def tp_plan(block: Block) -> dict[str, TpStyle]:
+    """The block's tensor-parallel plan, keyed by module names relative to the block (`trainer.tp.apply_tp`).
+
+    Megatron's split: q, k, v and the MLP's input projections column-parallel, so each tp rank holds whole
+    attention heads and the matching whole kv heads (`Attention` reads the head counts from the projection sizes)
+    and a slice of the MLP's hidden units; the attention output and the MLP output row-parallel, so each block
+    needs one all-reduce after attention and one after the MLP. Norms stay replicated. Renaming a module here
+    means renaming it in its plan too.
+    """
+    plan: dict[str, TpStyle] = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise",
+                                "attn.wo": "rowwise", "mlp.w1": "colwise", "mlp.w2": "rowwise"}  # fmt: skip
+    if block.mlp.w3 is not None:  # SwiGLU's second input projection (llama)
+        plan["mlp.w3"] = "colwise"
+    return plan
 
 
 class TiedOutput(nn.Module):

@@ -1,17 +1,19 @@
-"""The parallel layout of one strategy: device mesh, pipeline split, tensor parallelism, FSDP2 and one step.
+"""One strategy's model on this rank: the parallelisms composed in a fixed order, and the steps that use them.
 
-One mesh ("pp", "dp", "tp") from `init_device_mesh`. Each rank builds the stages it owns from the full model on the
-meta device (`trainer.model`), materialises and initialises them (values depend only on the seed and parameter
-names), then applies, in this order:
+`ParallelModel` builds the mesh (`trainer.distributed`), then every pipeline stage this rank owns
+(`trainer.pipeline`) from the full model on the meta device (`trainer.model`), in this order:
 
-1. **pp split** — `num_stages = pp` (or 2·pp for the interleaved schedule; stage s lives on pp rank s mod pp);
-2. **TP** — `parallelize_module` on every block: q, k, v and the MLP's input projections column-parallel (so whole
-   attention heads and whole kv heads go to each tp rank), the attention output and MLP output row-parallel.
-   Embeddings, norms and the head stay replicated across tp;
-3. **FSDP2** — `fully_shard` on the dp axis, each block and then the stage root (skipped when dp = 1).
+1. `build_model` on meta → `prune_to_stage` → `materialize` (values depend only on the seed and parameter names,
+   so any layout starts from the same model) → activation checkpointing flags;
+2. **TP** — `trainer.tp.apply_tp` with the model's own plan (`trainer.model.tp_plan`), when tp > 1;
+3. **FSDP2** — `trainer.fsdp.apply_fsdp` on the dp axis, when dp > 1;
 
-Pipelines use `torch.distributed.pipelining` (`PipelineStage` with static shapes; GPipe, 1F1B or interleaved
-1F1B). Gradient accumulation runs gbs/(dp·mbs) micro-batches per replica.
+then one AdamW per stage (`trainer.optim`), the gradient statistics hooks (`trainer.gradstats`), the pipeline
+schedule when pp > 1 and, for BERT under pp, the tied-weight group. Keep this order: every rank must create the
+mesh's and the tied groups' communicators in the same sequence, parameters are initialised in full before TP and
+FSDP2 shard them (so every layout starts from the same values), and the optimizers must see the parameters in
+their final, sharded form. Gradient accumulation runs gbs/(dp·mbs) micro-batches per replica, through the pipeline
+schedule when pp > 1 and a plain loop otherwise.
 
 **Loss scaling.** The reported and optimised loss is the mean over the global batch's target tokens (all
 next-token targets; for BERT the masked positions of the whole global batch). Every micro-batch's summed token
@@ -19,121 +21,38 @@ loss is multiplied by dp / (global target count) before backward and FSDP averag
 gets exactly ∂(mean loss) whatever the layout, and each replica's unreduced gradient is the gradient of the mean
 loss over its own samples (normalised by the mean count per replica), which is what the local gradient statistics
 need (`trainer.gradstats`).
-
-**BERT's tied decoder under pp.** The last stage keeps `tok_embeddings.weight` for its decoder. After backward the
-two partial gradients are summed across the first and last stage (a small all-reduce of the sharded gradient), so
-both copies receive identical updates and the checkpoint holds one tensor under one name. For the statistics the
-two partial gradients count as two parameters (both in local and in global norms, consistently); the clipping norm
-uses the true summed gradient.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from cona.protocol.feasibility import strategy_problem, virtual_stages, world_problem
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 from cona.trainer.data import IGNORE_INDEX
+from cona.trainer.distributed import MESH_DIMS, DistEnv, build_mesh, check_layout, num_virtual_stages
+from cona.trainer.fsdp import apply_fsdp
 from cona.trainer.gradstats import AdamView, GradStats, local_tensor
 from cona.trainer.model import Transformer, build_model, lm_loss_sum, materialize, prune_to_stage
+from cona.trainer.optim import build_optimizer
+from cona.trainer.pipeline import (
+    ScaledLoss,
+    build_schedule,
+    stage_ids_this_rank,
+    sync_tied_grads,
+    tied_embedding_group,
+    tied_parameters,
+)
+from cona.trainer.tp import apply_tp
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-
-class LayoutError(ValueError):
-    """The strategy cannot run this job (a one-line reason); `bad_world` when only the world size is wrong."""
-
-    def __init__(self, message: str, *, bad_world: bool = False) -> None:
-        super().__init__(message)
-        self.bad_world = bad_world
-
-
-@dataclasses.dataclass
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-
-def init_distributed() -> DistEnv:
-    """Join the process group torchrun set up (or a single-process one without torchrun)."""
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, device_id=device if use_cuda else None)
-        else:  # `python -m cona.trainer` without torchrun: a world of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return DistEnv(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device, backend=backend
-    )
-
-
-def num_virtual_stages(job: JobSpec, strategy: Strategy) -> int:
-    return virtual_stages(job, strategy.pp)
-
-
-def check_layout(job: JobSpec, strategy: Strategy, *, world_size: int) -> None:
-    """Raise LayoutError when `strategy` cannot run `job` on `world_size` processes (`cona.protocol.feasibility`).
-
-    A strategy that cannot run this job at all is bad input; one that merely needs another world size is
-    `bad_world` (checked last), so the orchestrator replans for the processes it has.
-    """
-    problem = strategy_problem(job, strategy)
-    if problem:
-        raise LayoutError(f"strategy {strategy}: {problem}")
-    problem = world_problem(strategy, world_size)
-    if problem:
-        raise LayoutError(f"strategy {strategy} {problem}", bad_world=True)
-
-
-class ScaledLoss:
-    """The pipeline's loss function: the summed token loss times the step's scale; also keeps the raw sum."""
-
-    def __init__(self) -> None:
-        self.scale = 1.0
-        self.raw_sum: torch.Tensor | float = 0.0
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss_sum(logits, labels)
-        self.raw_sum = self.raw_sum + loss.detach()
-        return loss * self.scale
-
-
-def _tp_plan(block: nn.Module) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    def colwise() -> ColwiseParallel:
-        style = ColwiseParallel()
-        style.src_data_rank = None  # every rank holds the same full weight: slice locally, no scatter
-        return style
-
-    def rowwise() -> RowwiseParallel:
-        style = RowwiseParallel()
-        style.src_data_rank = None
-        return style
-
-    plan = {"attn.wq": colwise(), "attn.wk": colwise(), "attn.wv": colwise(), "attn.wo": rowwise(),
-            "mlp.w1": colwise(), "mlp.w2": rowwise()}  # fmt: skip
-    if block.mlp.w3 is not None:
-        plan["mlp.w3"] = colwise()
-    return plan
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 class ParallelModel:
@@ -143,22 +62,21 @@ class ParallelModel:
         check_layout(job, strategy, world_size=env.world_size)
         self.job, self.strategy, self.env = job, strategy, env
         self.device = env.device
-        self.mesh: DeviceMesh = init_device_mesh(
-            env.device.type, (strategy.pp, strategy.dp, strategy.tp), mesh_dim_names=("pp", "dp", "tp")
-        )
+        self.mesh: DeviceMesh = build_mesh(strategy, env.device)
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.num_microbatches = strategy.num_microbatches
         virtual = num_virtual_stages(job, strategy)
         self.num_stages = strategy.pp * virtual
-        self.stage_ids = [self.pp_rank + j * strategy.pp for j in range(virtual)]
+        self.stage_ids = stage_ids_this_rank(self.pp_rank, pp=strategy.pp, virtual=virtual)
         self.stats = GradStats(
             dp=strategy.dp, tp=strategy.tp, num_microbatches=self.num_microbatches, device=self.device
         )
 
         self.parts: list[Transformer] = [self._build_stage(stage) for stage in self.stage_ids]
-        self.optimizers = [self._optimizer(part) for part in self.parts]
+        # After TP and FSDP2: the optimizer state follows the parameters' final (sharded) form.
+        self.optimizers = [build_optimizer(part, job.optimizer) for part in self.parts]
         self.stats.adam = AdamView(self.optimizers)
         self.stats.enabled = job.heartbeat.gradient_stats
         if not self.stats.enabled:
@@ -173,102 +91,39 @@ class ParallelModel:
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
         self.loss = ScaledLoss()
-        self.schedule = self._schedule() if strategy.pp > 1 else None
-        self._tied_group, self.tied_params = self._tied_setup()
+        self.schedule: _PipelineSchedule | None = None
+        if strategy.pp > 1:
+            self.schedule = build_schedule(
+                self.parts, self.stage_ids, num_stages=self.num_stages, job=job, strategy=strategy,
+                device=self.device, group=self.mesh.get_group("pp"), loss_fn=self.loss,
+            )  # fmt: skip
+        self._tied_group: dist.ProcessGroup | None = None
+        self.tied_params: list[nn.Parameter] = []
+        # BERT's decoder weight lives on the first and the last stage: their gradients are summed after backward.
+        if job.model.family == "bert" and strategy.pp > 1:
+            self._tied_group = tied_embedding_group(self.mesh, num_stages=self.num_stages, rank=env.rank)
+            self.tied_params = tied_parameters(self.parts, self.stage_ids, num_stages=self.num_stages)
 
     # Construction ---------------------------------------------------------------------------------------------
 
     def _build_stage(self, stage: int) -> Transformer:
+        """Pipeline stage `stage`, materialised and parallelised; the order of these steps is fixed (see above)."""
         model = build_model(self.job.model, device="meta")
         prune_to_stage(model, stage=stage, num_stages=self.num_stages)
         materialize(model, device=self.device, seed=self.job.seed)
         for block in model.layers.values():
             block.activation_checkpointing = self.job.parallel.activation_checkpointing
         if self.strategy.tp > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            tp_mesh = self.mesh["tp"]
-            for block in model.layers.values():
-                parallelize_module(block, tp_mesh, _tp_plan(block))
+            apply_tp(model, self.mesh["tp"])
         if self.strategy.dp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            dp_mesh = self.mesh["dp"]
-            # Under pp every micro-batch would all-gather again; keep parameters gathered between forward and
-            # backward there (torchtitan's choice), and when sharded_dp is off (ZeRO-2 style).
-            reshard = self.strategy.pp == 1 and self.job.parallel.sharded_dp
-            for block in model.layers.values():
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-            fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+            apply_fsdp(model, self.mesh["dp"], pp=self.strategy.pp, sharded_dp=self.job.parallel.sharded_dp)
         return model
-
-    def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
-        spec = self.job.optimizer
-        decay = [p for p in part.parameters() if p.ndim >= 2]
-        no_decay = [p for p in part.parameters() if p.ndim < 2]  # biases and norm gains are not decayed
-        groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
-
-    def _schedule(self):
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-        )
-
-        spec, mbs = self.job.model, self.strategy.mbs
-        act_dtype = torch.float32
-        logit_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        stages = []
-        for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
-            if stage_id == 0:
-                example_in = torch.empty(mbs, spec.seq_len, dtype=torch.long, device="meta")
-            else:
-                example_in = torch.empty(mbs, spec.seq_len, spec.hidden_size, dtype=act_dtype, device="meta")
-            if stage_id == self.num_stages - 1:
-                example_out = torch.empty(mbs, spec.seq_len, spec.vocab_size, dtype=logit_dtype, device="meta")
-            else:
-                example_out = torch.empty(mbs, spec.seq_len, spec.hidden_size, dtype=act_dtype, device="meta")
-            # Static shapes (no inference pass); requires_grad marks the activations whose gradients flow back.
-            if example_in.is_floating_point():
-                example_in.requires_grad_(True)
-            example_out.requires_grad_(True)
-            stage = PipelineStage(
-                part, stage_id, self.num_stages, self.device,
-                input_args=example_in, output_args=example_out, group=self.mesh.get_group("pp"),
-            )  # fmt: skip
-            stages.append(stage)
-        kind = self.job.parallel.pipeline_schedule
-        if kind == "interleaved":
-            return ScheduleInterleaved1F1B(stages, self.num_microbatches, loss_fn=self.loss, scale_grads=False)
-        cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-        return cls(stages[0], self.num_microbatches, loss_fn=self.loss, scale_grads=False)
-
-    def _tied_setup(self) -> tuple[dist.ProcessGroup | None, list[nn.Parameter]]:
-        """BERT under pp: the group of the first and last stage's ranks with the same (dp, tp) coordinates."""
-        if not (self.job.model.family == "bert" and self.strategy.pp > 1):
-            return None, []
-        last_pp = (self.num_stages - 1) % self.strategy.pp
-        mine = None
-        for dp_i in range(self.strategy.dp):
-            for tp_i in range(self.strategy.tp):
-                ranks = sorted({int(self.mesh.mesh[0, dp_i, tp_i]), int(self.mesh.mesh[last_pp, dp_i, tp_i])})
-                group = dist.new_group(ranks)  # every rank creates every group, in the same order
-                if self.env.rank in ranks:
-                    mine = group
-        params = []
-        for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
-            if stage_id in (0, self.num_stages - 1) and part.tok_embeddings is not None:
-                params.append(part.tok_embeddings.weight)
-        return mine, params
 
     def own_process_groups(self) -> list[dist.ProcessGroup]:
         """The process groups this model created that this rank belongs to (not the default group): what an
         in-place switch destroys once the model is gone, so communicators do not pile up across switches."""
         default = dist.distributed_c10d._get_default_group()
-        groups = [self.mesh.get_group(name) for name in ("pp", "dp", "tp")]
+        groups = [self.mesh.get_group(name) for name in MESH_DIMS]
         if self._tied_group is not None:
             groups.append(self._tied_group)
         unique: list[dist.ProcessGroup] = []
@@ -326,21 +181,9 @@ class ParallelModel:
 
     def sync_tied(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum BERT's tied-weight gradient across first/last stage; returns (this rank's pre, post) weighted |g|²."""
-        pre = torch.zeros((), dtype=torch.float64, device=self.device)
-        post = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self._tied_group is None:
-            return pre, post
-        from cona.trainer.gradstats import replication
-
-        for param in self.tied_params:
-            grad = local_tensor(param.grad) if param.grad is not None else None
-            if grad is None:
-                raise RuntimeError("the tied embedding has no gradient on a pipeline end stage")
-            weight = 1.0 / replication(param, dp=self.strategy.dp, tp=self.strategy.tp)
-            pre += weight * grad.float().pow(2).sum()
-            dist.all_reduce(grad, group=self._tied_group)
-            post += weight * grad.float().pow(2).sum() / 2  # held by two stages: count once
-        return pre, post
+        return sync_tied_grads(
+            self.tied_params, self._tied_group, dp=self.strategy.dp, tp=self.strategy.tp, device=self.device
+        )
 
     def clip_and_step(self, *, grad_sqnorm: float, max_norm: float | None, lr: float) -> None:
         """Scale the gradients down to `max_norm` (given their global squared norm, reduced by the caller) and step."""

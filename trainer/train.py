@@ -36,8 +36,9 @@ from cona.protocol.yamlconfig import ConfigError
 from cona.trainer import checkpoint as ckpt
 from cona.trainer.control import Action, ControlState, decide
 from cona.trainer.data import Batcher, Corpus
+from cona.trainer.distributed import DistEnv, check_layout
 from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
-from cona.trainer.parallel import DistEnv, ParallelModel, check_layout
+from cona.trainer.parallel import ParallelModel
 
 PROGRESS_INTERVAL_S = 10.0
 

@@ -1,0 +1,88 @@
+"""The process group, the device mesh of one strategy, and whether a strategy can run a job at all.
+
+One process group per process (`init_distributed`, torchrun's environment or a world of one), and per strategy one
+3-D mesh ("pp", "dp", "tp") from `init_device_mesh` (`build_mesh`): tp innermost, so a tensor-parallel group is
+consecutive ranks (inside a node), then dp, then pp outermost. The trainer builds a new mesh for every strategy of an
+in-place switch; the process group stays.
+
+Whether a strategy fits is decided by `cona.protocol.feasibility`, the single authority the planner uses too:
+`check_layout` only turns its answer into a `LayoutError`, and `num_virtual_stages` reads its stage count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+from cona.protocol.feasibility import strategy_problem, virtual_stages, world_problem
+from cona.protocol.job import JobSpec
+from cona.protocol.strategy import Strategy
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp", "tp")
+"""The mesh's dimension names, outermost first (`DeviceMesh.get_group(name)`, `mesh[name]`)."""
+
+
+class LayoutError(ValueError):
+    """The strategy cannot run this job (a one-line reason); `bad_world` when only the world size is wrong."""
+
+    def __init__(self, message: str, *, bad_world: bool = False) -> None:
+        super().__init__(message)
+        self.bad_world = bad_world
+
+
+@dataclasses.dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed() -> DistEnv:
+    """Join the process group torchrun set up (or a single-process one without torchrun)."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, device_id=device if use_cuda else None)
+        else:  # `python -m cona.trainer` without torchrun: a world of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistEnv(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device, backend=backend
+    )
+
+
+def num_virtual_stages(job: JobSpec, strategy: Strategy) -> int:
+    """Pipeline stages per pp rank: 2 under the interleaved schedule, else 1 (`cona.protocol.feasibility`)."""
+    return virtual_stages(job, strategy.pp)
+
+
+def check_layout(job: JobSpec, strategy: Strategy, *, world_size: int) -> None:
+    """Raise LayoutError when `strategy` cannot run `job` on `world_size` processes (`cona.protocol.feasibility`).
+
+    A strategy that cannot run this job at all is bad input; one that merely needs another world size is
+    `bad_world` (checked last), so the orchestrator replans for the processes it has.
+    """
+    problem = strategy_problem(job, strategy)
+    if problem:
+        raise LayoutError(f"strategy {strategy}: {problem}")
+    problem = world_problem(strategy, world_size)
+    if problem:
+        raise LayoutError(f"strategy {strategy} {problem}", bad_world=True)
+
+
+def build_mesh(strategy: Strategy, device: torch.device) -> DeviceMesh:
+    """The ("pp", "dp", "tp") mesh of `strategy` over the whole world (a collective: every rank calls it)."""
+    return init_device_mesh(device.type, (strategy.pp, strategy.dp, strategy.tp), mesh_dim_names=MESH_DIMS)
