@@ -101,7 +101,7 @@ def direct(*, steps: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from cona.protocol.job import load_job
+    from cona.orchestrator.job import load_job
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
     from cona.trainer.data import Batcher, load_corpus
@@ -165,11 +165,11 @@ def direct(*, steps: int) -> dict[str, Any]:
 
 
 def planner() -> dict[str, Any]:
+    from cona.orchestrator.job import load_job
     from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
     from cona.orchestrator.policy import progress_rate
     from cona.orchestrator.profile import load_profile
     from cona.orchestrator.throughput import ThroughputModel
-    from cona.protocol.job import load_job
 
     profile = load_profile(REPO / "slurm/profiles/a100-4x8.yaml", ["nodes=32"])
     gbs = [64 * k for k in range(1, 41)]

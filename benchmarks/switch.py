@@ -54,7 +54,7 @@ PHASES = ("step boundary", "save", "exit", "launch+rdzv", "load", "first step")
 
 
 def _job(model: str, switch_at: list[int], max_samples: int, *, in_place: bool) -> Any:
-    from cona.protocol.job import job_from_dict, job_to_dict, load_job
+    from cona.orchestrator.job import job_from_dict, job_to_dict, load_job
 
     job = load_job(REPO / "examples/tiny-gpt.yaml", [
         *MODELS[model], "policy.name=cona", "policy.decision_interval_s=1", f"target.max_samples={max_samples}",
@@ -152,7 +152,7 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
         })  # fmt: skip
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
-    from cona.protocol.job import job_to_dict
+    from cona.orchestrator.job import job_to_dict
 
     return {
         "model": model, "mode": "in-place" if in_place else "relaunch", "num_params": job.model.num_params,

@@ -160,8 +160,8 @@ class _Context:
         import torch
 
         torch.set_num_threads(1)
+        from cona.orchestrator.job import load_job
         from cona.orchestrator.profile import load_profile
-        from cona.protocol.job import load_job
         from cona.trainer.data import Batcher, load_corpus
         from cona.trainer.distributed import init_distributed
 
@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = []
     for name in names:
         w = WORKLOADS[name]
-        from cona.protocol.job import load_job
+        from cona.orchestrator.job import load_job
         from cona.protocol.yamlconfig import ConfigError
 
         try:
@@ -768,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> Path:
     """Summaries, plots, JSON and the tables, from the raw runs in `report`."""
-    from cona.protocol.job import load_job
+    from cona.orchestrator.job import load_job
 
     preset_base = load_job(REPO / report["settings"]["preset"]).batch.base_gbs
     for workload, w in report["workloads"].items():

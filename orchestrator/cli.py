@@ -30,9 +30,9 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from cona.orchestrator.job import load_job
     from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
     from cona.orchestrator.profile import load_profile
-    from cona.protocol.job import load_job
 
     profile = load_profile(args.profile)
     job = load_job(args.job, args.overrides)
@@ -75,11 +75,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cona.orchestrator.backends import make_backend
+    from cona.orchestrator.job import load_job
     from cona.orchestrator.live import LiveView
     from cona.orchestrator.profile import load_profile
     from cona.orchestrator.runstate import RunLock, create_run, load_run
     from cona.orchestrator.scheduler import RunFailed, Scheduler
-    from cona.protocol.job import load_job
     from cona.protocol.rundir import RunDir
 
     if args.resume:
@@ -165,11 +165,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from cona.orchestrator.backends import backend_class
+    from cona.orchestrator.job import load_job
     from cona.orchestrator.planner import enumerate_candidates
     from cona.orchestrator.policy import make_policy
     from cona.orchestrator.profile import load_profile
     from cona.orchestrator.throughput import ThroughputModel
-    from cona.protocol.job import load_job
     from cona.protocol.rundir import RunDir
 
     profile = load_profile(args.profile)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.job import JobSpec
 
 BYTES_PER_PARAM_STATE = 16  # bf16 param + fp32 master + bf16 grad... (Megatron/ZeRO's 16 bytes per parameter)
 BYTES_PER_ELEMENT = 2  # bf16 activations and gradients on the wire
@@ -61,7 +61,7 @@ class Prediction:
         return self.memory_bytes / 1e9
 
 
-def predict(*, profile: ClusterProfile, job: JobSpec, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Prediction:
+def predict(*, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Prediction:
     """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`."""
     model = job.model
     num_params = model.num_params

@@ -7,8 +7,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.runstate import read_events, read_state
-from cona.protocol.job import JobSpec
 from cona.protocol.rundir import RunDir, read_jsonl
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def status_line(live: LiveStatus | dict[str, Any]) -> str:
 class LiveView:
     """Prints a status line at most every `interval_s` and every decision as it happens."""
 
-    def __init__(self, *, run_dir: RunDir, job: JobSpec, quiet: bool = False, interval_s: float = 2.0) -> None:
+    def __init__(self, *, run_dir: RunDir, job: Job, quiet: bool = False, interval_s: float = 2.0) -> None:
         self.run_dir = run_dir
         self.job = job
         self.quiet = quiet

@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 from cona.orchestrator.costmodel import Prediction, predict, usable_memory_bytes
+from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.feasibility import batch_problem, layout_problem, virtual_stages
-from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 
 
@@ -16,20 +16,31 @@ from cona.protocol.strategy import Strategy
 class Candidate:
     """A strategy with its predicted cost, or the reason it cannot run."""
 
-    dp: int
-    tp: int
-    pp: int
-    mbs: int
-    gbs: int
+    strategy: Strategy
     feasible: bool
     reason: str
     """Empty when feasible; otherwise the first constraint it breaks, in words."""
     prediction: Prediction | None
 
     @property
-    def strategy(self) -> Strategy:
-        assert self.feasible, "only feasible candidates are strategies"
-        return Strategy(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, gbs=self.gbs)
+    def dp(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def tp(self) -> int:
+        return self.strategy.tp
+
+    @property
+    def pp(self) -> int:
+        return self.strategy.pp
+
+    @property
+    def mbs(self) -> int:
+        return self.strategy.mbs
+
+    @property
+    def gbs(self) -> int:
+        return self.strategy.gbs
 
     @property
     def iter_time_s(self) -> float:
@@ -62,7 +73,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_reason(*, job: JobSpec, profile: ClusterProfile, dp: int, tp: int, pp: int) -> str:
+def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: int) -> str:
     """Why the planner does not consider the degrees (dp, tp, pp) for this model on this cluster, or '' if it does.
 
     What can run at all is decided by `cona.protocol.feasibility`; the planner adds its own choices: the job's
@@ -84,33 +95,33 @@ def layout_reason(*, job: JobSpec, profile: ClusterProfile, dp: int, tp: int, pp
 
 
 def evaluate(
-    *, profile: ClusterProfile, job: JobSpec, dp: int, tp: int, pp: int, mbs: int, gbs: int, layout_problem: str = ""
+    *, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int, layout_problem: str = ""
 ) -> Candidate:
     """One candidate: checks every constraint, then predicts its cost."""
 
+    strategy = Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
+
     def rejected(reason: str, prediction: Prediction | None = None) -> Candidate:
-        return Candidate(dp, tp, pp, mbs, gbs, False, reason, prediction)
+        return Candidate(strategy, False, reason, prediction)
 
     if layout_problem:
         return rejected(layout_problem)
-    if gbs % (dp * mbs):
-        return rejected(f"gbs={gbs} is not a multiple of dp·mbs={dp * mbs}")
-    if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
-        return rejected(f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]")
-    problem = batch_problem(job, Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs))
+    problem = batch_problem(job, strategy)
     if problem:
         return rejected(problem)
+    if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
+        return rejected(f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]")
     prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
     usable = usable_memory_bytes(profile)
     if prediction.memory_bytes > usable:
         return rejected(
             f"needs {prediction.memory_bytes / 1e9:.1f} GB per device > {usable / 1e9:.1f} GB usable", prediction
         )
-    return Candidate(dp, tp, pp, mbs, gbs, True, "", prediction)
+    return Candidate(strategy, True, "", prediction)
 
 
 def enumerate_candidates(
-    *, profile: ClusterProfile, job: JobSpec, num_devices: int | None = None, gbs_values: list[int] | None = None
+    *, profile: ClusterProfile, job: Job, num_devices: int | None = None, gbs_values: list[int] | None = None
 ) -> list[Candidate]:
     """Every (dp, tp, pp, mbs, gbs) with dp·tp·pp = `num_devices` (default: all of the profile's)."""
     devices = num_devices or profile.num_gpus
@@ -136,7 +147,7 @@ def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(feasible, key=lambda c: (c.iter_time_s, -c.samples_per_s, c.pp, c.tp, c.dp, c.mbs, c.gbs))
 
 
-def static_choice(*, profile: ClusterProfile, job: JobSpec, num_devices: int | None = None) -> Candidate:
+def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None = None) -> Candidate:
     """What an offline searcher picks: the lowest iteration time at the job's base global batch."""
     candidates = enumerate_candidates(
         profile=profile, job=job, num_devices=num_devices, gbs_values=[job.batch.base_gbs]

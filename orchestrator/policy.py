@@ -21,10 +21,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from cona.orchestrator.job import Job, PolicySpec
 from cona.orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.job import JobSpec, PolicySpec
 from cona.protocol.lr import lr_scale_factor
 from cona.protocol.strategy import Strategy
 
@@ -86,7 +86,7 @@ class LrRule:
     """`optimizer.lr_scaling_cap`."""
 
     @classmethod
-    def of(cls, job: JobSpec) -> LrRule:
+    def of(cls, job: Job) -> LrRule:
         return cls(base_gbs=job.batch.base_gbs, rule=job.optimizer.lr_scaling, cap=job.optimizer.lr_scaling_cap)
 
     def efficiency(self, gbs: int, noise_scale: float) -> float:
@@ -146,7 +146,7 @@ def _devices(candidates: list[Candidate], profile: ClusterProfile) -> int:
 
 
 def strategy_problem(
-    strategy: Strategy, *, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]
+    strategy: Strategy, *, job: Job, profile: ClusterProfile, candidates: list[Candidate]
 ) -> str:
     """Why `strategy` cannot run with these candidates' devices, or '' if it can (the planner's own words)."""
     if find_candidate(candidates, strategy) is not None:
@@ -172,7 +172,7 @@ def strategy_problem(
 
 
 def _validated(
-    text: str, *, what: str, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]
+    text: str, *, what: str, job: Job, profile: ClusterProfile, candidates: list[Candidate]
 ) -> Strategy:
     try:
         strategy = Strategy.parse(text)
@@ -534,7 +534,7 @@ class StaticPolicy(_KeepPolicy):
 
     name = "static"
 
-    def __init__(self, *, job: JobSpec, profile: ClusterProfile, candidates: list[Candidate]) -> None:
+    def __init__(self, *, job: Job, profile: ClusterProfile, candidates: list[Candidate]) -> None:
         self.job, self.profile = job, profile
         chosen = static_choice(profile=profile, job=job, num_devices=_devices(candidates, profile))
         super().__init__(chosen.strategy, why=f"fastest predicted iteration at base_gbs={job.batch.base_gbs}")
@@ -605,7 +605,7 @@ class SchedulePolicy(Policy):
 # ---------------------------------------------------------------------------------------------------- factory
 
 
-def make_policy(job: JobSpec, *, profile: ClusterProfile, candidates: list[Candidate]) -> Policy:
+def make_policy(job: Job, *, profile: ClusterProfile, candidates: list[Candidate]) -> Policy:
     """The policy `job.policy.name` names, with every strategy it mentions validated up front.
 
     Raises ValueError with a one-line message naming the bad setting and the planner's reason.

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Literal
 
 import pydantic
+from cona.orchestrator.backends.kubernetes.spec import KubernetesSpec
+from cona.orchestrator.backends.slurm.spec import SlurmSpec
 from cona.protocol.yamlconfig import StrictModel, apply_overrides, load_yaml, parse_bytes, validate
 from pydantic import Field
 
@@ -89,49 +91,6 @@ class StorageSpec(StrictModel):
     def _rate(cls, value: str) -> str:
         parse_bytes(value, per_second=True)
         return value
-
-
-class SlurmSpec(StrictModel):
-    """How to submit to Slurm. Every value is shell-quoted into the batch script."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time_limit: str = "04:00:00"
-    """`--time` of the training job."""
-    extra_sbatch: list[str] = Field(default_factory=list)
-    """Extra `#SBATCH` options, e.g. `--constraint=a100`."""
-    setup: list[str] = Field(default_factory=list)
-    """Shell commands run before training (module loads, `source venv/bin/activate`)."""
-    use_submitit: bool = False
-    """Submit through submitit instead of a rendered sbatch script."""
-    signal_before_timeout_s: int = Field(120, ge=0)
-    """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints."""
-    rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
-    """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
-    python: str = "python3"
-    """Python interpreter on the compute nodes."""
-    gpus_per_node_flag: bool = True
-    """Request `--gpus-per-node`; false on CPU-only clusters."""
-
-
-class KubernetesSpec(StrictModel):
-    """How to run on Kubernetes."""
-
-    namespace: str = "default"
-    image: str = "ghcr.io/cona-project/cona:latest"
-    """Container image with cona and torch installed."""
-    pvc: str = "cona-runs"
-    """ReadWriteMany PersistentVolumeClaim that holds the run directories."""
-    mount_path: str = "/runs"
-    """Where the PVC is mounted in every pod (storage.run_root should lie under it)."""
-    service_account: str = "cona"
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, str | int]] = Field(default_factory=list)
-    workload: Literal["indexed-job", "jobset", "pytorchjob"] = "indexed-job"
-    """The training workload kind."""
-    gpu_resource: str = "nvidia.com/gpu"
-    """Extended resource name requested per pod."""
 
 
 class ClusterProfile(StrictModel):

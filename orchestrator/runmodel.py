@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.noise import NoiseScaleEstimator
 from cona.orchestrator.planner import Candidate
 from cona.orchestrator.policy import Decision, DecisionContext, Policy, make_policy
@@ -21,7 +22,6 @@ from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
 from cona.protocol.heartbeat_record import Heartbeat
-from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 
 
@@ -83,7 +83,7 @@ class RunModel:
     """
 
     def __init__(
-        self, *, profile: ClusterProfile, job: JobSpec, candidates: list[Candidate], switch_kind: SwitchKindOf,
+        self, *, profile: ClusterProfile, job: Job, candidates: list[Candidate], switch_kind: SwitchKindOf,
         switch_overhead_s: OverheadOf,
     ) -> None:  # fmt: skip
         self.profile = profile

@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 from cona.orchestrator.backends.base import Attempt
+from cona.orchestrator.job import Job, job_from_dict, job_to_dict
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.job import JobSpec, job_from_dict, job_to_dict
 from cona.protocol.rundir import (
     RunDir,
     append_jsonl,
@@ -27,7 +27,7 @@ from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, validate
 
 
-def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: JobSpec) -> None:
+def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
     """Write the immutable run.yaml (resolved profile and job)."""
     if run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.run_yaml}: the run already exists; resume it with `cona run --resume {run_dir.root}`")
@@ -48,7 +48,7 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: JobSpec) -> Non
     atomic_write_text(run_dir.run_yaml, yaml.safe_dump(document, sort_keys=False))
 
 
-def load_run(run_dir: RunDir) -> tuple[ClusterProfile, JobSpec]:
+def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
     """The profile and job a run was created with."""
     try:
         document = yaml.safe_load(run_dir.run_yaml.read_text())

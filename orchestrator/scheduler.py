@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend
+from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
 from cona.orchestrator.runstate import RunState, SwitchRequest, log_event, read_state, write_state
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
-from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
@@ -38,7 +38,7 @@ class Scheduler:
         *,
         run_dir: RunDir,
         profile: ClusterProfile,
-        job: JobSpec,
+        job: Job,
         backend: Backend,
         poll_interval_s: float = 0.5,
         on_update: Callable[[LiveStatus], None] | None = None,
@@ -374,7 +374,7 @@ class Scheduler:
         return self._launch(attempt.strategy, previous=attempt, why=f"relaunch after {what}")
 
 
-def device_counts(profile: ClusterProfile, job: JobSpec) -> list[int]:
+def device_counts(profile: ClusterProfile, job: Job) -> list[int]:
     """The device counts to plan for: all of the profile's first; for the `schedule` and `fixed` policies also the
     smaller world sizes their strategies name when those fill whole nodes, so a schedule can move a run to fewer
     nodes (the Slurm backend resubmits with the smaller `--nodes`). Anything else is left to `make_policy`, which

@@ -26,8 +26,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.job import JobSpec
 from cona.protocol.yamlconfig import parse_bytes
 
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -45,12 +45,12 @@ class SwitchKind(enum.Enum):
     """The processes exit and the new strategy needs another allocation (another node count)."""
 
 
-def checkpoint_bytes(job: JobSpec) -> float:
+def checkpoint_bytes(job: Job) -> float:
     """Bytes of one checkpoint of `job`'s model (parameters plus optimizer state; data and RNG state are tiny)."""
     return float(CHECKPOINT_BYTES_PER_PARAM * job.model.num_params)
 
 
-def predicted_switch_cost_s(*, job: JobSpec, profile: ClusterProfile, overhead_s: float, step_time_s: float) -> float:
+def predicted_switch_cost_s(*, job: Job, profile: ClusterProfile, overhead_s: float, step_time_s: float) -> float:
     """Seconds a switch costs by the formula in the module docstring; `overhead_s` is the backend's part."""
     size = checkpoint_bytes(job)
     save = size / parse_bytes(profile.storage.write_bandwidth, per_second=True)
@@ -64,7 +64,7 @@ class SwitchCosts:
     `pinned_s` (`policy.switch_cost_s`) replaces the prediction when set; a measurement of the same kind still wins.
     """
 
-    def __init__(self, *, job: JobSpec, profile: ClusterProfile, pinned_s: float | None = None) -> None:
+    def __init__(self, *, job: Job, profile: ClusterProfile, pinned_s: float | None = None) -> None:
         self.job = job
         self.profile = profile
         self.pinned_s = pinned_s

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.job import JobSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -18,7 +18,7 @@ def _fmt_time(seconds: float) -> str:
 
 
 def print_plan(
-    *, profile: ClusterProfile, job: JobSpec, shown: list[Candidate], rejected: list[Candidate], num_feasible: int, num_total: int
+    *, profile: ClusterProfile, job: Job, shown: list[Candidate], rejected: list[Candidate], num_feasible: int, num_total: int
 ) -> None:
     console = Console(width=160)
     model = job.model

@@ -38,7 +38,7 @@ def _key(dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
 
 
 def _candidate_key(candidate: Candidate) -> Strategy:
-    return _key(candidate.dp, candidate.tp, candidate.pp, candidate.mbs, candidate.gbs)
+    return candidate.strategy
 
 
 def _layout(s: Strategy) -> tuple[int, int, int, int]:

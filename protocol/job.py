@@ -1,4 +1,5 @@
-"""The job spec: what to train, on which data, to which target, under which policy.
+"""The job spec as the trainer reads it: what to train, on which data, to which target (the orchestrator's
+`policy` section is in `cona.orchestrator.job`).
 
 Torch-free, so the orchestrator can load and validate jobs on a login node. Every field is addressable from the
 command line as `--set section.field=value`.
@@ -7,7 +8,7 @@ command line as `--set section.field=value`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import pydantic
 from cona.protocol.yamlconfig import ConfigError, StrictModel, apply_overrides, load_yaml, validate
@@ -247,82 +248,14 @@ class HeartbeatSpec(StrictModel):
     """Measure the local (pre-reduction) and Adam-preconditioned gradient norms the noise-scale estimate needs.
     Off, heartbeats carry only the global norm (which clipping computes anyway) and cona keeps its prior noise
     scale; `benchmarks/overhead.py` uses it to measure what the statistics cost."""
-
-
-class ScheduleEntry(StrictModel):
-    """One step of a `schedule` policy: from `samples` on, train with `strategy`."""
-
-    samples: int = Field(ge=0)
-    strategy: str
-    """A strategy string such as `dp=2,tp=2,pp=1,mbs=2,gbs=16`."""
-
-
-class PolicySpec(StrictModel):
-    """How the orchestrator picks and changes strategies."""
-
-    name: Literal["cona", "static", "fixed", "schedule"] = "cona"
-    """`cona` switches online; `static` keeps the fastest strategy at base_gbs; `fixed` keeps `strategy`;
-    `schedule` follows `schedule`."""
-    strategy: str | None = None
-    """The strategy of the `fixed` policy."""
-    schedule: list[ScheduleEntry] = Field(default_factory=list)
-    """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
-    prior_noise_scale: float = Field(64.0, gt=0)
-    """B_noise assumed before the estimate is stable (samples)."""
-    noise_estimator: Literal["plain", "adam"] = "plain"
-    """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
-    estimate depends on the batch being trained (a larger batch makes it larger, which makes a larger batch look
-    better), so it is not the default."""
-    critical_batch_factor: float = Field(1.0, gt=0)
-    """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
-    larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
-    lr_aware: bool = False
-    """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
-    best LR at `batch.base_gbs` (`cona.orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
-    noise_ema: float = Field(0.9, ge=0, lt=1)
-    """EMA factor per heartbeat for the numerator and denominator of B_noise."""
-    min_noise_samples: int = Field(8, ge=1)
-    """Heartbeats with gradient statistics needed before the estimate replaces the prior."""
-    decision_interval_s: float = Field(5.0, gt=0)
-    """Seconds between evaluations of the candidates."""
-    min_gain: float = Field(0.05, ge=0)
-    """δ: the best candidate must beat the current one by at least this fraction, net of switch cost."""
-    persistence: int = Field(2, ge=1)
-    """k: consecutive evaluations a candidate must win before a switch."""
-    min_dwell_s: float = Field(10.0, ge=0)
-    """Minimum time on a strategy before switching again."""
-    horizon_intervals: float = Field(12.0, gt=0)
-    """The horizon H is at most this many decision intervals."""
-    in_place_switch: bool = True
-    """Switch between strategies of the same world size without restarting the trainer processes (the model,
-    optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local).
-    Off, every switch exits and relaunches."""
-    switch_cost_s: float | None = Field(None, ge=0)
-    """Seconds charged for a switch before one of its kind (in place, relaunch, resubmission) was measured. Unset,
-    it is predicted from the checkpoint's size, the profile's storage bandwidths and the backend's overhead
-    (`cona.orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
-    max_restarts: int = Field(3, ge=0)
-    """Relaunches of a crashed or hung attempt before the run fails."""
-    heartbeat_timeout_s: float = Field(300.0, gt=0)
-    """A running attempt without a heartbeat for this long counts as hung."""
-    startup_timeout_s: float = Field(600.0, gt=0)
-    """Allowance before an attempt's first heartbeat (process start, rendezvous, checkpoint load)."""
-
-    @pydantic.model_validator(mode="after")
-    def _policy_fields(self) -> PolicySpec:
-        if self.name == "fixed" and not self.strategy:
-            raise ValueError("policy 'fixed' needs policy.strategy, e.g. dp=2,tp=1,pp=2,mbs=2,gbs=32")
-        if self.name == "schedule":
-            if not self.schedule:
-                raise ValueError("policy 'schedule' needs policy.schedule: a list of {samples, strategy}")
-            starts = [e.samples for e in self.schedule]
-            if starts != sorted(starts) or starts[0] != 0:
-                raise ValueError("policy.schedule must start at samples 0 and increase")
-        return self
+    adam_stats: bool = False
+    """Also measure the Adam-preconditioned local and global norms (from step 2 on). The orchestrator turns it on
+    for `policy.noise_estimator: adam`; off, the step skips their extra pass over the gradients."""
 
 
 class JobSpec(StrictModel):
-    """A training job. Load with `load_job`."""
+    """A training job as the trainer reads it. Load with `load_job`; the orchestrator's `cona.orchestrator.job.Job`
+    adds the `policy` section."""
 
     name: str = "cona-job"
     """A short name for run directories and cluster jobs."""
@@ -337,31 +270,45 @@ class JobSpec(StrictModel):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
-    policy: PolicySpec = Field(default_factory=PolicySpec)
 
     @property
     def decay_samples(self) -> int:
         return self.optimizer.decay_samples or self.target.max_samples
 
 
+ORCHESTRATOR_SECTIONS = ("policy",)
+"""Sections of a job file that only the orchestrator reads (`cona.orchestrator.job`); the trainer sets them aside."""
+
+
 def job_from_dict(data: dict[str, Any], *, source: str = "job") -> JobSpec:
-    """Validate a job given as a mapping (for example `run.yaml`'s `job` section)."""
-    return validate(JobSpec, data, source=source)
+    """Validate a job given as a mapping (for example `run.yaml`'s `job` section), without the orchestrator's
+    sections."""
+    return validate(JobSpec, {k: v for k, v in data.items() if k not in ORCHESTRATOR_SECTIONS}, source=source)
 
 
-def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Load and validate a job YAML file, applying `--set dotted.key=value` overrides; raises `ConfigError`."""
+JobT = TypeVar("JobT", bound="JobSpec")
+
+
+def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobT:
+    """Load a job YAML file as `cls`, applying `--set dotted.key=value` overrides; raises `ConfigError`. Keys of
+    the sections `cls` does not declare (`ORCHESTRATOR_SECTIONS`) are set aside."""
     data = load_yaml(path)
     data = apply_overrides(data, list(overrides))
     if "model" not in data:
         raise ConfigError(f"{path}: missing required section 'model' (e.g. model: {{preset: tiny-gpt}})")
-    job = job_from_dict(data, source=str(path))
+    ignored = [k for k in ORCHESTRATOR_SECTIONS if k not in cls.model_fields]
+    job = validate(cls, {k: v for k, v in data.items() if k not in ignored}, source=str(path))
     base = Path(path).resolve().parent
     # A relative data path is read relative to the current directory when it exists there, else to the job file.
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (base / data_path).exists():
         job.data.path = str(base / data_path)
     return job
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Load and validate a job YAML file as the trainer reads it; raises `ConfigError`."""
+    return read_job_file(JobSpec, path, overrides)
 
 
 def job_to_dict(job: JobSpec) -> dict[str, Any]:

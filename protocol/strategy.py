@@ -28,10 +28,8 @@ class Strategy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"strategy field {name!r} must be a positive integer, got {value!r}")
-        if self.gbs % (self.dp * self.mbs):
-            raise ValueError(
-                f"strategy {self}: gbs={self.gbs} must be a multiple of dp·mbs={self.dp * self.mbs}"
-            )
+        # Whether the batch splits over the replicas and stages, and whether the layout fits a model and a world,
+        # is `cona.protocol.feasibility`'s call alone: the planner lists such strategies with the reason.
 
     @property
     def world_size(self) -> int:
@@ -39,7 +37,8 @@ class Strategy:
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches per data-parallel replica per optimizer step (gradient accumulation × pipeline)."""
+        """Micro-batches per data-parallel replica per optimizer step (gradient accumulation × pipeline); exact
+        for a strategy that `cona.protocol.feasibility.batch_problem` accepts."""
         return self.gbs // (self.dp * self.mbs)
 
     @property

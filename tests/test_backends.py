@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from cona.orchestrator.backends import BACKENDS, backend_class, make_backend
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
-from cona.protocol.job import load_job
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
-from cona.protocol.job import PRESETS, ModelSpec, load_job
+from cona.protocol.feasibility import batch_problem
+from cona.protocol.job import PRESETS, ModelSpec
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, parse_bytes
 
@@ -67,6 +69,20 @@ def test_set_overrides(tmp_path):
     assert job.optimizer.lr == 3e-4 and job.batch.max_gbs == 64 and job.policy.name == "static"
 
 
+def test_the_trainer_sets_the_policy_aside_and_gets_what_it_needs_as_its_own_field(tmp_path):
+    from cona.protocol import job as trainer_job
+
+    path = _write(tmp_path, "model: {preset: tiny-gpt}\npolicy: {name: static, noise_estimator: adam}\n")
+    orchestrator_view = load_job(path)
+    assert orchestrator_view.policy.noise_estimator == "adam" and orchestrator_view.heartbeat.adam_stats
+    trainer_view = trainer_job.load_job(path)
+    assert not hasattr(trainer_view, "policy") and not trainer_view.heartbeat.adam_stats
+    # run.yaml holds the orchestrator's resolved job: the trainer reads the flag the orchestrator turned on.
+    resolved = trainer_job.job_from_dict(orchestrator_view.model_dump(mode="json"))
+    assert resolved.heartbeat.adam_stats and not hasattr(resolved, "policy")
+    assert not load_job(_write(tmp_path, "model: {preset: tiny-gpt}\n", "plain.yaml")).heartbeat.adam_stats
+
+
 def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -82,6 +98,8 @@ BAD_JOBS = [
     ("model: {preset: tiny-gpt}\noptimizer: {lr_scaling: cubic}\n", "field 'optimizer.lr_scaling'"),
     ("model: {preset: tiny-gpt, num_heads: 3}\n", "num_heads=3 must divide hidden_size=64"),
     ("model: {preset: tiny-gpt}\npolicy: {name: fixed}\n", "policy 'fixed' needs policy.strategy"),
+    ("model: {preset: tiny-gpt}\npolicy: {nosie_estimator: adam}\n", "unknown field 'policy.nosie_estimator'"),
+    ("model: {preset: tiny-gpt}\npolcy: {name: static}\n", "unknown field 'polcy'; did you mean 'policy'"),
     ("seed: 1\n", "missing required section 'model'"),
     ("model: {preset: tiny-gpt\n", "invalid YAML"),
     ("- 1\n- 2\n", "expected a mapping"),
@@ -141,8 +159,11 @@ def test_strategy_parse_and_errors():
     assert Strategy.parse(str(s)) == s
     with pytest.raises(ValueError, match="did you mean 'dp'"):
         Strategy.parse("db=2,mbs=1,gbs=2")
-    with pytest.raises(ValueError, match="multiple of dp·mbs"):
-        Strategy.parse("dp=4,mbs=4,gbs=8")
+    # A batch that does not split is a strategy all the same; the feasibility authority says why it cannot run.
+    odd = Strategy.parse("dp=4,mbs=4,gbs=8")
+    assert "gbs=8 is not a multiple of dp·mbs=16" in batch_problem(load_job(EXAMPLES / "tiny-gpt.yaml"), odd)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        Strategy.parse("dp=0,mbs=4,gbs=8")
 
 
 @pytest.mark.parametrize(

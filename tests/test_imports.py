@@ -78,3 +78,20 @@ def test_the_control_plane_starts_without_torch(argv):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=Path("/"), capture_output=True, text=True, timeout=120)
     assert out.stderr.strip().splitlines()[-1] == "no torch", out.stderr[-2000:]
+
+
+def test_a_backend_owns_its_profile_section_and_loading_a_profile_loads_no_backend():
+    code = (
+        "import sys\n"
+        "from cona.orchestrator.profile import load_profile\n"
+        f"p = load_profile({str(PROFILES / 'local-slurm.yaml')!r})\n"
+        "assert type(p.slurm).__module__ == 'cona.orchestrator.backends.slurm.spec', type(p.slurm).__module__\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('cona.orchestrator.backends') and not m.endswith('.spec'))\n"
+        "print(loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path("/"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Only the (import-free) package modules on the way to the spec modules.
+    assert out.stdout.strip() == str(
+        ["cona.orchestrator.backends", "cona.orchestrator.backends.kubernetes", "cona.orchestrator.backends.slurm"]
+    )

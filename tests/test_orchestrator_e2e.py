@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.job import load_job
 from cona.orchestrator.runstate import read_events, read_state
-from cona.protocol.job import load_job
 from cona.protocol.rundir import RunDir
 from cona.protocol.samples_log import audit_samples
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 from cona.orchestrator.costmodel import predict
+from cona.orchestrator.job import load_job
 from cona.orchestrator.planner import enumerate_candidates, evaluate, rank_by_iter_time, static_choice
 from cona.orchestrator.profile import ClusterProfile, load_profile
-from cona.protocol.job import load_job
 
 from tests.conftest import EXAMPLES, PROFILES, REPO, run_cona
 

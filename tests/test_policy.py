@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from cona.orchestrator.costmodel import Prediction
+from cona.orchestrator.job import job_from_dict, job_to_dict, load_job
 from cona.orchestrator.planner import Candidate, enumerate_candidates, static_choice
 from cona.orchestrator.policy import (
     MIN_LR_EFFICIENCY,
@@ -22,7 +23,6 @@ from cona.orchestrator.policy import (
 )
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.job import job_from_dict, job_to_dict, load_job
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES
@@ -40,7 +40,7 @@ def candidate(
         compute_s=t, tp_comm_s=0.0, pipeline_bubble_s=0.0, p2p_s=0.0, dp_comm_s=0.0, optimizer_s=0.0,
         memory_bytes=1e9, model_state_bytes=5e8, activation_bytes=5e8,
     )  # fmt: skip
-    return Candidate(dp, tp, pp, mbs, gbs, True, "", prediction)
+    return Candidate(Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs), True, "", prediction)
 
 
 FAMILY = [candidate(g) for g in (8, 16, 32, 64, 128)]
@@ -392,7 +392,7 @@ def test_fixed_keeps_its_strategy(setup):
         ("dp=1,tp=1,pp=4,mbs=8,gbs=16", "1f1b needs micro-batches ≥ pp"),
         (
             "dp=4,tp=1,pp=1,mbs=3,gbs=16",
-            "policy.strategy 'dp=4,tp=1,pp=1,mbs=3,gbs=16': gbs=16 must be a multiple",
+            "policy.strategy dp=4,tp=1,pp=1,mbs=3,gbs=16: gbs=16 is not a multiple of dp·mbs=12",
         ),
         ("dp=4,tq=1,mbs=2,gbs=16", "unknown field 'tq'"),
     ],

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.report import write_report
 from cona.orchestrator.runstate import RunState, create_run, log_event, write_state
-from cona.protocol.job import load_job
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.runstate import (
     RunState,
@@ -17,7 +18,6 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.scheduler import Scheduler
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.job import load_job
 from cona.protocol.rundir import ExitCode, RunDir
 from cona.protocol.strategy import Strategy
 

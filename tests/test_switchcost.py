@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cona.orchestrator.backends.local import LocalBackend
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.scheduler import Scheduler
 from cona.orchestrator.switchcost import (
@@ -13,7 +14,6 @@ from cona.orchestrator.switchcost import (
     checkpoint_bytes,
     predicted_switch_cost_s,
 )
-from cona.protocol.job import load_job
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 from cona.orchestrator.costmodel import Prediction
+from cona.orchestrator.job import load_job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.job import load_job
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES
@@ -21,7 +21,7 @@ def candidate(dp: int, tp: int, pp: int, mbs: int, gbs: int, iter_time_s: float)
         compute_s=iter_time_s, tp_comm_s=0.0, pipeline_bubble_s=0.0, p2p_s=0.0, dp_comm_s=0.0, optimizer_s=0.0,
         memory_bytes=1e9, model_state_bytes=5e8, activation_bytes=5e8,
     )  # fmt: skip
-    return Candidate(dp, tp, pp, mbs, gbs, True, "", prediction)
+    return Candidate(Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs), True, "", prediction)
 
 
 A16 = candidate(4, 1, 1, 2, 16, 0.10)
@@ -92,7 +92,7 @@ def test_global_factor_is_the_geometric_mean_of_measured_over_predicted():
 
 
 def test_candidate_without_prediction_is_infinitely_slow():
-    rejected = Candidate(4, 1, 1, 2, 30, False, "gbs=30 is not a multiple of dp·mbs=8", None)
+    rejected = Candidate(Strategy(dp=4, tp=1, pp=1, mbs=2, gbs=30), False, "gbs=30 is not a multiple of dp·mbs=8", None)
     model = ThroughputModel(candidates=[*ALL, rejected])
     assert model.iter_time_s(rejected) == math.inf and model.samples_per_s(rejected) == 0.0
     assert model.samples_per_s_of(Strategy(dp=8, tp=1, pp=1, mbs=1, gbs=64)) is None  # unknown strategy

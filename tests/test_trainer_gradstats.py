@@ -118,8 +118,8 @@ LAYOUTS = [
 @pytest.mark.distributed
 @pytest.mark.parametrize(("preset", "strategy", "nproc"), LAYOUTS)
 def test_gradient_statistics_equal_brute_force(tmp_path, preset, strategy, nproc):
-    # The Adam-preconditioned norms are computed only for the adam estimator (plain is the default).
-    job = write_job(tmp_path, preset=preset, checkpoint={"interval_steps": 1, "keep": 5}, policy={"noise_estimator": "adam"})
+    # The Adam-preconditioned norms are computed only when asked for (the orchestrator asks for the adam estimator).
+    job = write_job(tmp_path, preset=preset, checkpoint={"interval_steps": 1, "keep": 5}, heartbeat={"adam_stats": True})
     run = tmp_path / "run"
     result = launch(run, nproc=nproc, strategy=strategy, job=job, max_steps=2)
     assert result.exit_code == ExitCode.STOPPED, describe(result)
@@ -145,15 +145,16 @@ def test_gradient_statistics_equal_brute_force(tmp_path, preset, strategy, nproc
 )
 def test_statistics_do_not_change_the_training(tmp_path, strategy, nproc):
     """Statistics read gradients and never touch the math: the losses are bit-identical with them on or off, and
-    the Adam-preconditioned norms are computed only for the estimator that reads them."""
+    the Adam-preconditioned norms are computed only when asked for (`heartbeat.adam_stats`, which the orchestrator
+    sets for the adam estimator)."""
     records = {}
-    for name, heartbeat, estimator in (
-        ("adam", {"interval_steps": 1, "gradient_stats": True}, "adam"),
-        ("plain", {"interval_steps": 1, "gradient_stats": True}, "plain"),
-        ("off", {"interval_steps": 1, "gradient_stats": False}, "adam"),
+    for name, heartbeat in (
+        ("adam", {"interval_steps": 1, "gradient_stats": True, "adam_stats": True}),
+        ("plain", {"interval_steps": 1, "gradient_stats": True, "adam_stats": False}),
+        ("off", {"interval_steps": 1, "gradient_stats": False, "adam_stats": True}),
     ):
         (tmp_path / name).mkdir()
-        job = write_job(tmp_path / name, heartbeat=heartbeat, policy={"noise_estimator": estimator})
+        job = write_job(tmp_path / name, heartbeat=heartbeat)
         result = launch(tmp_path / name / "run", nproc=nproc, strategy=strategy, job=job, max_steps=4)
         assert result.exit_code == ExitCode.STOPPED, describe(result)
         records[name] = step_records(tmp_path / name / "run", 0)

@@ -334,7 +334,7 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
         ([], "dp=1,pp=8,mbs=2,gbs=16", ExitCode.CONFIG, "model.num_layers=4"),
         ([], "dp=1,pp=2,mbs=8,gbs=8", ExitCode.CONFIG, "needs micro-batches ≥ pp"),
         ([], "dp=2,mbs=2,gbs=16", ExitCode.BAD_WORLD, "needs dp·tp·pp = 2 processes but the world has 1"),
-        ([], "dp=1,mbs=3,gbs=16", ExitCode.CONFIG, "--strategy"),
+        ([], "dp=1,mbs=3,gbs=16", ExitCode.CONFIG, "gbs=16 is not a multiple of dp·mbs=3"),
         ([], "dp=1,mbz=2,gbs=16", ExitCode.CONFIG, "did you mean 'mbs'"),
         (["data.path=/nonexistent/corpus.txt"], "dp=1,mbs=2,gbs=16", ExitCode.CONFIG, "/nonexistent/corpus.txt"),
     ],

@@ -117,7 +117,7 @@ class Trainer:
         self.next_strategy: Strategy | None = None
         """Set when `run` returns SWITCH for an in-place switch: the strategy to rebuild with in these processes."""
         # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
-        self._wants_adam = self.job.policy.noise_estimator == "adam"
+        self._wants_adam = self.job.heartbeat.adam_stats
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import enum
 import time
 from typing import Any
 
+from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.job import JobSpec
 from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir
 from cona.protocol.strategy import Strategy
 
@@ -99,7 +99,7 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: JobSpec | None = None) -> None:
+    def __init__(self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: Job | None = None) -> None:
         """Every backend is built the same way (the registry in `cona.orchestrator.backends` does it): the run
         directory, the cluster profile (a backend reads its own section of it) and the job. Backends may take
         further keyword-only options with defaults, for tests."""

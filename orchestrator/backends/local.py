@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.job import JobSpec
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
@@ -71,7 +71,7 @@ class LocalBackend(Backend):
     name = "local"
 
     def __init__(
-        self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: JobSpec | None = None,
+        self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: Job | None = None,
         python: str | None = None, extra_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         # Absolute: the wrapper runs in the run directory, so a relative path (the default `runs/<name>`) would point

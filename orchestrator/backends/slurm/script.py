@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
+    from cona.orchestrator.job import Job
     from cona.orchestrator.profile import ClusterProfile
-    from cona.protocol.job import JobSpec
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SCRIPT_TEMPLATE = TEMPLATES / "cona.sbatch.tmpl"
@@ -176,14 +176,14 @@ def config_lines(profile: ClusterProfile, run_dir: Path, job_name: str) -> list[
     ]
 
 
-def job_name_for(job: JobSpec | None, run_dir: Path) -> str:
+def job_name_for(job: Job | None, run_dir: Path) -> str:
     name = job.name if job is not None else run_dir.name
     return check_value("job name", name or "cona")
 
 
 def render_batch_script(
     profile: ClusterProfile,
-    job: JobSpec | None,
+    job: Job | None,
     run_dir: str | Path,
     *,
     nodes: int | None = None,

@@ -1,0 +1,588 @@
+"""The Slurm backend: one batch job per allocation; attempts run as `srun` steps inside it.
+
+`launch` writes the attempt's hand-off record and either gives it to the job that is already running (same node
+count: the job's loop is waiting after a switch) or submits a new job (`sbatch`, or submitit when
+`slurm.use_submitit`). `poll` reads the attempt's `slurm-exit.json` (written by the batch script) and the job's
+state (`scontrol show job`, `sacct` when the cluster keeps accounting). The protocol between this module and the batch
+script is described at the top of `orchestrator/backends/slurm/templates/cona.sbatch.tmpl`; in short, per attempt N:
+
+    attempts/N/launch.json      orchestrator → job: {"attempt", "submission", "strategy", "nnodes",
+                                "nproc_per_node"}
+    attempts/N/slurm.json       job → orchestrator: where and when attempt N started (job id, restarts, nodes)
+    attempts/N/nodes/I.json     node I's trainer exit code
+    attempts/N/slurm-exit.json  job → orchestrator: the attempt's exit code and what the job does next
+
+A *submission* is a random token given to each sbatch as the script's first argument; launch records name the
+submission that must run them, so nothing depends on job ids (which restart at 1 when a cluster's state is wiped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.backends.slurm.script import parse_extra_option, render_batch_script
+from cona.orchestrator.job import Job
+from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.switchcost import SwitchKind
+from cona.protocol.feasibility import placement
+from cona.protocol.rundir import ExitCode, RunDir, read_json
+from cona.protocol.strategy import Strategy
+
+# Job states (squeue/scontrol/sacct long names).
+PENDING_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT",
+     "SUSPENDED", "STOPPED"}
+)  # fmt: skip
+RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "RESIZING", "STAGE_OUT"})
+DEFAULT_HANDOFF_TIMEOUT_S = 300
+COMMAND_TIMEOUT_S = 30
+DEFAULT_RELEASE_TIMEOUT_S = 1200
+"""How long `launch` waits for a cancelled job to end (KillWait, epilog; a hung node is DOWN only after
+SlurmdTimeout, 300 s by default) before it gives up with an error."""
+_JOB_VARIABLE_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
+_CLIENT_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT"})
+"""Client settings a user may export; kept when the job's own SLURM_* variables are dropped."""
+
+
+class SlurmError(BackendError):
+    """A Slurm command failed; the message is one line with the command's own error."""
+
+
+@dataclasses.dataclass
+class SlurmJobInfo:
+    """What Slurm says about one job."""
+
+    job_id: str
+    state: str
+    """Long state name, e.g. RUNNING, PENDING, COMPLETED, NODE_FAIL."""
+    reason: str = ""
+    restarts: int = 0
+    """How often the job was requeued (scontrol `Restarts=`)."""
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    num_nodes: int = 0
+    exit_code: str = ""
+    """`status:signal` of the batch script, e.g. `0:0`, `3:0`, `0:15`."""
+    batch_host: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.state in PENDING_STATES or self.state in RUNNING_STATES
+
+    @property
+    def pending(self) -> bool:
+        return self.state in PENDING_STATES
+
+    @property
+    def exit_status(self) -> int | None:
+        status, _, _ = self.exit_code.partition(":")
+        return int(status) if status.isdigit() else None
+
+
+# --- parsers (pure; unit-tested on recorded outputs) ---------------------------------------------------------
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """`n[1-3,7],gpu01` → ['n1', 'n2', 'n3', 'n7', 'gpu01'] (Slurm hostlist syntax, zero padding kept)."""
+    text = text.strip()
+    if not text or text in ("(null)", "None"):
+        return []
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
+        part = part.strip(",")
+        if not part:
+            continue
+        expanded = [""]
+        for literal, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            items: list[str] = []
+            if ranges:
+                for piece in ranges.split(","):
+                    lo, sep, hi = piece.partition("-")
+                    if sep and lo.isdigit() and hi.isdigit():
+                        width = len(lo)
+                        items += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+                    else:
+                        items.append(piece)
+            expanded = [e + literal + i for e in expanded for i in (items or [""])]
+        hosts += [h for h in expanded if h]
+    return hosts
+
+
+def parse_scontrol_job(text: str) -> SlurmJobInfo | None:
+    """Parse `scontrol show job -o ID` (one line of Key=Value); None when the job is unknown."""
+    line = text.strip()
+    if not line or "Invalid job id" in line or "JobId=" not in line:
+        return None
+
+    def field(key: str) -> str:
+        m = re.search(rf"(?:^|\s){re.escape(key)}=(\S*)", line)
+        return m.group(1) if m else ""
+
+    nodes = field("NodeList")
+    restarts = field("Restarts")
+    num_nodes = field("NumNodes")
+    return SlurmJobInfo(
+        job_id=field("JobId"),
+        state=field("JobState"),
+        reason=field("Reason"),
+        restarts=int(restarts) if restarts.isdigit() else 0,
+        nodes=expand_hostlist(nodes),
+        num_nodes=int(num_nodes.split("-")[0]) if num_nodes.split("-")[0].isdigit() else 0,
+        exit_code=field("ExitCode"),
+        batch_host=field("BatchHost"),
+    )
+
+
+def parse_squeue(text: str) -> dict[str, SlurmJobInfo]:
+    """Parse `squeue -h -o '%i|%T|%r|%D|%N'`."""
+    jobs: dict[str, SlurmJobInfo] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 2 or not parts[0]:
+            continue
+        job_id, state = parts[0], parts[1]
+        reason = parts[2] if len(parts) > 2 else ""
+        count = parts[3] if len(parts) > 3 else ""
+        nodes = expand_hostlist(parts[4]) if len(parts) > 4 else []
+        jobs[job_id] = SlurmJobInfo(
+            job_id, state, reason, nodes=nodes, num_nodes=int(count) if count.isdigit() else 0
+        )
+    return jobs
+
+
+def parse_sacct(text: str) -> dict[str, SlurmJobInfo]:
+    """Parse `sacct -n -X -P -o JobID,State,ExitCode,NodeList`; `CANCELLED by 0` → CANCELLED."""
+    jobs: dict[str, SlurmJobInfo] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 3 or not parts[0] or "." in parts[0]:
+            continue
+        state = parts[1].split()[0] if parts[1].split() else ""
+        nodes = expand_hostlist(parts[3]) if len(parts) > 3 and parts[3] != "None assigned" else []
+        jobs[parts[0]] = SlurmJobInfo(parts[0], state, exit_code=parts[2], nodes=nodes)
+    return jobs
+
+
+def parse_sinfo_nodes(text: str) -> dict[str, str]:
+    """Parse `sinfo -h -N -o '%N|%T'` → {node: state}; a trailing `*` means not responding."""
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, state = line.strip().partition("|")
+        if sep and name:
+            states[name] = state.strip().lower()
+    return states
+
+
+def node_is_down(state: str) -> bool:
+    """DOWN, FAIL (and DOWN+DRAIN, DOWN*, ...): the node is lost to its jobs. DRAIN alone lets jobs finish."""
+    base = state.rstrip("*~#!%$@^-").lower()
+    return base.startswith("down") or base == "fail"
+
+
+# --- the backend -----------------------------------------------------------------------------------------------
+
+
+class SlurmBackend(Backend):
+    """Runs trainer attempts as `srun` steps of Slurm batch jobs.
+
+    `profile` is the cluster profile (its `slurm:` section); `job` names the Slurm job. `use_sacct` forces the
+    accounting path on or off (None: detect once). `handoff_timeout_s` is how long a job waits after a switch
+    for its next attempt. `release_timeout_s` is how long a resubmission waits for the previous job, cancelled,
+    to end. `runner` runs Slurm commands (tests inject one); it gets an argv list and returns a CompletedProcess.
+
+    Never two attempts at once: a resubmission (other node count, or the previous job ended, crashed, was
+    requeued by Slurm or lost a node) first cancels the previous job and waits until Slurm reports it ended —
+    no process of it left (COMPLETING over) and no requeue that could bring it back. A requeued job that starts
+    anyway finds a newer attempt's launch.json and ends without running anything (`slurm_helper.py next`).
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        run_dir: RunDir,
+        profile: ClusterProfile | None = None,
+        job: Job | None = None,
+        use_sacct: bool | None = None,
+        handoff_timeout_s: float | None = None,
+        release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        runner: Any = None,
+    ) -> None:
+        if profile is None or profile.slurm is None:
+            raise ValueError(f"profile {getattr(profile, 'name', None)!r} has no slurm: section")
+        super().__init__(run_dir=run_dir, profile=profile, job=job)
+        self.profile: ClusterProfile = profile
+        self._use_sacct = use_sacct
+        if handoff_timeout_s is None:
+            handoff_timeout_s = float(os.environ.get("CONA_HANDOFF_TIMEOUT_S", DEFAULT_HANDOFF_TIMEOUT_S))
+        self.handoff_timeout_s = float(handoff_timeout_s)
+        self.release_timeout_s = float(release_timeout_s)
+        self.extra_env = dict(env or {})
+        self._runner = runner or _run
+        self._jobs: set[str] = set()
+
+    # -- Slurm commands ------------------------------------------------------------------------------------
+
+    def _cmd(
+        self, argv: list[str], *, check: bool = False, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        try:
+            result = self._runner(argv, env=env)
+        except FileNotFoundError:
+            raise SlurmError(
+                f"{argv[0]} not found: is this a Slurm login node (are the Slurm clients on PATH)?"
+            ) from None
+        except subprocess.TimeoutExpired:
+            raise SlurmError(
+                f"{shlex.join(argv)} timed out after {COMMAND_TIMEOUT_S}s (is slurmctld up?)"
+            ) from None
+        if check and result.returncode != 0:
+            message = (result.stderr or result.stdout or "").strip().splitlines()
+            raise SlurmError(
+                f"{shlex.join(argv)} failed: {message[-1] if message else f'exit {result.returncode}'}"
+            )
+        return result
+
+    @property
+    def use_sacct(self) -> bool:
+        """Whether `sacct` answers on this cluster (detected once)."""
+        if self._use_sacct is None:
+            try:
+                result = self._cmd(["sacct", "-n", "-X", "-P", "-o", "JobID", "-j", "1"])
+                self._use_sacct = result.returncode == 0
+            except SlurmError:
+                self._use_sacct = False
+        return self._use_sacct
+
+    def job_info(self, job_id: str) -> SlurmJobInfo | None:
+        """The job as slurmctld knows it (None once it has been purged, MinJobAge after its end)."""
+        if not job_id:
+            return None
+        result = self._cmd(["scontrol", "show", "job", "-o", str(job_id)])
+        if result.returncode != 0:
+            if "Invalid job id" in (result.stderr + result.stdout):
+                return None
+            raise SlurmError(f"scontrol show job {job_id} failed: {(result.stderr or result.stdout).strip()}")
+        return parse_scontrol_job(result.stdout)
+
+    def accounting(self, job_id: str) -> SlurmJobInfo | None:
+        """The job's final record from sacct, or None without accounting."""
+        if not job_id or not self.use_sacct:
+            return None
+        result = self._cmd(
+            ["sacct", "-n", "-X", "-P", "-o", "JobID,State,ExitCode,NodeList", "-j", str(job_id)]
+        )
+        if result.returncode != 0:
+            return None
+        return parse_sacct(result.stdout).get(str(job_id))
+
+    def node_states(self, nodes: list[str]) -> dict[str, str]:
+        if not nodes:
+            return {}
+        result = self._cmd(["sinfo", "-h", "-N", "-o", "%N|%T", "-n", ",".join(nodes)])
+        return parse_sinfo_nodes(result.stdout) if result.returncode == 0 else {}
+
+    def down_nodes(self, nodes: list[str]) -> list[str]:
+        return sorted(node for node, state in self.node_states(nodes).items() if node_is_down(state))
+
+    # -- run-directory records ------------------------------------------------------------------------------
+
+    def _attempt_file(self, attempt: int, name: str) -> Path:
+        return self.run_dir.attempt_dir(attempt) / name
+
+    def _record(self, attempt: int, name: str, submission: str | None) -> dict[str, Any] | None:
+        """attempts/<n>/<name> when it belongs to `submission` (or to any, when None)."""
+        try:
+            data = read_json(self._attempt_file(attempt, name))
+        except (ValueError, OSError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        if submission is not None and data.get("submission") != submission:
+            return None
+        return data
+
+    def exit_record(self, attempt: Attempt) -> dict[str, Any] | None:
+        """The attempt's slurm-exit.json as written by its job, if that job has written one."""
+        return self._record(attempt.number, "slurm-exit.json", attempt.extra.get("submission"))
+
+    # -- Backend API ---------------------------------------------------------------------------------------
+
+    def render(self, *, strategy: Strategy) -> str:
+        """The batch script every submission of this run uses (the strategy reaches it through launch.json)."""
+        return render_batch_script(self.profile, self.job, str(self.run_dir.root))
+
+    def placement(self, strategy: Strategy) -> tuple[int, int]:
+        return placement(strategy, self.profile.gpus_per_node, self.profile.nodes)
+
+    # A relaunch is a new srun step in the running allocation: step start on every node, interpreter and imports,
+    # the c10d rendezvous and, on GPUs, NCCL initialisation. Another node count needs a new allocation: the
+    # resubmission adds the previous job's release and the queue, which no profile can know in advance.
+    relaunch_overhead_s = 30.0
+    resubmit_overhead_s = 120.0
+
+    def switch_kind(self, current: Strategy, target: Strategy, *, in_place_allowed: bool) -> SwitchKind:
+        if self.placement(current)[0] != self.placement(target)[0]:
+            return SwitchKind.RESUBMIT
+        return super().switch_kind(current, target, in_place_allowed=in_place_allowed)
+
+    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+        nnodes, nproc = self.placement(strategy)
+        (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
+        extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
+        if previous is not None and self._can_relaunch_in_place(previous, nnodes):
+            # "in-place" here: a new srun step of the same allocation (the processes are new).
+            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="in-place")
+            self.write_launch(attempt, strategy, **extra)
+            return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
+
+        if previous is not None and previous.backend_id:
+            # A job idling in its hand-off loop runs nothing and ends once it sees the newer attempt; any other
+            # previous job may still have trainer processes, or run the attempt again after a requeue.
+            idle = (self.exit_record(previous) or {}).get("action") == "wait"
+            self._release(previous.backend_id, wait=not idle)
+        extra.update(submission=secrets.token_hex(8), mode="submit")
+        self.write_launch(attempt, strategy, **extra)
+        if self.profile.slurm.use_submitit:
+            job_id = self._submit_submitit(nnodes, extra["submission"])
+        else:
+            job_id = self._submit_sbatch(nnodes, extra["submission"])
+        extra["job_id"] = job_id
+        self.write_launch(attempt, strategy, **extra)  # the same record, now with the job id
+        self._jobs.add(job_id)
+        return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
+
+    def _can_relaunch_in_place(self, previous: Attempt, nnodes: int) -> bool:
+        """The previous attempt's job is alive, waiting for a hand-off, on the same number of nodes."""
+        submission = previous.extra.get("submission")
+        if not submission or not previous.backend_id:
+            return False
+        if int(previous.extra.get("nnodes", -1)) != nnodes:
+            return False
+        done = self._record(previous.number, "slurm-exit.json", submission)
+        if not done or done.get("action") != "wait":
+            return False
+        if time.time() - float(done.get("time", 0)) > self.handoff_timeout_s - 10:
+            return False  # the job is about to give up waiting
+        info = self.job_info(previous.backend_id)
+        return info is not None and info.state == "RUNNING" and (info.num_nodes in (0, nnodes))
+
+    def _release(self, job_id: str, *, wait: bool = True) -> None:
+        """Cancel a job of this run that is still alive (idle after a switch, requeued, or on a dead node).
+
+        With `wait`, return only once Slurm reports it ended: a job on a DOWN node that Slurm requeues, or one
+        cancelled while its trainers checkpoint on SIGTERM, must not overlap the attempt submitted next.
+        """
+        info = self.job_info(job_id)
+        if info is None or not info.alive:
+            return
+        self._cmd(["scancel", str(job_id)])
+        deadline = time.monotonic() + self.release_timeout_s
+        while wait:
+            time.sleep(0.5)
+            info = self.job_info(job_id)
+            if info is None or not info.alive:
+                return
+            if time.monotonic() > deadline:
+                raise SlurmError(
+                    f"job {job_id} is still {info.state} {self.release_timeout_s:.0f}s after scancel; not "
+                    "submitting the next attempt beside it (cancel it, then `cona run --resume`)"
+                )
+            if info.pending:
+                self._cmd(["scancel", str(job_id)])  # requeued by Slurm meanwhile
+
+    def submission_env(self) -> dict[str, str]:
+        """The environment sbatch passes on to the job (`--export=ALL`).
+
+        When `slurm.python` is a bare name, the directory of this interpreter goes first on PATH: on a cluster
+        whose nodes share the orchestrator's filesystem, `python3` is then the same virtualenv; elsewhere the
+        directory does not exist on the node and PATH lookup moves on.
+
+        When the orchestrator itself runs in a Slurm job, that job's own variables (SLURM_JOB_ID,
+        SLURM_CPUS_PER_TASK, SLURM_NTASKS, SLURM_MEM_PER_CPU, ...) are left out: the training job would inherit
+        them, and its `srun` would take them as options (one CPU per trainer, a memory-option conflict).
+        """
+        env = dict(os.environ)
+        if "SLURM_JOB_ID" in env:
+            for key in [k for k in env if k.startswith(_JOB_VARIABLE_PREFIXES) and k not in _CLIENT_VARIABLES]:
+                del env[key]
+        words = self.profile.slurm.python.split()
+        if words and "/" not in words[0]:
+            bindir = os.path.dirname(os.path.abspath(sys.executable))
+            path = env.get("PATH", "")
+            if bindir not in path.split(os.pathsep):
+                env["PATH"] = bindir + (os.pathsep + path if path else "")
+        env["CONA_HANDOFF_TIMEOUT_S"] = str(int(self.handoff_timeout_s))
+        env.update(self.extra_env)
+        return env
+
+    def script_path(self) -> Path:
+        return self.run_dir.root / "slurm" / "cona.sbatch"
+
+    def write_script(self) -> Path:
+        text = render_batch_script(self.profile, self.job, self.run_dir.root.absolute())
+        path = self.script_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+        return path
+
+    def _submit_sbatch(self, nnodes: int, submission: str) -> str:
+        script = self.write_script()
+        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", str(script), submission]
+        result = self._cmd(argv, check=True, env=self.submission_env())
+        job_id = result.stdout.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise SlurmError(f"sbatch printed no job id: {result.stdout.strip()!r}")
+        return job_id
+
+    def _submit_submitit(self, nnodes: int, submission: str) -> str:
+        """Submit the same batch loop through submitit: the script runs in the batch step (no srun wrapper).
+
+        The pre-timeout signal goes to the job's steps (`--signal=USR1@N`, not `B:`): the trainers checkpoint and
+        exit 43 and, as no stop was requested in control.json, the loop requeues the job.
+        """
+        import submitit
+
+        spec = self.profile.slurm
+        script = self.write_script()
+        folder = self.run_dir.root / "slurm" / "submitit"
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit, "ntasks_per_node": 1}
+        if spec.signal_before_timeout_s > 0:
+            additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
+        for entry in spec.extra_sbatch:
+            option, value = parse_extra_option(entry)
+            additional[option.lstrip("-").replace("-", "_")] = True if value is None else value
+        params: dict[str, Any] = {
+            "name": (self.job.name if self.job is not None else self.run_dir.root.name),
+            "nodes": nnodes,
+            "slurm_use_srun": False,
+            "slurm_setup": list(spec.setup),
+            "slurm_additional_parameters": additional,
+        }
+        if spec.partition:
+            params["slurm_partition"] = spec.partition
+        if spec.account:
+            additional["account"] = spec.account
+        if spec.qos:
+            additional["qos"] = spec.qos
+        if spec.gpus_per_node_flag:
+            params["slurm_gpus_per_node"] = self.profile.gpus_per_node
+        executor.update_parameters(**params)
+        env = self.submission_env()
+        # no env=: the command inherits the job's environment (SLURM_* and what sbatch exported from `env`)
+        function = submitit.helpers.CommandFunction(["bash", str(script), submission])
+        saved = dict(os.environ)
+        try:  # sbatch (run by submitit) exports this process's environment
+            os.environ.clear()
+            os.environ.update(env)
+            job = executor.submit(function)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return str(job.job_id).split("_")[0]
+
+    def poll(self, attempt: Attempt) -> Outcome:
+        try:
+            return self._poll(attempt)
+        except SlurmError as e:
+            # slurmctld busy or restarting (`Socket timed out`, `Unable to contact slurm controller`): nothing
+            # is known to have changed; ask again at the next poll (heartbeats still tell a hang).
+            return Outcome(AttemptStatus.RUNNING, None, f"Slurm did not answer ({e}); asking again")
+
+    def _poll(self, attempt: Attempt) -> Outcome:
+        job_id = attempt.backend_id
+        done = self.exit_record(attempt)
+        if done is not None and not done.get("requeued"):
+            return _outcome_from_exit(done, job_id)
+        info = self.job_info(job_id)
+        if info is not None and info.alive:
+            restarts = f", requeued {info.restarts}x" if info.restarts else ""
+            if info.pending:
+                why = f" ({info.reason})" if info.reason and info.reason != "None" else ""
+                started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission")) or {}
+                down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
+                lost = f"; node {','.join(down)} DOWN" if down else ""
+                return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}")
+            down = self.down_nodes(info.nodes)
+            if down:
+                return Outcome(
+                    AttemptStatus.CRASHED,
+                    None,
+                    f"node {','.join(down)} DOWN (job {job_id} {info.state}{restarts})",
+                )
+            return Outcome(
+                AttemptStatus.RUNNING, None, f"job {job_id} {info.state} on {','.join(info.nodes)}{restarts}"
+            )
+        # The job has ended (or is unknown): the run directory says how; re-read in case it just wrote.
+        done = self.exit_record(attempt)
+        if done is not None and not done.get("requeued"):
+            return _outcome_from_exit(done, job_id)
+        final = self.accounting(job_id) or info
+        how = f"{final.state} (exit {final.exit_code})" if final is not None else "gone from the queue"
+        if done is not None:  # the attempt was to run again after a requeue, but the job did not come back
+            code = int(done.get("code", 1))
+            status = AttemptStatus.STOPPED if code == ExitCode.STOPPED else AttemptStatus.CRASHED
+            return Outcome(status, code, f"exit {code} for a requeue, but job {job_id} ended: {how}")
+        started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission"))
+        when = "" if started else " before the attempt started"
+        code = final.exit_status if final is not None and final.exit_status else None
+        return Outcome(
+            AttemptStatus.CRASHED,
+            code,
+            f"job {job_id} {how}{when}, no exit record for attempt {attempt.number}",
+        )
+
+    def cancel(self, attempt: Attempt) -> None:
+        if not attempt.backend_id:
+            return
+        info = self.job_info(attempt.backend_id)
+        if info is not None and info.alive:
+            self._cmd(["scancel", str(attempt.backend_id)])
+
+    def adopt(self, attempt: Attempt) -> bool:
+        alive = not self.poll(attempt).status.finished
+        if alive and attempt.backend_id:
+            self._jobs.add(attempt.backend_id)
+        return alive
+
+    def close(self) -> None:
+        """Cancel this run's jobs that are still alive (an allocation idling after the last attempt)."""
+        for job_id in sorted(self._jobs):
+            with contextlib.suppress(SlurmError):
+                self._release(job_id, wait=False)
+        self._jobs.clear()
+
+
+def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:
+    code = done.get("code")
+    code = int(code) if isinstance(code, int) else None
+    status = AttemptStatus.from_exit_code(code)
+    detail = f"exit {code} in job {job_id}"
+    if done.get("signal"):
+        detail += f" after SIG{done['signal']}"
+    if done.get("detail"):
+        detail += f": {done['detail']}"
+    return Outcome(status, code, detail)
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,
+        env={**(env or os.environ), "LC_ALL": "C"},
+    )  # fmt: skip
