@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["BACKENDS", "Attempt", "AttemptStatus", "Backend", "Outcome", "backend_class", "make_backend"]
 
 BACKENDS: dict[str, str] = {
-    "local": "cona.orchestrator.backends.local:LocalBackend",
+    "local": "cona.orchestrator.backends.local.backend:LocalBackend",
     "slurm": "cona.orchestrator.backends.slurm.backend:SlurmBackend",
 }
 """Backend name (a profile's `backend:`) → `module:class`."""
