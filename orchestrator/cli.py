@@ -163,6 +163,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+RENDER_ONLY = ("kubernetes",)
+"""Backends `cona render` knows before they are registered in BACKENDS (they render but cannot run yet)."""
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from cona.orchestrator.backends import backend_class
     from cona.orchestrator.job import load_job
@@ -179,13 +183,19 @@ def cmd_render(args: argparse.Namespace) -> int:
             f"{args.profile}: backend is {profile.backend!r}; `cona render {args.target}` needs a {args.target} profile"
         )
     run_dir = RunDir(Path(args.run_dir or f"{profile.storage.run_root}/{job.name}-RUN"))
-    backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
     # The strategy the run would start with: the policy's own choice over the feasible candidates.
     candidates = [c for c in enumerate_candidates(profile=profile, job=job) if c.feasible]
     if not candidates:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
     policy = make_policy(job, profile=profile, candidates=candidates)
     strategy = policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
+    if args.target not in BACKENDS and args.target in RENDER_ONLY:
+        # Renders before the backend is registered: the manifests of the first attempt.
+        from cona.orchestrator.backends.kubernetes.render import render_text
+
+        sys.stdout.write(render_text(profile=profile, job=job, strategy=strategy, run_dir=str(run_dir.root)))
+        return 0
+    backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
     sys.stdout.write(backend.render(strategy=strategy))
     return 0
 
@@ -256,10 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory)")
     report.set_defaults(func=cmd_report)
 
-    render = sub.add_parser("render", help="print what cona would run or submit (the Slurm batch script, the local command)",
+    render = sub.add_parser("render", help="print what cona would run or submit (the Slurm batch script, the local "
+                            "command, the Kubernetes manifests)",
                             description="Render the sbatch script `cona run` submits for a Slurm profile, with "
-                            "every profile value shell-quoted.")  # fmt: skip
-    render.add_argument("target", choices=sorted(BACKENDS), help="the backend (slurm: the batch script; local: the command)")
+                            "every profile value shell-quoted, the local command, or the Kubernetes objects (headless "
+                            "Service and Indexed Job) of a run's first attempt.")  # fmt: skip
+    render.add_argument("target", choices=sorted({*BACKENDS, *RENDER_ONLY}),
+                        help="the backend (slurm: the batch script; local: the command; kubernetes: the manifests)")  # fmt: skip
     _add_config_args(render)
     render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")
     render.set_defaults(func=cmd_render)

@@ -15,6 +15,7 @@ class KubernetesSpec(StrictModel):
     """How to run on Kubernetes."""
 
     namespace: str = "default"
+    """Namespace of the run's workloads (a DNS-1123 label); `manifests/` creates `cona`."""
     image: str = "ghcr.io/cona-project/cona:latest"
     """Container image with cona and torch installed."""
     pvc: str = "cona-runs"
@@ -22,9 +23,18 @@ class KubernetesSpec(StrictModel):
     mount_path: str = "/runs"
     """Where the PVC is mounted in every pod (storage.run_root should lie under it)."""
     service_account: str = "cona"
+    """ServiceAccount of the trainer pods (`manifests/` creates `cona` with its Role)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the trainer pods must match (e.g. the GPU product)."""
     tolerations: list[dict[str, str | int]] = Field(default_factory=list)
+    """Tolerations of the trainer pods, as in a pod spec (key, operator, value, effect, tolerationSeconds)."""
     workload: Literal["indexed-job", "jobset", "pytorchjob"] = "indexed-job"
-    """The training workload kind."""
+    """The training workload kind. Only `indexed-job` renders so far (an Indexed Job plus a headless Service)."""
     gpu_resource: str = "nvidia.com/gpu"
     """Extended resource name requested per pod."""
+    rendezvous_port: int = Field(default=29400, ge=1, le=65535)
+    """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`)."""
+    pending_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the backend lets an attempt's pods stay Pending (unschedulable, image pull) before it gives up."""
+    shm_size: str | None = None
+    """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""

@@ -1,0 +1,320 @@
+"""Render one attempt's training workload as Kubernetes objects (plain dicts), and as YAML for `cona render kubernetes`.
+
+Pure functions: no API calls, no torch, no files read. The default workload (`kubernetes.workload: indexed-job`)
+is an Indexed Job with one pod per node the strategy is placed on (`cona.protocol.feasibility.placement`) and a
+headless Service whose name is the pods' `subdomain`, so pod 0 answers at `<job>-0.<service>` and serves torchrun's
+c10d rendezvous there. Each pod runs torchrun directly from an argv list (no shell):
+
+    python -m torch.distributed.run --nnodes=N --nproc-per-node=G --node-rank=$(JOB_COMPLETION_INDEX)
+        --rdzv-backend=c10d --rdzv-id=<job> --rdzv-endpoint=<job>-0.<service>:<port> --max-restarts=0
+        -m cona.trainer --run-dir <run dir on the PVC> --attempt <n>
+
+Kubernetes expands `$(VAR)` in `command`, `args` and `env` values; the only reference cona writes on purpose is
+`$(JOB_COMPLETION_INDEX)`. Every `$` of a value that comes from the profile or job is doubled (`$$` expands to
+`$`), so `$(rm -rf /)` in a run directory reaches torchrun literally. No value ever passes through a shell.
+
+The Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world does
+not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such an
+exit is replaced without counting as a failure. `backoffLimit: 0`: any other failure ends the attempt, and the
+orchestrator decides what follows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from cona.protocol.feasibility import placement
+from cona.protocol.rundir import ExitCode
+from cona.protocol.yamlconfig import ConfigError
+
+if TYPE_CHECKING:
+    from cona.orchestrator.backends.kubernetes.spec import KubernetesSpec
+    from cona.orchestrator.job import Job
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.protocol.strategy import Strategy
+
+CONTAINER = "trainer"
+"""The trainer container's name (the podFailurePolicy's exit-code rule names it)."""
+PYTHON = "python"
+"""The interpreter in the image (the root Dockerfile installs cona into it)."""
+MAX_NAME = 52
+"""Longest Job/Service name: an Indexed Job's pod hostname is `<job>-<index>` and must stay a 63-character label."""
+MAX_LABEL = 63
+RUN_UID = 1000
+"""The non-root user of the image (Dockerfile `USER 1000`); also the group that owns files on the PVC."""
+PROTOCOL_EXIT_CODES = sorted(int(code) for code in ExitCode if code != ExitCode.DONE)
+"""Exit codes that end the Job at once (Kubernetes wants them ascending): 2, 42, 43, 44."""
+ENV_REFERENCE = "$(JOB_COMPLETION_INDEX)"
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_QUALIFIED = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_BAD_IMAGE = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+def escape(value: str) -> str:
+    """`value` as Kubernetes must see it in `command`/`args`/`env` so that it expands to itself: `$` → `$$`."""
+    return value.replace("$", "$$")
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()[:8]
+
+
+def dns_name(value: str, limit: int = MAX_NAME) -> str:
+    """A DNS-1035 label (lower-case letters, digits, `-`; starts with a letter) of at most `limit` characters for
+    `value`: other characters become `-`; a name that had to be shortened ends in a hash of the original."""
+    name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", value.lower())).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"r-{name}".rstrip("-")
+    if len(name) > limit:
+        name = f"{name[: limit - 9].rstrip('-')}-{_digest(value)}"
+    return name
+
+
+def label_value(value: str) -> str:
+    """`value` as a label value (≤ 63 characters of `[A-Za-z0-9_.-]`, alphanumeric at both ends)."""
+    text = re.sub(r"[^A-Za-z0-9_.-]", "-", value).strip("-_.")
+    if len(text) > MAX_LABEL or text != value:
+        text = f"{text[: MAX_LABEL - 9].strip('-_.')}-{_digest(value)}".strip("-")
+    return text
+
+
+def workload_names(run_name: str, attempt: int) -> tuple[str, str]:
+    """(Job name, Service name) of a run's attempt; the same DNS-1035 label ≤ 52 characters for both."""
+    suffix = f"-a{int(attempt)}"
+    base = dns_name(run_name, MAX_NAME - len(suffix))
+    name = f"{base}{suffix}"
+    return name, name
+
+
+def _check(what: str, value: str, pattern: re.Pattern[str], limit: int, expected: str) -> str:
+    if len(value) > limit or not pattern.fullmatch(value):
+        shown = value.encode("unicode_escape").decode()
+        raise ConfigError(f"{what}: {shown!r} is not {expected} (at most {limit} characters)")
+    return value
+
+
+def check_spec(spec: KubernetesSpec) -> None:
+    """Reject profile values that cannot be names in a manifest, with one line naming the field."""
+    _check("kubernetes.namespace", spec.namespace, _DNS_LABEL, 63, "a DNS-1123 label")
+    _check("kubernetes.pvc", spec.pvc, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
+    _check("kubernetes.service_account", spec.service_account, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
+    _check("kubernetes.gpu_resource", spec.gpu_resource, _QUALIFIED, 316, "a resource name such as nvidia.com/gpu")
+    if not spec.image or _BAD_IMAGE.search(spec.image):
+        shown = spec.image.encode("unicode_escape").decode()
+        raise ConfigError(f"kubernetes.image: {shown!r} is empty or contains whitespace or a control character")
+    if spec.shm_size is not None:
+        _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
+    if not spec.mount_path.startswith("/"):
+        raise ConfigError(f"kubernetes.mount_path: {spec.mount_path!r} is not an absolute path")
+
+
+def _run_dir_on_pvc(run_dir: str, mount_path: str) -> str:
+    path = PurePosixPath(run_dir)
+    mount = PurePosixPath(mount_path)
+    if not path.is_absolute() or ".." in path.parts or (path != mount and mount not in path.parents):
+        raise ConfigError(
+            f"run directory {run_dir!r} is not under kubernetes.mount_path {mount_path!r}: the pods would not "
+            "see it (put storage.run_root under the mount path)"
+        )
+    if "\x00" in run_dir:
+        raise ConfigError("run directory: contains a NUL character")
+    return run_dir
+
+
+def labels(*, run_name: str, name: str, attempt: int | None = None) -> dict[str, str]:
+    """The standard labels of a run's objects, plus `cona.dev/run` (and `cona.dev/attempt`)."""
+    result = {
+        "app.kubernetes.io/name": "cona",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/part-of": "cona",
+        "app.kubernetes.io/managed-by": "cona-orchestrator",
+        "cona.dev/run": label_value(run_name),
+    }
+    if attempt is not None:
+        result["cona.dev/attempt"] = str(int(attempt))
+    return result
+
+
+def trainer_argv(
+    *, nnodes: int, nproc_per_node: int, rdzv_id: str, endpoint: str, run_dir: str, attempt: int
+) -> list[str]:
+    """The trainer container's command: torchrun under c10d rendezvous, as an argv list with user values escaped."""
+    return [
+        PYTHON, "-m", "torch.distributed.run",
+        f"--nnodes={int(nnodes)}", f"--nproc-per-node={int(nproc_per_node)}", f"--node-rank={ENV_REFERENCE}",
+        "--rdzv-backend=c10d", f"--rdzv-id={escape(rdzv_id)}", f"--rdzv-endpoint={escape(endpoint)}",
+        "--max-restarts=0",
+        "-m", "cona.trainer", "--run-dir", escape(run_dir), "--attempt", str(int(attempt)),
+    ]  # fmt: skip
+
+
+def _pod_spec(spec: KubernetesSpec, *, service: str, argv: list[str], gpus: int, attempt: int) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": argv,
+        "env": [
+            # Declared here (the Job controller would add the same) so that `$(JOB_COMPLETION_INDEX)` in the
+            # command visibly refers to a variable of this container.
+            {
+                "name": "JOB_COMPLETION_INDEX",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+                },
+            },
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
+        ],
+        "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
+        "resources": {"limits": {spec.gpu_resource: gpus}},
+        "volumeMounts": [
+            {"name": "runs", "mountPath": spec.mount_path},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size is not None:
+        shm["sizeLimit"] = spec.shm_size
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": service,
+        "serviceAccountName": spec.service_account,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_UID,
+            "runAsGroup": RUN_UID,
+            "fsGroup": RUN_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
+            {"name": "dshm", "emptyDir": shm},
+        ],
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+    return pod
+
+
+def render_attempt(
+    *,
+    profile: ClusterProfile,
+    strategy: Strategy,
+    attempt: int,
+    run_dir: str,
+    run_name: str | None = None,
+    job: Job | None = None,
+) -> list[dict[str, Any]]:
+    """The objects of one attempt, Service first: [headless Service, Indexed Job].
+
+    `run_dir` is the run directory as the pods see it (under `kubernetes.mount_path`); `run_name` defaults to its
+    last component. `job` is accepted for the other backends' signature and not needed (the trainer reads the job
+    from run.yaml). Raises ConfigError for profile values that cannot be rendered, ValueError for a strategy that
+    does not fit the profile's nodes or a workload kind that does not render yet.
+    """
+    del job
+    spec = profile.kubernetes
+    if spec is None:
+        raise ConfigError(f"profile {profile.name!r} has no kubernetes: section (backend is {profile.backend!r})")
+    if spec.workload != "indexed-job":
+        raise ValueError(f"workload {spec.workload!r} is not supported yet; use indexed-job")
+    check_spec(spec)
+    run_dir = _run_dir_on_pvc(str(run_dir), spec.mount_path)
+    run_name = run_name if run_name is not None else PurePosixPath(run_dir).name
+    nnodes, per_node = placement(strategy, profile.gpus_per_node, profile.nodes)
+    name, service = workload_names(run_name, attempt)
+    meta_labels = labels(run_name=run_name, name=name, attempt=attempt)
+    selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
+    argv = trainer_argv(
+        nnodes=nnodes, nproc_per_node=per_node, rdzv_id=name,
+        endpoint=f"{name}-0.{service}:{spec.rendezvous_port}", run_dir=run_dir, attempt=attempt,
+    )  # fmt: skip
+    annotations = {"cona.dev/strategy": str(strategy), "cona.dev/run-dir": run_dir}
+    service_obj = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service, "namespace": spec.namespace, "labels": meta_labels},
+        "spec": {
+            "clusterIP": "None",
+            # Pod 0 must resolve before it is ready: it is the rendezvous host.
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": "rdzv", "port": spec.rendezvous_port, "targetPort": "rdzv", "protocol": "TCP"}],
+        },
+    }
+    job_obj = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": meta_labels, "annotations": annotations},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nnodes,
+            "parallelism": nnodes,
+            "backoffLimit": 0,
+            # A replacement pod starts only once the one it replaces is gone (no two pods of one index).
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {
+                "rules": [
+                    # The trainer ended on purpose (switch, stop, world does not fit, bad input): end the Job
+                    # now; the orchestrator reads exit.json and launches the next attempt.
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": PROTOCOL_EXIT_CODES},
+                    },
+                    # Eviction, preemption, node drain: replace the pod without counting it against backoffLimit.
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                ]
+            },
+            "template": {
+                "metadata": {"labels": meta_labels, "annotations": annotations},
+                "spec": _pod_spec(spec, service=service, argv=argv, gpus=per_node, attempt=attempt),
+            },
+        },
+    }
+    return [service_obj, job_obj]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML without anchors and aliases (shared label dicts are written out each time)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def render_text(
+    *,
+    profile: ClusterProfile,
+    strategy: Strategy,
+    run_dir: str,
+    job: Job | None = None,
+    attempt: int = 1,
+    run_name: str | None = None,
+) -> str:
+    """Multi-document YAML of an attempt's objects (`cona render kubernetes`), after a comment saying what it is."""
+    objects = render_attempt(
+        profile=profile, strategy=strategy, attempt=attempt, run_dir=run_dir, run_name=run_name, job=job
+    )
+    header = (
+        f"# cona kubernetes workload of attempt {int(attempt)} under {strategy}\n"
+        "# (the orchestrator also writes attempts/<n>/launch.json on the PVC before it creates these)\n"
+    )
+    documents = [yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000) for obj in objects]
+    return header + "---\n" + "---\n".join(documents)
