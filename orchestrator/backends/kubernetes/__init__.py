@@ -1,3 +1,3 @@
-"""The Kubernetes backend's package. For now it holds only the profile's `kubernetes:` section (`spec.py`); the
-backend itself is not registered yet (`cona.orchestrator.backends.BACKENDS`), so a kubernetes profile can be planned
-with `cona plan` but not run."""
+"""The Kubernetes backend's package: the profile's `kubernetes:` section (`spec.py`) and the rendering of an
+attempt's objects (`render.py`, behind `cona render kubernetes`). The backend itself is not registered yet
+(`cona.orchestrator.backends.BACKENDS`), so a kubernetes profile can be planned and rendered but not run."""
