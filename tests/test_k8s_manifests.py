@@ -359,3 +359,17 @@ def test_cona_render_kubernetes_refuses_another_backends_profile():
                    "--job", str(EXAMPLES / "tiny-gpt.yaml"))  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "`cona render kubernetes` needs a kubernetes profile" in out.stderr
+
+
+def test_cona_render_kubernetes_keeps_a_hostile_job_name_inert():
+    name = "x\";$(rm -rf /)'`id`"
+    out = run_cona("render", "kubernetes", "--profile", str(K8S_PROFILE), "--job", str(EXAMPLES / "tiny-gpt.yaml"),
+                   "--set", f"name={name}")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    for doc in docs:
+        _validate(doc)
+        assert DNS_1035.fullmatch(doc["metadata"]["name"])
+    argv = _container(docs)["command"]
+    assert _flag(argv, "--run-dir") == escape(f"/runs/{name}-RUN")
+    assert k8s_expand(_flag(argv, "--run-dir"), {"rm -rf /": "BOOM"}) == f"/runs/{name}-RUN"

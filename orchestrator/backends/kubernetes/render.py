@@ -13,6 +13,11 @@ Kubernetes expands `$(VAR)` in `command`, `args` and `env` values; the only refe
 `$(JOB_COMPLETION_INDEX)`. Every `$` of a value that comes from the profile or job is doubled (`$$` expands to
 `$`), so `$(rm -rf /)` in a run directory reaches torchrun literally. No value ever passes through a shell.
 
+torchrun picks the c10d store's host by resolving the endpoint and comparing the addresses with its own, so pod 0
+hosts the store only if its own DNS record (published before readiness) already resolves when torchrun starts; if
+not, no pod hosts it and the attempt fails at rendezvous. Not seen yet (nothing runs on a cluster so far); the
+launch step should watch for it and, if needed, move to torchrun's static rendezvous (`--master-addr`).
+
 The Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world does
 not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such an
 exit is replaced without counting as a failure. `backoffLimit: 0`: any other failure ends the attempt, and the
