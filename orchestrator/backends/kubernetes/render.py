@@ -204,6 +204,8 @@ def _pod_spec(spec: KubernetesSpec, *, service: str, argv: list[str], gpus: int,
             "runAsUser": RUN_UID,
             "runAsGroup": RUN_UID,
             "fsGroup": RUN_UID,
+            # Change ownership only when the volume's root does not match: a large PVC is not walked per pod.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
