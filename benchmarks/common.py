@@ -68,6 +68,15 @@ def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Pa
     return path
 
 
+def shown(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it (as the results name their files), else as given
+    (an `--out` outside the repository)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

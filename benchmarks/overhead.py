@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt_s, print_table, write_json
+from benchmarks.common import REPO, fmt_s, print_table, shown, write_json
 
 SETTINGS = {
     "full": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true", "policy.noise_estimator=adam"],
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{(inproc['step_cpu_s_with_statistics'] - off) * 1e3:.2f} ms ({inproc['statistics_fraction'] * 100:.1f}%), "
           f"plain {(inproc['step_cpu_s_with_plain_statistics'] - off) * 1e3:.2f} ms "
           f"({inproc['plain_statistics_fraction'] * 100:.1f}%) of a {off * 1e3:.1f} ms step (world of one)")
-    print(f"JSON {path.relative_to(REPO)}")
+    print(f"JSON {shown(path)}")
     rows = []
     for layout, r in e2e.items():
         med = r["median_step_time_s"]

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt_s, print_table, write_json
+from benchmarks.common import REPO, fmt_s, print_table, shown, write_json
 
 MODELS: dict[str, list[str]] = {
     "tiny": [],  # examples/tiny-gpt.yaml: 0.24M parameters
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['read_bytes_per_s'] / 1e6:,.0f} MB/s, python -c 'import torch' {f['import_torch_s']:.2f} s; "
               f"launch+rdzv (in place: rebuild) parts of switch #1: "
               + ", ".join(f"{k} {fmt_s(v)}" for k, v in run["switches"][0]["launch_parts_s"].items()))  # fmt: skip
-    print(f"JSON {path.relative_to(REPO)}")
+    print(f"JSON {shown(path)}")
     print_table("switch cost on the local backend (decision → first step under the new strategy)",
                 ["switch", "checkpoint", *PHASES, "total", "floor", "total/floor"], rows)  # fmt: skip
     return 0

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, finite, fmt_ratio, fmt_s, print_table, spread, write_json
+from benchmarks.common import REPO, RESULTS, finite, fmt_ratio, fmt_s, print_table, shown, spread, write_json
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # Targets in nats per target byte; 1.72 is about examples/tiny-gpt.yaml's val_perplexity 5.5. --quick runs gpt only,
@@ -774,9 +774,9 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     for workload, w in report["workloads"].items():
         targets = w.get("targets") or w["summary"]["targets"]
         w["summary"] = summarize(workload, targets, w["runs"], preset_base)
-        png = RESULTS / f"{Path(name).stem}-{workload}.png"  # ttp-gpt.png, ttp-quick-gpt.png, <--out>-gpt.png
+        png = (RESULTS / name).parent / f"{Path(name).stem}-{workload}.png"  # ttp-gpt.png, <--out>-gpt.png beside the JSON
         plot(workload, w["runs"], targets, png)
-        w["plot"] = str(png.relative_to(REPO))
+        w["plot"] = shown(png)
     if keep_header:  # --resummarize: the machine and command are those of the run that trained
         path = RESULTS / name
         report["resummarized"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -786,7 +786,7 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     c = report["cluster"]
     print(f"cluster: {c['preset']} ({c['preset_params'] / 1e6:,.0f}M) on {c['profile']}, {c['num_candidates']} "
           f"candidates, tiny gbs = preset gbs / {c['gbs_scale']}, switch {c['switch_cost_s']:.1f} s modeled; "
-          f"wall {report['wall_s']:.0f} s; JSON {path.relative_to(REPO)}")  # fmt: skip
+          f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")  # fmt: skip
     for workload, w in report["workloads"].items():
         print_summary(workload, w["summary"], w["runs"])
     return path
