@@ -26,3 +26,12 @@ def run_cona(*args: str, cwd: Path | None = None, timeout: float = 120, env: dic
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def k8s():
+    """The Kubernetes API emulator (`tests/k8s_emulator.py`), started for one test and stopped after it."""
+    from tests.k8s_emulator import running_emulator
+
+    with running_emulator() as emulator:
+        yield emulator

@@ -191,7 +191,7 @@ def test_job_completions_match_the_placement_for_a_multi_node_strategy():
     assert "args" not in container
     assert argv[:3] == ["python", "-m", "torch.distributed.run"]
     assert "--nnodes=4" in argv and "--nproc-per-node=8" in argv and "--node-rank=$(JOB_COMPLETION_INDEX)" in argv
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert argv[-6:] == ["-m", "cona.trainer", "--run-dir", "/runs/r", "--attempt", "3"]
 
 
@@ -199,7 +199,7 @@ def test_single_node_strategy_uses_one_pod_with_its_processes():
     strategy = Strategy.parse("dp=2,tp=2,pp=1,mbs=1,gbs=8")
     container = _container(render_attempt(profile=load_profile(K8S_PROFILE), strategy=strategy, attempt=1, run_dir="/runs/r"))
     assert "--nnodes=1" in container["command"] and "--nproc-per-node=4" in container["command"]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
 
 
 def test_pod_failure_policy_ends_the_job_on_every_protocol_exit_code():

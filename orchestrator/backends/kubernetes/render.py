@@ -180,7 +180,8 @@ def _pod_spec(spec: KubernetesSpec, *, service: str, argv: list[str], gpus: int,
             {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
         ],
         "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
-        "resources": {"limits": {spec.gpu_resource: gpus}},
+        # A quantity is a string in the API (the official client refuses an int here).
+        "resources": {"limits": {spec.gpu_resource: str(int(gpus))}},
         "volumeMounts": [
             {"name": "runs", "mountPath": spec.mount_path},
             {"name": "dshm", "mountPath": "/dev/shm"},

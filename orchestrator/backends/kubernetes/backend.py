@@ -1,0 +1,284 @@
+"""The Kubernetes backend: one headless Service and one Indexed Job per attempt (`render.py` renders them).
+
+`launch` writes the attempt's launch record on the PVC (the trainer reads its strategy there), then creates the
+Service and the Job. `poll` reads the Job's conditions and its pods (container exit codes, scheduling messages,
+disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1 whatever protocol code
+a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read, as on the other
+backends. `cancel` deletes the Job (foreground: its pods go first) and the Service.
+
+Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, create/delete on
+services, list on pods. An API error becomes a one-line `BackendError` naming the object and what to do.
+
+The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light.
+The backend is not registered in `cona.orchestrator.backends.BACKENDS` yet: it is tested against the Kubernetes
+API emulator (`tests/test_k8s_backend.py`), not through a whole `cona run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.backends.kubernetes.render import CONTAINER, render_attempt, render_text
+from cona.protocol.yamlconfig import ConfigError
+
+if TYPE_CHECKING:
+    from cona.orchestrator.job import Job
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.protocol.rundir import RunDir
+    from cona.protocol.strategy import Strategy
+
+REQUEST_TIMEOUT_S = 30
+"""Per API call (connect and read), so that a poll never blocks for long."""
+RBAC = "manifests/rbac.yaml"
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", "app.kubernetes.io/instance")
+"""Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _api_message(exc: Any) -> str:
+    """The API server's own message of an ApiException (its Status body), with the invalid fields' causes."""
+    try:
+        body = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        return _one_line(exc.reason or "")
+    if not isinstance(body, dict):
+        return _one_line(exc.reason or "")
+    causes = (body.get("details") or {}).get("causes") or []
+    fields = [f"{c.get('field')}: {c.get('message')}" for c in causes if isinstance(c, dict) and c.get("field")]
+    return _one_line("; ".join(fields) or body.get("message") or exc.reason or "")
+
+
+def _condition(conditions: list[Any] | None, kind: str) -> Any | None:
+    """The condition of type `kind` whose status is True, or None."""
+    for condition in conditions or []:
+        if condition.type == kind and condition.status == "True":
+            return condition
+    return None
+
+
+class KubernetesBackend(Backend):
+    """Runs each attempt as an Indexed Job with one pod per node, plus the headless Service of its rendezvous.
+
+    A pod disrupted by the cluster (eviction, preemption, node drain: a `DisruptionTarget` condition) ends the
+    attempt as CRASHED with the detail `disrupted: <reason>` unless the trainer recorded a protocol exit; the
+    orchestrator relaunches it like any crash for now, and `poll` deletes the Job of such an attempt if it is
+    still active, so its other pods free their GPUs before the next attempt is created.
+    """
+
+    name = "kubernetes"
+    # A new Job per attempt: pods are scheduled, the (cached) image started, torchrun meets at the rendezvous.
+    relaunch_overhead_s = 60.0
+
+    def __init__(
+        self, *, run_dir: RunDir, profile: ClusterProfile | None = None, job: Job | None = None,
+        api_client: Any | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(run_dir=run_dir, profile=profile, job=job)
+        if profile is None or profile.kubernetes is None:
+            name = profile.name if profile is not None else "(none)"
+            raise ConfigError(f"profile {name!r} has no kubernetes: section; the kubernetes backend needs one")
+        self.spec = profile.kubernetes
+        self.namespace = self.spec.namespace
+        self.api_client = api_client if api_client is not None else self._default_client()
+
+    @staticmethod
+    def _default_client() -> Any:
+        """An ApiClient from the in-cluster service account (KUBERNETES_SERVICE_HOST set) or the kubeconfig."""
+        from kubernetes import client, config
+
+        try:
+            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                config.load_incluster_config()
+            else:
+                config.load_kube_config()
+        except (config.ConfigException, OSError, TypeError, ValueError) as e:
+            raise BackendError(f"kubernetes: cannot load the API configuration: {_one_line(str(e))}") from None
+        return client.ApiClient()
+
+    # --- API calls -------------------------------------------------------------------------------------------
+
+    def _apis(self) -> tuple[Any, Any]:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client), client.BatchV1Api(self.api_client)
+
+    def _call(self, verb: str, resource: str, name: str, fn: Callable[..., Any], *args: Any,
+              missing_ok: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        """`fn(*args, **kwargs)`; an API error as one-line BackendError naming `verb`, `resource` and `name`.
+        With `missing_ok`, a 404 returns None."""
+        from kubernetes.client.exceptions import ApiException
+        from pydantic import ValidationError
+        from urllib3.exceptions import HTTPError
+
+        what = f"kubernetes: {verb} {resource} {name!r} in namespace {self.namespace!r}"
+        try:
+            return fn(*args, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
+        except ApiException as e:
+            status = e.status or 0
+            if status == 404 and missing_ok:
+                return None
+            message = _api_message(e)
+            if status == 401:
+                hint = "the credentials were rejected (401); renew them in the kubeconfig or the service account token"
+            elif status == 403:
+                hint = f"the service account lacks {verb} on {resource}; apply {RBAC}"
+            elif status == 404:
+                hint = f"not found (404): {message}; does namespace {self.namespace!r} exist (apply manifests/)?"
+            elif status == 409:
+                hint = f"already exists (409); delete it (kubectl -n {self.namespace} delete {resource} {name}) first"
+            elif status == 422:
+                hint = f"rejected as invalid (422): {message}; check the profile's kubernetes: section"
+            else:
+                hint = f"failed ({status} {_one_line(e.reason or '')}): {message}"
+            raise BackendError(f"{what}: {hint}") from None
+        except ValidationError as e:
+            # The client checks request bodies against the API's types before sending them.
+            error = e.errors()[0]
+            where = ".".join(str(part) for part in error.get("loc", ())[1:])
+            raise BackendError(
+                f"{what}: the Kubernetes client refused the object before sending it ({where}: {error.get('msg')}); "
+                "this is a bug in cona's rendering, please report it"
+            ) from None
+        except HTTPError as e:
+            host = getattr(self.api_client.configuration, "host", "?")
+            raise BackendError(
+                f"{what}: cannot reach the API server at {host} ({type(e).__name__}); check the kubeconfig or the "
+                "network"
+            ) from None
+
+    # --- the interface ---------------------------------------------------------------------------------------
+
+    def _pod_run_dir(self) -> str:
+        """The run directory as the pods see it: the orchestrator's own path, which must lie on the PVC's mount."""
+        root = Path(self.run_dir.root)
+        return str(root if root.is_absolute() else root.resolve())
+
+    def render(self, *, strategy: Strategy) -> str:
+        return render_text(profile=self.profile, strategy=strategy, run_dir=self._pod_run_dir(), job=self.job)  # type: ignore[arg-type]
+
+    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+        # Rendered first (pure): a profile value that cannot be rendered leaves no launch record behind.
+        service, job = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
+                                      run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
+        job_name, service_name = job["metadata"]["name"], service["metadata"]["name"]
+        self.write_launch(attempt, strategy, namespace=self.namespace, job_name=job_name, service=service_name)
+        core, batch = self._apis()
+        self._call("create", "services", service_name, core.create_namespaced_service, self.namespace, service)
+        try:
+            self._call("create", "jobs", job_name, batch.create_namespaced_job, self.namespace, job)
+        except BackendError:
+            # Leave nothing behind for an attempt that did not start.
+            self._call("delete", "services", service_name, core.delete_namespaced_service, service_name,
+                       self.namespace, missing_ok=True)  # fmt: skip
+            raise
+        return Attempt(number=attempt, strategy=strategy, backend_id=job_name, started_at=time.time(),
+                       extra={"namespace": self.namespace, "service": service_name})  # fmt: skip
+
+    def _pods(self, job_name: str) -> list[Any]:
+        core, _ = self._apis()
+        pods = self._call("list", "pods", f"of job {job_name}", core.list_namespaced_pod, self.namespace,
+                          label_selector=f"app.kubernetes.io/instance={job_name}")  # fmt: skip
+        # Filtered here as well: a selector the server ignored must not mix in another attempt's pods.
+        return [
+            pod for pod in pods.items
+            if any(((pod.metadata.labels or {}).get(label)) == job_name for label in JOB_NAME_LABELS)
+        ]  # fmt: skip
+
+    @staticmethod
+    def _exit_codes(pods: list[Any]) -> list[int]:
+        """The trainer containers' exit codes of the pods that terminated, by completion index order."""
+        codes = []
+        for pod in pods:
+            for status in (pod.status.container_statuses or []) if pod.status else []:
+                terminated = status.state.terminated if status.state else None
+                if status.name == CONTAINER and terminated is not None and terminated.exit_code is not None:
+                    codes.append(int(terminated.exit_code))
+        return codes
+
+    @staticmethod
+    def _pending_detail(pod: Any) -> str:
+        """Why a Pending pod waits: the scheduler's message, or its container's waiting reason."""
+        status = pod.status
+        for condition in (status.conditions or []) if status else []:
+            if condition.type == "PodScheduled" and condition.status == "False":
+                return _one_line(condition.message or condition.reason or "unschedulable")
+        for container in (status.container_statuses or []) if status else []:
+            waiting = container.state.waiting if container.state else None
+            if waiting is not None and waiting.reason:
+                return _one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
+        return f"pod {pod.metadata.name} is pending"
+
+    def poll(self, attempt: Attempt) -> Outcome:
+        """Where the attempt stands, from the Job's conditions, its pods and the trainer's exit record.
+
+        Job gone → the trainer's record if it wrote one, else CRASHED (`the Job is gone`). A pod with a
+        `DisruptionTarget` condition → CRASHED `disrupted: <reason>` (relaunched as a crash for now; the Job is
+        deleted if still active). Job Complete → DONE; Job Failed → the protocol code of the exit record or of a
+        pod's trainer container (`AttemptStatus.from_exit_code`), else CRASHED with the Job's reason. Otherwise a
+        Pending pod (or none yet) → PENDING with the scheduler's message, else RUNNING.
+        """
+        _, batch = self._apis()
+        name = attempt.backend_id
+        recorded = self.run_dir.read_exit(attempt.number)
+        job = self._call("get", "jobs", name, batch.read_namespaced_job, name, self.namespace, missing_ok=True)
+        if job is None:
+            if recorded is not None:
+                return self._recorded(recorded.exit_code)
+            return Outcome(AttemptStatus.CRASHED, None, "the Job is gone")
+        conditions = job.status.conditions if job.status else None
+        complete, failed = _condition(conditions, "Complete"), _condition(conditions, "Failed")
+        pods = self._pods(name)
+        disrupted = next((c for pod in pods if (c := _condition(pod.status.conditions if pod.status else None,
+                                                                "DisruptionTarget"))), None)  # fmt: skip
+        if recorded is not None and (complete or failed or disrupted):
+            return self._recorded(recorded.exit_code)
+        if disrupted is not None:
+            if not (complete or failed):
+                self.cancel(attempt)
+            return Outcome(AttemptStatus.CRASHED, None, _one_line(f"disrupted: {disrupted.reason or disrupted.message}"))
+        if complete:
+            return Outcome(AttemptStatus.DONE, 0)
+        if failed:
+            codes = self._exit_codes(pods)
+            nonzero = [c for c in codes if c != 0]
+            protocol = [c for c in nonzero if AttemptStatus.from_exit_code(c) is not AttemptStatus.CRASHED]
+            code = protocol[0] if protocol else (nonzero[0] if nonzero else None)
+            status = AttemptStatus.from_exit_code(code)
+            if status is not AttemptStatus.CRASHED:
+                return Outcome(status, code)
+            why = _one_line(f"{failed.reason or 'Failed'}: {failed.message or ''}".rstrip(": "))
+            shown = f"exit code {code}" if code is not None else "no exit code"
+            return Outcome(AttemptStatus.CRASHED, code, f"the Job failed ({why}); trainer {shown}")
+        pending = [pod for pod in pods if pod.status is None or pod.status.phase in (None, "Pending")]
+        if pending:
+            return Outcome(AttemptStatus.PENDING, None, self._pending_detail(pending[0]))
+        if not pods:
+            return Outcome(AttemptStatus.PENDING, None, "no pods yet")
+        return Outcome(AttemptStatus.RUNNING)
+
+    @staticmethod
+    def _recorded(code: int) -> Outcome:
+        status = AttemptStatus.from_exit_code(code)
+        return Outcome(status, code, f"trainer exited {code}" if status is AttemptStatus.CRASHED else "")
+
+    def cancel(self, attempt: Attempt) -> None:
+        """Delete the attempt's Job (foreground: its pods first) and Service; a missing one is fine."""
+        from kubernetes import client
+
+        core, batch = self._apis()
+        job_name = attempt.backend_id
+        service = str(attempt.extra.get("service") or job_name)  # render.py gives both the same name
+        options = client.V1DeleteOptions(propagation_policy="Foreground")
+        self._call("delete", "jobs", job_name, batch.delete_namespaced_job, job_name, self.namespace,
+                   body=options, missing_ok=True)  # fmt: skip
+        self._call("delete", "services", service, core.delete_namespaced_service, service, self.namespace,
+                   missing_ok=True)  # fmt: skip

@@ -1,0 +1,282 @@
+"""The Kubernetes backend against the API emulator (kmock, `tests/k8s_emulator.py`): launch, poll, cancel, errors.
+
+The emulator has no controllers, so each test plays the Job controller and the kubelet itself (`k8s.make_pods`,
+`k8s.set_job_status`). No cluster, no network, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, BackendError
+from cona.orchestrator.backends.kubernetes.backend import KubernetesBackend
+from cona.orchestrator.backends.kubernetes.render import render_attempt
+from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.protocol.rundir import ExitCode, ExitRecord, RunDir
+from cona.protocol.strategy import Strategy
+from kubernetes import client
+
+from tests.conftest import REPO
+
+pytestmark = [
+    pytest.mark.kubernetes,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),  # inside kmock
+]
+
+K8S_PROFILE = REPO / "manifests" / "profiles" / "h100-k8s.yaml"
+NS = "cona"
+TWO_NODES = Strategy.parse("dp=2,tp=8,pp=1,mbs=1,gbs=16")  # 16 processes: 2 pods of 8 GPUs
+INSUFFICIENT = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
+
+
+def _profile(mount: Path) -> ClusterProfile:
+    profile = load_profile(K8S_PROFILE)
+    spec = profile.kubernetes.model_copy(update={"mount_path": str(mount)})
+    return profile.model_copy(update={"kubernetes": spec})
+
+
+@pytest.fixture
+def setup(k8s, tmp_path):
+    """(backend, run dir, profile) for a run `exp1` on the PVC mounted at tmp_path/runs."""
+    mount = tmp_path / "runs"
+    run_dir = RunDir(mount / "exp1")
+    run_dir.root.mkdir(parents=True)
+    profile = _profile(mount)
+    backend = KubernetesBackend(run_dir=run_dir, profile=profile, api_client=k8s.api_client())
+    return backend, run_dir, profile
+
+
+def _launch(backend: KubernetesBackend, attempt: int = 1) -> Attempt:
+    return backend.launch(attempt=attempt, strategy=TWO_NODES)
+
+
+def _record(run_dir: RunDir, attempt: int, code: int) -> None:
+    run_dir.write_exit(attempt, ExitRecord(exit_code=code, name=ExitCode(code).name, reason="test", step=3,
+                                           time=time.time()))  # fmt: skip
+
+
+def test_launch_creates_the_rendered_service_and_job(k8s, setup):
+    backend, run_dir, profile = setup
+    attempt = _launch(backend)
+    service, job = render_attempt(profile=profile, strategy=TWO_NODES, attempt=1, run_dir=str(run_dir.root))
+    assert attempt.backend_id == job["metadata"]["name"] == "exp1-a1"
+    assert attempt.extra == {"namespace": NS, "service": "exp1-a1"}
+    sanitize = client.ApiClient().sanitize_for_serialization
+    api = k8s.api_client("reader")
+    got_service = sanitize(client.CoreV1Api(api).read_namespaced_service("exp1-a1", NS))
+    got_job = sanitize(client.BatchV1Api(api).read_namespaced_job("exp1-a1", NS))
+    assert got_service["spec"] == service["spec"] and got_service["metadata"]["labels"] == service["metadata"]["labels"]
+    assert got_job["spec"] == job["spec"]
+    assert got_job["metadata"]["annotations"] == job["metadata"]["annotations"]
+    # The launch record is on the PVC before the Job exists, with the objects' names.
+    launch = json.loads((run_dir.attempt_dir(1) / "launch.json").read_text())
+    assert launch["backend"] == "kubernetes" and Strategy.from_dict(launch["strategy"]) == TWO_NODES
+    assert (launch["namespace"], launch["job_name"], launch["service"]) == (NS, "exp1-a1", "exp1-a1")
+    assert k8s.backend_requests() == [
+        ("POST", f"/api/v1/namespaces/{NS}/services"),
+        ("POST", f"/apis/batch/v1/namespaces/{NS}/jobs"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("codes", "reason", "status", "code"),
+    [
+        ([42, 1], "PodFailurePolicy", AttemptStatus.SWITCHED, 42),
+        ([43, 43], "PodFailurePolicy", AttemptStatus.STOPPED, 43),
+        ([44, 1], "PodFailurePolicy", AttemptStatus.BAD_WORLD, 44),
+        ([1, 0], "BackoffLimitExceeded", AttemptStatus.CRASHED, 1),
+    ],
+)
+def test_poll_maps_a_failed_job_by_the_trainers_exit_code(k8s, setup, codes, reason, status, code):
+    backend, _, _ = setup
+    attempt = _launch(backend)
+    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=codes)
+    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Failed", "status": "True", "reason": reason,
+                                                   "message": "Job has reached the specified backoff limit"}])  # fmt: skip
+    outcome = backend.poll(attempt)
+    assert (outcome.status, outcome.exit_code) == (status, code)
+    if status is AttemptStatus.CRASHED:
+        assert reason in outcome.detail and "exit code 1" in outcome.detail and "\n" not in outcome.detail
+
+
+def test_poll_complete_is_done_and_prefers_the_trainers_exit_record(k8s, setup):
+    backend, run_dir, _ = setup
+    attempt = _launch(backend)
+    k8s.make_pods("exp1-a1", NS, phase="Succeeded", exit_codes=[0, 0])
+    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Complete", "status": "True"}], succeeded=2)
+    outcome = backend.poll(attempt)
+    assert (outcome.status, outcome.exit_code) == (AttemptStatus.DONE, 0)
+
+    # torchrun exits 1 whatever its workers returned: rank 0's exit record says what happened.
+    second = _launch(backend, attempt=2)
+    k8s.make_pods("exp1-a2", NS, phase="Failed", exit_codes=[1, 1])
+    k8s.set_job_status("exp1-a2", NS, conditions=[{"type": "Failed", "status": "True",
+                                                   "reason": "BackoffLimitExceeded"}])  # fmt: skip
+    _record(run_dir, 2, int(ExitCode.SWITCH))
+    outcome = backend.poll(second)
+    assert (outcome.status, outcome.exit_code) == (AttemptStatus.SWITCHED, 42)
+
+
+def test_poll_pending_running_and_a_missing_job(k8s, setup):
+    backend, _, _ = setup
+    attempt = _launch(backend)
+    assert backend.poll(attempt).status is AttemptStatus.PENDING  # no pods yet
+    unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": INSUFFICIENT}]
+    k8s.make_pods("exp1-a1", NS, phase="Pending", conditions=unschedulable)
+    outcome = backend.poll(attempt)
+    assert (outcome.status, outcome.detail) == (AttemptStatus.PENDING, INSUFFICIENT)
+
+    second = _launch(backend, attempt=2)
+    k8s.make_pods("exp1-a2", NS, phase="Pending", container_waiting={"reason": "ImagePullBackOff",
+                                                                      "message": "Back-off pulling image"})  # fmt: skip
+    outcome = backend.poll(second)
+    assert (outcome.status, outcome.detail) == (AttemptStatus.PENDING, "ImagePullBackOff: Back-off pulling image")
+
+    third = _launch(backend, attempt=3)
+    k8s.make_pods("exp1-a3", NS, phase="Running")
+    assert backend.poll(third).status is AttemptStatus.RUNNING
+
+    gone = Attempt(number=9, strategy=TWO_NODES, backend_id="exp1-a9")
+    outcome = backend.poll(gone)
+    assert (outcome.status, outcome.detail) == (AttemptStatus.CRASHED, "the Job is gone")
+
+
+def test_a_disrupted_pod_crashes_the_attempt_and_deletes_its_job(k8s, setup):
+    backend, _, _ = setup
+    attempt = _launch(backend)
+    disrupted = [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+                  "message": "preempted by a higher-priority pod"}]  # fmt: skip
+    k8s.make_pods("exp1-a1", NS, phase="Running", conditions=disrupted)
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.CRASHED
+    assert outcome.detail == "disrupted: PreemptionByScheduler"
+    assert backend.poll(attempt).detail == "the Job is gone"
+
+
+def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):
+    backend, _, _ = setup
+    attempt = _launch(backend)
+    backend.cancel(attempt)
+    backend.cancel(attempt)
+    api = k8s.api_client("reader")
+    for read in (client.BatchV1Api(api).read_namespaced_job, client.CoreV1Api(api).read_namespaced_service):
+        with pytest.raises(client.ApiException) as info:
+            read("exp1-a1", NS)
+        assert info.value.status == 404
+    deletes = [r for r in k8s.backend_requests() if r[0] == "DELETE"]
+    assert deletes == [
+        ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1"),
+        ("DELETE", f"/api/v1/namespaces/{NS}/services/exp1-a1"),
+    ] * 2
+    body = next(r for r in k8s.kmock._requests if r.method.value.upper() == "DELETE").data
+    assert body["propagationPolicy"] == "Foreground"
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (403, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': the service account lacks create on jobs; "
+              "apply manifests/rbac.yaml"),
+        (409, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': already exists (409); "
+              "delete it (kubectl -n cona delete jobs exp1-a1) first"),
+        (422, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': rejected as invalid (422): "
+              "spec.template.spec.containers[0].image: Required value; check the profile's kubernetes: section"),
+    ],
+)  # fmt: skip
+def test_api_errors_are_one_line_backend_errors(k8s, setup, status, expected):
+    backend, _, _ = setup
+    k8s.refuse("post", "batch", "v1", "jobs", status=status, message='jobs.batch "exp1-a1" is refused\nsecond line',
+               causes=[{"field": "spec.template.spec.containers[0].image", "message": "Required value"}])  # fmt: skip
+    with pytest.raises(BackendError) as info:
+        _launch(backend)
+    assert str(info.value) == expected
+    # The Service created before the Job was refused is deleted again.
+    assert k8s.backend_requests()[-1] == ("DELETE", f"/api/v1/namespaces/{NS}/services/exp1-a1")
+
+
+def test_a_body_the_client_refuses_is_a_one_line_backend_error(k8s, setup, monkeypatch):
+    backend, _, _ = setup
+    real = render_attempt
+
+    def with_int_quantity(**kwargs):
+        service, job = real(**kwargs)
+        job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": 8}
+        return service, job
+
+    monkeypatch.setattr("cona.orchestrator.backends.kubernetes.backend.render_attempt", with_int_quantity)
+    with pytest.raises(BackendError) as info:
+        _launch(backend)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("kubernetes: create jobs 'exp1-a1' in namespace 'cona': ")
+    assert "resources.limits.nvidia.com/gpu: Input should be a valid string" in message
+
+
+def test_an_unreachable_api_server_is_a_one_line_backend_error(tmp_path):
+    configuration = client.Configuration(host="http://127.0.0.1:9")  # discard port: nothing listens
+    configuration.retries = 0
+    run_dir = RunDir(tmp_path / "runs" / "exp1")
+    backend = KubernetesBackend(run_dir=run_dir, profile=_profile(tmp_path / "runs"),
+                                api_client=client.ApiClient(configuration))  # fmt: skip
+    with pytest.raises(BackendError) as info:
+        backend.poll(Attempt(number=1, strategy=TWO_NODES, backend_id="exp1-a1"))
+    message = str(info.value)
+    assert "\n" not in message and "cannot reach the API server at http://127.0.0.1:9" in message
+
+
+RBAC_RESOURCES = {"jobs": "batch", "services": "", "pods": ""}
+
+
+def _granted() -> set[tuple[str, str, str]]:
+    role = next(doc for doc in yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()) if doc["kind"] == "Role")
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
+
+
+def _verb(method: str, path: str) -> tuple[str, str, str]:
+    """(API group, resource, RBAC verb) of a namespaced request path."""
+    parts = path.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[parts.index("namespaces") + 2 :]
+    resource, named = rest[0], len(rest) > 1
+    verb = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}.get(method)
+    verb = verb or ("get" if named else "list")
+    return group, resource, verb
+
+
+def test_every_call_the_backend_makes_is_granted_by_the_role(k8s, setup):
+    backend, run_dir, _ = setup
+    attempt = _launch(backend)
+    backend.poll(attempt)
+    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[43, 43])
+    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
+    _record(run_dir, 1, int(ExitCode.STOPPED))
+    assert backend.poll(attempt).status is AttemptStatus.STOPPED
+    backend.cancel(attempt)
+    backend.cancel(attempt)
+    used = {_verb(method, path) for method, path in k8s.backend_requests()}
+    assert used == {("", "services", "create"), ("batch", "jobs", "create"), ("batch", "jobs", "get"),
+                    ("", "pods", "list"), ("batch", "jobs", "delete"), ("", "services", "delete")}  # fmt: skip
+    assert used <= _granted()
+
+
+def test_render_is_the_first_attempts_manifests(setup):
+    backend, run_dir, _ = setup
+    text = backend.render(strategy=TWO_NODES)
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(text) if doc]
+    assert kinds == ["Service", "Job"] and f"--run-dir, {run_dir.root}" not in text and str(run_dir.root) in text
+
+
+def test_the_kubernetes_client_is_imported_only_when_the_backend_is_built():
+    code = (
+        "import sys, cona.orchestrator.backends.kubernetes.backend, cona.orchestrator.profile as p; "
+        f"p.load_profile({str(K8S_PROFILE)!r}); "
+        "assert 'kubernetes' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
