@@ -163,10 +163,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-RENDER_ONLY = ("kubernetes",)
-"""Backends `cona render` knows before they are registered in BACKENDS (they render but cannot run yet)."""
-
-
 def cmd_render(args: argparse.Namespace) -> int:
     from cona.orchestrator.backends import backend_class
     from cona.orchestrator.job import load_job
@@ -189,12 +185,6 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
     policy = make_policy(job, profile=profile, candidates=candidates)
     strategy = policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
-    if args.target not in BACKENDS and args.target in RENDER_ONLY:
-        # Renders before the backend is registered: the manifests of the first attempt.
-        from cona.orchestrator.backends.kubernetes.render import render_text
-
-        sys.stdout.write(render_text(profile=profile, job=job, strategy=strategy, run_dir=str(run_dir.root)))
-        return 0
     backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
     sys.stdout.write(backend.render(strategy=strategy))
     return 0
@@ -271,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Render the sbatch script `cona run` submits for a Slurm profile, with "
                             "every profile value shell-quoted, the local command, or the Kubernetes objects (headless "
                             "Service and Indexed Job) of a run's first attempt.")  # fmt: skip
-    render.add_argument("target", choices=sorted({*BACKENDS, *RENDER_ONLY}),
+    render.add_argument("target", choices=sorted(BACKENDS),
                         help="the backend (slurm: the batch script; local: the command; kubernetes: the manifests)")  # fmt: skip
     _add_config_args(render)
     render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")

@@ -5,6 +5,14 @@ official (synchronous) client talks to it. It has no controllers: nothing create
 status, so `Emulator` plays the Job controller and the kubelet (`make_pods`, `set_job_status`) through a client of
 its own, whose requests carry a different User-Agent and so are left out of `backend_requests`.
 
+`run_jobs(workdir)` goes further for whole `cona run`s: a background thread plays the Job controller and the
+kubelet. Every new Job gets its `completions` pods (from its template) and each pod's container command runs as a
+local process: argv from the container spec with `$(VAR)` expanded from the container's env as Kubernetes does
+(`$$` → `$`, JOB_COMPLETION_INDEX = the pod's index), `python` → this interpreter, the rendezvous endpoint
+`<job>-0.<service>:<port>` → `127.0.0.1:<a free port of this Job>`. Pod and Job status follow the processes
+(Running; Succeeded/Failed with the exit code; Job Complete, or Failed and its other pods killed, as
+`backoffLimit: 0` would); deleting a Job kills its processes. `disrupt_pod` and `crash_worker` inject faults.
+
 Known limits of the emulator: label and field selectors are ignored (the backend filters pods itself), no
 uid/resourceVersion/status is filled in, PUT and deletecollection answer 404, watches never end on their own.
 """
@@ -13,8 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BACKEND_AGENT = "cona-backend-under-test"
@@ -32,6 +51,7 @@ class Emulator:
         self.kmock: Any = None
         self.url = ""
         self._thread = threading.Thread(target=self._run, name="kmock", daemon=True)
+        self._controller: JobController | None = None
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -58,6 +78,8 @@ class Emulator:
         return self
 
     def stop(self) -> None:
+        if self._controller is not None:
+            self._controller.stop()
         if self._stop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(15)
@@ -161,6 +183,316 @@ class Emulator:
             core.create_namespaced_pod(namespace, pod)
             names.append(pod["metadata"]["name"])
         return names
+
+
+    # --- running Jobs as local processes ----------------------------------------------------------------------
+
+    def run_jobs(self, workdir: Path) -> JobController:
+        """Start playing the Job controller and the kubelet: every Job created from now on runs its pods as local
+        processes (their working directories and logs under `workdir`). Stopped with the emulator."""
+        if self._controller is None:
+            self._controller = JobController(self, Path(workdir)).start()
+        return self._controller
+
+    @property
+    def jobs(self) -> JobController:
+        assert self._controller is not None, "call run_jobs() first"
+        return self._controller
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of `command`/`args`/`env` values: `$(VAR)` → the variable's value if it is defined
+    (else left as written), `$$` → `$`, any other `$` kept."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and (end := value.find(")", i + 2)) != -1:
+            name = value[i + 2 : end]
+            out.append(env[name] if name in env else value[i : end + 1])
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+POD_MARKER = "CONA_EMULATED_POD"
+"""Environment variable that names the pod in each of its processes (and every process they start)."""
+
+
+def pod_pids(pod_name: str) -> list[int]:
+    """The live processes of an emulated pod (all carry `POD_MARKER=<pod>` in their environment)."""
+    marker = f"{POD_MARKER}={pod_name}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_pod(pod: PodProcess, sig: int = signal.SIGKILL) -> None:
+    for pid in [pod.proc.pid, *pod_pids(pod.name)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+@dataclass
+class PodProcess:
+    name: str
+    index: int
+    proc: subprocess.Popen
+    log: Path
+    disrupted: bool = False
+    reported: bool = False
+
+
+@dataclass
+class RunningJob:
+    name: str
+    namespace: str
+    port: int
+    pods: list[PodProcess] = field(default_factory=list)
+    finished: bool = False
+
+
+class JobController:
+    """The Job controller and kubelet of `Emulator.run_jobs` (see the module docstring)."""
+
+    POLL_S = 0.25
+
+    def __init__(self, emulator: Emulator, workdir: Path) -> None:
+        self.emulator = emulator
+        self.workdir = workdir
+        self.jobs: dict[tuple[str, str], RunningJob] = {}
+        self.errors: list[str] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="k8s-job-controller", daemon=True)
+
+    def start(self) -> JobController:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        with self._lock:
+            for job in self.jobs.values():
+                self._kill(job)
+            deadline = time.monotonic() + 10
+            while (left := [p for j in self.jobs.values() for pod in j.pods for p in pod_pids(pod.name)]) and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.2)
+            assert not left, f"emulated pods' processes outlived the test: {left}"
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        core, batch = self.emulator._kubelet()
+        while not self._stop.is_set():
+            try:
+                self._tick(core, batch)
+            except Exception as e:  # kept for the test's failure message; the loop goes on
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self._stop.wait(self.POLL_S)
+
+    def _tick(self, core: Any, batch: Any) -> None:
+        listed = {(j.metadata.namespace, j.metadata.name): j for j in batch.list_job_for_all_namespaces().items}
+        with self._lock:
+            for key, job in listed.items():
+                if key not in self.jobs:
+                    self.jobs[key] = self._start_job(core, job)
+            for key, running in self.jobs.items():
+                if key not in listed:
+                    if not running.finished or any(p.proc.poll() is None for p in running.pods):
+                        self._kill(running)
+                        for pod in running.pods:
+                            with contextlib.suppress(Exception):
+                                core.delete_namespaced_pod(pod.name, running.namespace)
+                    running.finished = True
+                    continue
+                self._update(core, batch, running)
+
+    def _start_job(self, core: Any, job: Any) -> RunningJob:
+        from kubernetes import client
+
+        name, namespace = job.metadata.name, job.metadata.namespace
+        running = RunningJob(name=name, namespace=namespace, port=_free_port())
+        template = job.spec.template
+        spec = client.ApiClient().sanitize_for_serialization(template.spec)
+        container = spec["containers"][0]
+        for index in range(job.spec.completions or 1):
+            pod_name = f"{name}-{index}-{os.urandom(3).hex()[:5]}"
+            labels = {**(template.metadata.labels or {}), "batch.kubernetes.io/job-name": name,
+                      "job-name": name, "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+            annotations = {**(template.metadata.annotations or {}),
+                           "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+            argv, env = self._command(container, index=index, job=name, subdomain=spec.get("subdomain"),
+                                      port=running.port)  # fmt: skip
+            env[POD_MARKER] = pod_name
+            cwd = Path(tempfile.mkdtemp(prefix=f"{pod_name}-", dir=self.workdir))
+            log = cwd / "container.log"
+            with log.open("w") as out:
+                proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            running.pods.append(PodProcess(name=pod_name, index=index, proc=proc, log=log))
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": namespace, "labels": labels, "annotations": annotations},
+                "spec": spec,
+                "status": {
+                    "phase": "Running",
+                    "startTime": _now(),
+                    "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
+                    "containerStatuses": [self._container_status(container, {"running": {"startedAt": _now()}})],
+                },
+            }
+            core.create_namespaced_pod(namespace, pod)
+        return running
+
+    @staticmethod
+    def _container_status(container: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        return {"name": container["name"], "image": container["image"], "imageID": "", "restartCount": 0,
+                "ready": "running" in state, "state": state}  # fmt: skip
+
+    @staticmethod
+    def _command(container: dict[str, Any], *, index: int, job: str, subdomain: str | None,
+                 port: int) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+        """The container's argv and environment as the kubelet would give them, mapped onto this machine."""
+        env: dict[str, str] = {"JOB_COMPLETION_INDEX": str(index)}
+        for var in container.get("env") or []:
+            if "value" in var:
+                env[var["name"]] = expand(var["value"], env)
+            elif "job-completion-index" in str(var.get("valueFrom")):
+                env[var["name"]] = str(index)
+        argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+        if argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        host = f"{job}-0.{subdomain}"
+        argv = [re.sub(rf"^--rdzv-endpoint={re.escape(host)}:\d+$", f"--rdzv-endpoint=127.0.0.1:{port}", a)
+                for a in argv]  # fmt: skip
+        return argv, {**os.environ, **env, "OMP_NUM_THREADS": "1"}
+
+    def _update(self, core: Any, batch: Any, running: RunningJob) -> None:
+        if running.finished:
+            return
+        for pod in running.pods:
+            code = pod.proc.poll()
+            if code is not None and not pod.reported:
+                self._report(core, running, pod, code)
+        ended = [p for p in running.pods if p.reported]
+        failed = [p for p in ended if p.proc.returncode != 0 and not p.disrupted]
+        if failed:
+            # backoffLimit 0 (or a FailJob rule): the Job fails and its other pods are terminated.
+            self._kill(running)
+            for pod in running.pods:
+                if not pod.reported:
+                    self._report(core, running, pod, pod.proc.wait(30))
+            code = failed[0].proc.returncode
+            reason = "PodFailurePolicy" if code in (2, 42, 43, 44) else "BackoffLimitExceeded"
+            self._job_status(batch, running, "Failed", reason, f"pod {failed[0].name} exited {code}",
+                             failed=len(failed))  # fmt: skip
+            running.finished = True
+        elif len(ended) == len(running.pods) and all(p.proc.returncode == 0 for p in ended):
+            self._job_status(batch, running, "Complete", "", "", succeeded=len(ended))
+            running.finished = True
+
+    def _report(self, core: Any, running: RunningJob, pod: PodProcess, code: int, *,
+                conditions: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
+        pod.reported = True
+        exit_code = code if code >= 0 else 128 - code  # killed by a signal: 128 + its number, as a container
+        state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                                "finishedAt": _now()}}  # fmt: skip
+        status = {"phase": "Succeeded" if exit_code == 0 else "Failed",
+                  "containerStatuses": [{"name": "trainer", "image": "", "imageID": "", "restartCount": 0,
+                                         "ready": False, "state": state}]}  # fmt: skip
+        if conditions is not None:
+            status["conditions"] = conditions
+        core.patch_namespaced_pod(pod.name, running.namespace, {"status": status})
+
+    @staticmethod
+    def _job_status(batch: Any, running: RunningJob, kind: str, reason: str, message: str, **counts: int) -> None:
+        condition = {"type": kind, "status": "True", "reason": reason, "message": message,
+                     "lastTransitionTime": _now()}  # fmt: skip
+        batch.patch_namespaced_job(running.name, running.namespace, {"status": {"conditions": [condition], **counts}})
+
+    @staticmethod
+    def _kill(running: RunningJob, sig: int = signal.SIGKILL) -> None:
+        """Kill every process of the Job's pods, as a container's end kills its whole PID namespace: torchrun
+        starts each worker in a session of its own, so the pods' processes are found by their POD_MARKER."""
+        for pod in running.pods:
+            kill_pod(pod, sig)
+        for pod in running.pods:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                pod.proc.wait(30)
+
+    # --- faults ----------------------------------------------------------------------------------------------
+
+    def wait_job(self, name: str, timeout: float = 120) -> RunningJob:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                found = [j for (_, n), j in self.jobs.items() if n == name]
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise TimeoutError(f"Job {name!r} was never started")
+
+    def disrupt_pod(self, job: str, index: int = 0, *, reason: str = "EvictionByEvictionAPI") -> str:
+        """Evict pod `index` of `job`: kill its processes and mark it Failed with a DisruptionTarget condition."""
+        core, _ = self.emulator._kubelet()
+        running = self.wait_job(job)
+        with self._lock:
+            pod = running.pods[index]
+            pod.disrupted = True
+            kill_pod(pod)
+            code = pod.proc.wait(30)
+            condition = {"type": "DisruptionTarget", "status": "True", "reason": reason,
+                         "message": "Eviction API: evicting", "lastTransitionTime": _now()}  # fmt: skip
+            self._report(core, running, pod, code, conditions=[condition])
+        return pod.name
+
+    def crash_worker(self, job: str, index: int = 0) -> int:
+        """kill -9 one trainer worker (a child of torchrun) of pod `index` of `job`; its pid."""
+        running = self.wait_job(job)
+        pod = running.pods[index]
+        for pid in pod_pids(pod.name):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if pid != pod.proc.pid and b"cona.trainer" in cmdline and b"torch.distributed.run" not in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        raise LookupError(f"no trainer worker in pod {index} of Job {job!r}")
+
+    def logs(self) -> str:
+        parts = [f"controller error: {e}" for e in self.errors[-5:]]
+        with self._lock:
+            for running in self.jobs.values():
+                for pod in running.pods:
+                    text = pod.log.read_text(errors="replace") if pod.log.exists() else ""
+                    parts.append(f"--- pod {pod.name} (exit {pod.proc.returncode})\n{text[-2500:]}")
+        return "\n".join(parts)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from cona.orchestrator.backends import BACKENDS, backend_class, make_backend
 from cona.orchestrator.job import load_job
@@ -9,16 +11,22 @@ from cona.orchestrator.profile import load_profile
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
-from tests.conftest import EXAMPLES, PROFILES, run_cona
+from tests.conftest import EXAMPLES, PROFILES, REPO, run_cona
 
-PROFILE_OF = {"local": PROFILES / "local-cpu.yaml", "slurm": PROFILES / "local-slurm.yaml"}
+PROFILE_OF = {
+    "local": PROFILES / "local-cpu.yaml",
+    "slurm": PROFILES / "local-slurm.yaml",
+    "kubernetes": REPO / "manifests" / "profiles" / "h100-k8s.yaml",
+}
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_registered_backend_is_built_the_same_way(name, tmp_path):
     profile = load_profile(PROFILE_OF[name])
     job = load_job(EXAMPLES / "tiny-gpt.yaml")
-    backend = make_backend(profile=profile, run_dir=RunDir(tmp_path / "run"), job=job)
+    # A kubernetes run directory lies on the PVC's mount (/runs); building the backend loads no API configuration.
+    root = Path("/runs/run") if name == "kubernetes" else tmp_path / "run"
+    backend = make_backend(profile=profile, run_dir=RunDir(root), job=job)
     assert type(backend) is backend_class(name) and backend.name == name
     assert backend.profile is profile and backend.job is job
     rendered = backend.render(strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
@@ -26,8 +34,8 @@ def test_every_registered_backend_is_built_the_same_way(name, tmp_path):
 
 
 def test_an_unknown_backend_names_the_available_ones():
-    with pytest.raises(ValueError, match=r"backend 'kubernetes' is not available yet; available: local, slurm"):
-        backend_class("kubernetes")
+    with pytest.raises(ValueError, match=r"backend 'k8s' is not available yet; available: kubernetes, local, slurm"):
+        backend_class("k8s")
 
 
 def test_cona_render_local_prints_the_first_attempts_command():

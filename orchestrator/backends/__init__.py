@@ -22,6 +22,7 @@ __all__ = ["BACKENDS", "Attempt", "AttemptStatus", "Backend", "Outcome", "backen
 BACKENDS: dict[str, str] = {
     "local": "cona.orchestrator.backends.local.backend:LocalBackend",
     "slurm": "cona.orchestrator.backends.slurm.backend:SlurmBackend",
+    "kubernetes": "cona.orchestrator.backends.kubernetes.backend:KubernetesBackend",
 }
 """Backend name (a profile's `backend:`) → `module:class`."""
 

@@ -1,3 +1,3 @@
-"""The Kubernetes backend's package: the profile's `kubernetes:` section (`spec.py`) and the rendering of an
-attempt's objects (`render.py`, behind `cona render kubernetes`). The backend (`backend.py`) is not registered yet
-(`cona.orchestrator.backends.BACKENDS`), so a kubernetes profile can be planned and rendered but not run."""
+"""The Kubernetes backend's package: the profile's `kubernetes:` section (`spec.py`), the rendering of an attempt's
+objects (`render.py`, behind `cona render kubernetes`) and the backend that creates and watches them (`backend.py`,
+registered as `kubernetes` in `cona.orchestrator.backends.BACKENDS`, so `cona run` runs a kubernetes profile)."""

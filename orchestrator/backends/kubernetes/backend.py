@@ -9,9 +9,11 @@ backends. `cancel` deletes the Job (foreground: its pods go first) and the Servi
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, create/delete on
 services, list on pods. An API error becomes a one-line `BackendError` naming the object and what to do.
 
-The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light.
-The backend is not registered in `cona.orchestrator.backends.BACKENDS` yet: it is tested against the Kubernetes
-API emulator (`tests/test_k8s_backend.py`), not through a whole `cona run`.
+The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light,
+and the API configuration is loaded on the first API call, so `cona render kubernetes` needs no cluster. It comes
+from the in-cluster service account, else the kubeconfig (`KUBECONFIG`, else `~/.kube/config`). Tested against the
+Kubernetes API emulator: the backend alone (`tests/test_k8s_backend.py`) and whole `cona run`s whose pods the
+emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cluster.
 """
 
 from __future__ import annotations
@@ -88,7 +90,14 @@ class KubernetesBackend(Backend):
             raise ConfigError(f"profile {name!r} has no kubernetes: section; the kubernetes backend needs one")
         self.spec = profile.kubernetes
         self.namespace = self.spec.namespace
-        self.api_client = api_client if api_client is not None else self._default_client()
+        self._api_client = api_client
+
+    @property
+    def api_client(self) -> Any:
+        """The API client given, else the default one, loaded on first use."""
+        if self._api_client is None:
+            self._api_client = self._default_client()
+        return self._api_client
 
     @staticmethod
     def _default_client() -> Any:

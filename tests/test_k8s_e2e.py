@@ -1,0 +1,219 @@
+"""cona end to end on Kubernetes, emulated: a real `cona run` on a kubernetes profile, the real scheduler loop,
+the real `KubernetesBackend` (official client, loaded from a kubeconfig) and the real trainer.
+
+The API server is the kmock emulator (`tests/k8s_emulator.py`); `Emulator.run_jobs` plays the Job controller and
+the kubelet, so each pod of an attempt's Indexed Job runs its rendered torchrun command as a local process (2 pods
+× 2 CPU processes, gloo), with the rendezvous endpoint mapped to 127.0.0.1. The checks are what a user relies on:
+the run ends DONE, no two attempts overlap, and the samples consumed across every relaunch are exactly 0..N−1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from cona.orchestrator.runstate import read_events, read_state
+from cona.protocol.rundir import RunDir
+
+from tests.conftest import REPO
+from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
+
+pytestmark = [pytest.mark.kubernetes, pytest.mark.distributed]
+
+TINY = str(REPO / "examples" / "tiny-gpt.yaml")
+S4 = "dp=4,tp=1,pp=1,mbs=4,gbs=16"  # 2 pods × 2 processes
+S2 = "dp=2,tp=1,pp=1,mbs=4,gbs=32"  # 1 pod × 2 processes
+NAMESPACE = "cona"
+BASE = [  # a short run: no perplexity target, a checkpoint every 10 steps, generous hang timeout
+    "--set", "target.val_perplexity=null", "--set", "target.max_samples=1600", "--set", "eval.interval_samples=800",
+    "--set", "checkpoint.interval_steps=10", "--set", "policy.heartbeat_timeout_s=240",
+    "--set", "policy.decision_interval_s=2", "--set", "optimizer.warmup_samples=256",
+]  # fmt: skip
+
+
+def write_profile(root: Path) -> Path:
+    """A kubernetes profile for this machine: 2 nodes × 2 CPU processes, the PVC "mounted" at `root`."""
+    local = yaml.safe_load((REPO / "slurm" / "profiles" / "local-cpu.yaml").read_text())
+    profile = {
+        "name": "emulated-k8s",
+        "backend": "kubernetes",
+        "nodes": 2,
+        "gpus_per_node": 2,
+        "accelerator": local["accelerator"],
+        "network": local["network"],
+        "storage": {**local["storage"], "run_root": str(root)},
+        "kubernetes": {
+            "namespace": NAMESPACE,
+            "image": "cona:test",
+            "mount_path": str(root),
+            "gpu_resource": "cona.dev/cpu",
+        },
+    }
+    path = root / "k8s-cpu.yaml"
+    path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    return path
+
+
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig for the emulator: plain http, no credentials (the client loads it like any other)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+        "users": [{"name": "tester", "user": {}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester", "namespace": NAMESPACE}}],
+        "current-context": "emulator",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class K8sRun:
+    """One `cona run` on the emulated cluster, with what the tests look at and what a failure should show."""
+
+    def __init__(self, k8s, root: Path) -> None:
+        self.k8s = k8s
+        self.controller = k8s.run_jobs(root / "pods")
+        (root / "pods").mkdir(exist_ok=True)
+        self.profile = write_profile(root)
+        self.kubeconfig = write_kubeconfig(root / "kubeconfig", k8s.url)
+        self.run = RunDir(root / "run")
+        self.out_path = root / "cona-run.out"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env.update(PYTHONUNBUFFERED="1", KUBECONFIG=str(self.kubeconfig))
+        self.out = self.out_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", str(self.profile), "--job", TINY,
+             "--run-dir", str(self.run.root), *BASE, *args],
+            cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        try:
+            events = read_events(self.run)
+        except (OSError, ValueError):
+            return []
+        return [e for e in events if kind is None or e["event"] == kind]
+
+    def launch(self, attempt: int) -> dict:
+        try:
+            return json.loads((self.run.attempt_dir(attempt) / "launch.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc is not None and self.proc.poll() is not None and not predicate():
+                pytest.fail(f"cona run exited ({self.proc.returncode}) while waiting for {what}\n{self.logs()}")
+            time.sleep(0.5)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
+
+    def finish(self, timeout: float = 200) -> object:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"cona run did not finish in {timeout}s\n{self.logs()}")
+        assert self.proc.returncode == 0, self.logs()
+        state = read_state(self.run)
+        assert state.status == "done", self.logs()
+        return state
+
+    def logs(self) -> str:
+        out = self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
+        parts = [f"--- cona run output\n{out[-4000:]}", self.controller.logs()]
+        parts.append("--- events\n" + "\n".join(json.dumps(e)[:400] for e in self.events()))
+        return "\n".join(parts)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if hasattr(self, "out"):
+            self.out.close()
+
+
+@pytest.fixture
+def k8s_run(k8s, tmp_path):
+    run = K8sRun(k8s, tmp_path)
+    yield run
+    run.cleanup()
+
+
+def assert_samples(run: K8sRun, expected: int) -> None:
+    assert_attempts_never_overlap(run.run)
+    assert assert_samples_exact(run.run) == expected, run.logs()
+
+
+def test_cona_run_switches_through_kubernetes_jobs(k8s_run):
+    """A schedule 2 pods × 2 → 1 pod × 2 (dp 4 → 2, gbs 16 → 32) at 800 samples: one Indexed Job per attempt."""
+    schedule = f"[{{samples: 0, strategy: '{S4}'}}, {{samples: 800, strategy: '{S2}'}}]"
+    k8s_run.start("--set", "policy.name=schedule", "--set", f"policy.schedule={schedule}")
+    state = k8s_run.finish()
+    launches = k8s_run.events("launch")
+    assert len(launches) >= 2, k8s_run.logs()
+    switches = k8s_run.events("switch")
+    assert any(s["from"]["gbs"] != s["to"]["gbs"] and s["from"]["dp"] != s["to"]["dp"] for s in switches), switches
+    first, second = k8s_run.launch(1), k8s_run.launch(2)
+    assert first["job_name"] != second["job_name"] and first["namespace"] == NAMESPACE
+    jobs = {name: job for (_, name), job in k8s_run.controller.jobs.items()}
+    # The rendered torchrun commands the pods ran: 2 nodes × 2, then 1 node × 2, each Job on its own port.
+    for name, nnodes, ranks in ((first["job_name"], 2, ["0", "1"]), (second["job_name"], 1, ["0"])):
+        argvs = [pod.proc.args for pod in jobs[name].pods]
+        assert [a for argv in argvs for a in argv if a.startswith("--node-rank=")] == [f"--node-rank={r}" for r in ranks]
+        assert all(f"--nnodes={nnodes}" in argv and "--nproc-per-node=2" in argv for argv in argvs), argvs
+        assert all(f"--rdzv-endpoint=127.0.0.1:{jobs[name].port}" in argv for argv in argvs), argvs
+    assert jobs[first["job_name"]].port != jobs[second["job_name"]].port
+    assert state.live["samples"] >= 1600
+    assert_samples(k8s_run, state.live["samples"])
+
+
+def steps(run: K8sRun, attempt: int) -> int:
+    return max((h.get("step", 0) for h in heartbeats(run.run, attempt)), default=0)
+
+
+def test_a_crashed_worker_and_a_disrupted_pod_are_relaunched_from_the_checkpoint(k8s_run):
+    """Attempt 1: a trainer worker of pod 0 is killed (-9): torchrun fails, the pod fails, the Job fails
+    (backoffLimit 0). Attempt 2: pod 1 is evicted (DisruptionTarget): the backend deletes the Job. Each time the
+    next attempt resumes from the last checkpoint and the samples audit stays exact."""
+    k8s_run.start("--policy", f"fixed:{S4}")
+    for attempt in (1, 2):
+        k8s_run.wait(lambda a=attempt: k8s_run.launch(a).get("job_name"), 120, f"attempt {attempt}'s launch")
+        job = k8s_run.launch(attempt)["job_name"]
+        k8s_run.wait(lambda a=attempt: k8s_run.run.latest_checkpoint() is not None and steps(k8s_run, a) >= 12 * a,
+                     180, f"attempt {attempt}: a checkpoint and step {12 * attempt}")  # fmt: skip
+        if attempt == 1:
+            k8s_run.controller.crash_worker(job, 0)
+        else:
+            k8s_run.controller.disrupt_pod(job, 1)
+    state = k8s_run.finish()
+    ends = k8s_run.events("attempt-end")
+    assert [(e["attempt"], e["status"]) for e in ends[:2]] == [(1, "crashed"), (2, "crashed")], ends
+    assert "disrupted: EvictionByEvictionAPI" in ends[1]["detail"], ends[1]
+    assert ends[-1]["status"] == "done" and len(k8s_run.events("launch")) >= 3
+    for attempt in (1, 2):
+        running = k8s_run.controller.jobs[(NAMESPACE, k8s_run.launch(attempt)["job_name"])]
+        assert running.finished and all(pod.proc.poll() is not None for pod in running.pods)
+    assert state.live["samples"] >= 1600
+    assert_samples(k8s_run, state.live["samples"])
+
+
+def test_kubernetes_expansion_of_command_values():
+    from tests.k8s_emulator import expand
+
+    env = {"JOB_COMPLETION_INDEX": "1", "A": "x"}
+    assert expand("--node-rank=$(JOB_COMPLETION_INDEX)", env) == "--node-rank=1"
+    assert expand("$$(A) $(A) $(B) $$$(A) $ a$", env) == "$(A) x $(B) $x $ a$"
