@@ -51,3 +51,15 @@ def test_cona_render_refuses_a_profile_of_another_backend():
     out = run_cona("render", "slurm", "--profile", str(PROFILE_OF["local"]), "--job", str(EXAMPLES / "tiny-gpt.yaml"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "backend is 'local'; `cona render slurm` needs a slurm profile" in out.stderr.strip().splitlines()[-1]
+
+
+def test_cona_run_on_a_kubernetes_profile_without_a_kubeconfig_fails_in_one_line(tmp_path):
+    from tests.test_k8s_e2e import write_profile
+
+    profile = write_profile(tmp_path)
+    env = {"KUBECONFIG": str(tmp_path / "missing"), "HOME": str(tmp_path), "KUBERNETES_SERVICE_HOST": ""}
+    out = run_cona("run", "--profile", str(profile), "--job", str(EXAMPLES / "tiny-gpt.yaml"),
+                   "--run-dir", str(tmp_path / "run"), env=env)  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("cona: error: kubernetes: cannot load the API configuration")
+    assert not (tmp_path / "run" / "attempts" / "1" / "launch.json").exists()

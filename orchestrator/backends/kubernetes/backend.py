@@ -179,8 +179,8 @@ class KubernetesBackend(Backend):
         service, job = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
                                       run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
         job_name, service_name = job["metadata"]["name"], service["metadata"]["name"]
+        core, batch = self._apis()  # loads the API configuration: a missing kubeconfig leaves no record either
         self.write_launch(attempt, strategy, namespace=self.namespace, job_name=job_name, service=service_name)
-        core, batch = self._apis()
         self._call("create", "services", service_name, core.create_namespaced_service, self.namespace, service)
         try:
             self._call("create", "jobs", job_name, batch.create_namespaced_job, self.namespace, job)
