@@ -194,11 +194,6 @@ class Emulator:
             self._controller = JobController(self, Path(workdir)).start()
         return self._controller
 
-    @property
-    def jobs(self) -> JobController:
-        assert self._controller is not None, "call run_jobs() first"
-        return self._controller
-
 
 def expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' expansion of `command`/`args`/`env` values: `$(VAR)` → the variable's value if it is defined
@@ -458,7 +453,10 @@ class JobController:
         raise TimeoutError(f"Job {name!r} was never started")
 
     def disrupt_pod(self, job: str, index: int = 0, *, reason: str = "EvictionByEvictionAPI") -> str:
-        """Evict pod `index` of `job`: kill its processes and mark it Failed with a DisruptionTarget condition."""
+        """Evict pod `index` of `job`: kill its processes and mark it Failed with a DisruptionTarget condition.
+
+        Unlike the real Job controller (whose podFailurePolicy `Ignore` rule would start a replacement pod), no
+        replacement is started: the backend deletes the Job of a disrupted attempt and relaunches it."""
         core, _ = self.emulator._kubelet()
         running = self.wait_job(job)
         with self._lock:
