@@ -28,10 +28,13 @@ SHORT = [  # a short run: 100 steps of gbs 16, about 30 s of training on 2 cores
     "--set", "target.max_samples=1600", "--set", "target.val_perplexity=null", "--set", "eval.interval_samples=800",
     "--set", "checkpoint.interval_steps=10", "--set", "policy.heartbeat_timeout_s=90", "--set", "optimizer.warmup_samples=256",
 ]  # fmt: skip
+# The switch must be decided before the trainer reaches max_samples, by an orchestrator that starts again after
+# being killed: on an idle machine 100 steps take about 20 s, so the schedule switches halfway and decisions come
+# every second (with 1200 and the default 5 s, the trainer sometimes finished the last 400 samples first).
 SCHEDULE = [
-    "--set", "policy.name=schedule",
+    "--set", "policy.name=schedule", "--set", "policy.decision_interval_s=1",
     "--set", "policy.schedule=[{samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}, "
-             "{samples: 1200, strategy: 'dp=2,tp=1,pp=2,mbs=4,gbs=32'}]",
+             "{samples: 800, strategy: 'dp=2,tp=1,pp=2,mbs=4,gbs=32'}]",
 ]  # fmt: skip
 
 
@@ -155,7 +158,7 @@ def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
     assert any(e["event"] == "adopt" and e["attempt"] == 1 for e in events), out[-2000:]
     assert read_state(run_dir).status == "done"
     assert_attempts_never_overlap(run_dir)
-    # The switch lands at a step boundary after sample 1200 and the last step may run past the budget by less
+    # The switch lands at a step boundary after sample 800 and the last step may run past the budget by less
     # than one global batch; every sample is still consumed exactly once.
     total = assert_samples_exact(run_dir)
     assert total == read_state(run_dir).live["samples"]
