@@ -86,7 +86,7 @@ class Scheduler:
 
     def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False) -> Attempt:
         """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it."""
-        number = max(self.state.attempts_started, previous.number if previous else 0) + 1
+        number = self.state.attempts_started + 1
         # Saved before launching: an orchestrator that dies during the launch never hands out the number again.
         self.state.attempts_started = number
         self.state.status = "running"

@@ -14,6 +14,15 @@ EXAMPLES = REPO / "examples"
 PROFILES = REPO / "slurm" / "profiles"
 
 
+def assert_golden(path: Path, text: str, *, what: str) -> None:
+    """`text` equals the golden file `path`; `UPDATE_GOLDEN=1` rewrites it instead. `what` names the text."""
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{path} differs from {what}; rerun with UPDATE_GOLDEN=1 if intended"
+
+
 def run_cona(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real `cona` entry point in a subprocess (as a user would)."""
     full_env = {**os.environ, **(env or {})}

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from cona.orchestrator.runstate import read_events, read_state
-from cona.protocol.rundir import RunDir
 
+from tests.cli_run import CliRun
 from tests.conftest import REPO
 from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
 
@@ -74,35 +70,23 @@ def write_kubeconfig(path: Path, url: str) -> Path:
     return path
 
 
-class K8sRun:
+class K8sRun(CliRun):
     """One `cona run` on the emulated cluster, with what the tests look at and what a failure should show."""
 
+    finish_timeout_s = 200.0
+
     def __init__(self, k8s, root: Path) -> None:
+        super().__init__(root / "run", root / "cona-run.out")
         self.k8s = k8s
         self.controller = k8s.run_jobs(root / "pods")
         (root / "pods").mkdir(exist_ok=True)
         self.profile = write_profile(root)
         self.kubeconfig = write_kubeconfig(root / "kubeconfig", k8s.url)
-        self.run = RunDir(root / "run")
-        self.out_path = root / "cona-run.out"
-        self.proc: subprocess.Popen | None = None
 
     def start(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-        env.update(PYTHONUNBUFFERED="1", KUBECONFIG=str(self.kubeconfig))
-        self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", str(self.profile), "--job", TINY,
-             "--run-dir", str(self.run.root), *BASE, *args],
-            cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        try:
-            events = read_events(self.run)
-        except (OSError, ValueError):
-            return []
-        return [e for e in events if kind is None or e["event"] == kind]
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        self.start_cli(["--profile", str(self.profile), "--job", TINY, *BASE, *args], env)
 
     def launch(self, attempt: int) -> dict:
         try:
@@ -110,40 +94,8 @@ class K8sRun:
         except (OSError, ValueError):
             return {}
 
-    def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            if self.proc is not None and self.proc.poll() is not None and not predicate():
-                pytest.fail(f"cona run exited ({self.proc.returncode}) while waiting for {what}\n{self.logs()}")
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
-
-    def finish(self, timeout: float = 200) -> object:
-        assert self.proc is not None
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"cona run did not finish in {timeout}s\n{self.logs()}")
-        assert self.proc.returncode == 0, self.logs()
-        state = read_state(self.run)
-        assert state.status == "done", self.logs()
-        return state
-
     def logs(self) -> str:
-        out = self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
-        parts = [f"--- cona run output\n{out[-4000:]}", self.controller.logs()]
-        parts.append("--- events\n" + "\n".join(json.dumps(e)[:400] for e in self.events()))
-        return "\n".join(parts)
-
-    def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if hasattr(self, "out"):
-            self.out.close()
+        return "\n".join([f"--- cona run output\n{self.output()[-4000:]}", self.controller.logs(), self.events_text()])
 
 
 @pytest.fixture

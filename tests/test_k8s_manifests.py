@@ -7,7 +7,6 @@ tests/test_k8s_manifests.py` rewrites the golden files in tests/golden/kubernete
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from cona.protocol.rundir import ExitCode
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
-from tests.conftest import EXAMPLES, REPO, run_cona
+from tests.conftest import EXAMPLES, REPO, assert_golden, run_cona
 
 K8S_VERSION = "1.32"
 MANIFESTS = REPO / "manifests"
@@ -56,12 +55,7 @@ def _validate(obj: dict) -> None:
 
 
 def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
-    assert text == path.read_text(), f"{path} differs from the rendered manifests; rerun with UPDATE_GOLDEN=1 if intended"
+    assert_golden(GOLDEN / name, text, what="the rendered manifests")
 
 
 def _kustomize() -> list[dict]:

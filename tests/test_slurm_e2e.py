@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,11 +29,11 @@ import pytest
 from cona.orchestrator.backends.base import Attempt
 from cona.orchestrator.backends.slurm import SlurmBackend
 from cona.orchestrator.profile import load_profile
-from cona.orchestrator.runstate import read_events, read_state
 from cona.protocol.rundir import RunDir
 from cona.protocol.samples_log import samples_file
 from cona.protocol.strategy import Strategy
 
+from tests.cli_run import CliRun
 from tests.conftest import REPO
 from tests.test_orchestrator_e2e import (
     assert_attempts_never_overlap,
@@ -67,34 +66,16 @@ BASE = sets(  # a short run: no perplexity target, a checkpoint every 10 steps, 
 )  # fmt: skip
 
 
-class SlurmRun:
+class SlurmRun(CliRun):
     """One `cona run` on the local Slurm cluster, with what the tests look at and what a failure should show."""
 
     def __init__(self, root: Path) -> None:
-        self.run = RunDir(root)
-        self.proc: subprocess.Popen | None = None
-        self.out_path = root.parent / f"{root.name}.out"
+        super().__init__(root, root.parent / f"{root.name}.out")
 
     def start(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.out = self.out_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", PROFILE, "--job", TINY,
-             "--run-dir", str(self.run.root), *BASE, *args],
-            cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-
-    def output(self) -> str:
-        return self.out_path.read_text() if self.out_path.exists() else ""
+        self.start_cli(["--profile", PROFILE, "--job", TINY, *BASE, *args], dict(os.environ))
 
     # -- run-directory views -------------------------------------------------------------------------------
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        try:
-            events = read_events(self.run)
-        except (OSError, ValueError):
-            return []
-        return [e for e in events if kind is None or e["event"] == kind]
 
     def attempt_json(self, attempt: int, name: str) -> dict:
         path = self.run.attempt_dir(attempt) / name
@@ -125,32 +106,10 @@ class SlurmRun:
 
     # -- waiting ---------------------------------------------------------------------------------------------
 
-    def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            if self.proc is not None and self.proc.poll() is not None and not predicate():
-                pytest.fail(f"cona run exited ({self.proc.returncode}) while waiting for {what}\n{self.logs()}")
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
-
     def running(self, *, steps: int, attempt: int = 1, timeout: float = 240) -> None:
         """Attempt `attempt` has a complete checkpoint and has trained past step `steps`."""
         self.wait(lambda: self.run.latest_checkpoint() is not None and self.steps(attempt) >= steps, timeout,
                   f"attempt {attempt}: a checkpoint and step {steps}")  # fmt: skip
-
-    def finish(self, timeout: float = 400) -> dict:
-        assert self.proc is not None
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"cona run did not finish in {timeout}s\n{self.logs()}")
-        assert self.proc.returncode == 0, self.logs()
-        state = read_state(self.run)
-        assert state.status == "done", self.logs()
-        return state
 
     def logs(self) -> str:
         parts = [f"--- cona run output\n{self.output()[-4000:]}"]
@@ -159,20 +118,16 @@ class SlurmRun:
         for job in self.job_ids():
             parts.append(f"--- scontrol show job {job}\n{_sh('scontrol', 'show', 'job', '-o', job).stdout}")
         parts.append(f"--- uptime\n{_sh('uptime').stdout}")
-        parts.append("--- events\n" + "\n".join(json.dumps(e)[:400] for e in self.events()))
+        parts.append(self.events_text())
         for path in sorted(self.run.root.glob("attempts/**/*")):
             if path.is_file() and path.suffix in (".out", ".log", ".json"):
                 parts.append(f"--- {path.relative_to(self.run.root)}\n{path.read_text(errors='replace')[-2500:]}")
         return "\n".join(parts)
 
     def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().cleanup()
         for job in self.job_ids():
             _sh("scancel", job)
-        if hasattr(self, "out"):
-            self.out.close()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from cona.orchestrator.backends.slurm.script import (
 from cona.orchestrator.profile import ClusterProfile, load_profile
 from cona.protocol.yamlconfig import ConfigError
 
-from tests.conftest import PROFILES, REPO
+from tests.conftest import PROFILES, REPO, assert_golden
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
 BASH = shutil.which("bash")
@@ -41,14 +41,7 @@ helper = _helper()
 
 
 def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"missing golden file {path}; run with UPDATE_GOLDEN=1"
-    assert text == path.read_text(), (
-        f"{path} differs from the rendered script; rerun with UPDATE_GOLDEN=1 if intended"
-    )
+    assert_golden(GOLDEN / name, text, what="the rendered script")
 
 
 def _profile(base: str = "local-slurm.yaml", **slurm) -> ClusterProfile:

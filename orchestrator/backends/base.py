@@ -93,6 +93,12 @@ class Outcome:
     detail: str = ""
     """A one-line human reason (e.g. `node n2 DOWN`, `exit code -9`)."""
 
+    @classmethod
+    def of_exit(cls, code: int | None, *, who: str) -> Outcome:
+        """The end of an attempt whose `who` (torchrun, the trainer) exited with `code`; a crash says so."""
+        status = AttemptStatus.from_exit_code(code)
+        return cls(status, code, f"{who} exited {code}" if status is AttemptStatus.CRASHED else "")
+
 
 class Backend(abc.ABC):
     """Starts and watches trainer attempts for one run directory."""

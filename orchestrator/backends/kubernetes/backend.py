@@ -241,7 +241,7 @@ class KubernetesBackend(Backend):
         job = self._call("get", "jobs", name, batch.read_namespaced_job, name, self.namespace, missing_ok=True)
         if job is None:
             if recorded is not None:
-                return self._recorded(recorded.exit_code)
+                return Outcome.of_exit(recorded.exit_code, who="trainer")
             return Outcome(AttemptStatus.CRASHED, None, "the Job is gone")
         conditions = job.status.conditions if job.status else None
         complete, failed = _condition(conditions, "Complete"), _condition(conditions, "Failed")
@@ -249,7 +249,7 @@ class KubernetesBackend(Backend):
         disrupted = next((c for pod in pods if (c := _condition(pod.status.conditions if pod.status else None,
                                                                 "DisruptionTarget"))), None)  # fmt: skip
         if recorded is not None and (complete or failed or disrupted):
-            return self._recorded(recorded.exit_code)
+            return Outcome.of_exit(recorded.exit_code, who="trainer")
         if disrupted is not None:
             if not (complete or failed):
                 self.cancel(attempt)
@@ -273,11 +273,6 @@ class KubernetesBackend(Backend):
         if not pods:
             return Outcome(AttemptStatus.PENDING, None, "no pods yet")
         return Outcome(AttemptStatus.RUNNING)
-
-    @staticmethod
-    def _recorded(code: int) -> Outcome:
-        status = AttemptStatus.from_exit_code(code)
-        return Outcome(status, code, f"trainer exited {code}" if status is AttemptStatus.CRASHED else "")
 
     def cancel(self, attempt: Attempt) -> None:
         """Delete the attempt's Job (foreground: its pods first) and Service; a missing one is fine."""

@@ -167,9 +167,7 @@ class LocalBackend(Backend):
             recorded = self.run_dir.read_exit(attempt.number)
             if recorded is not None:
                 code = recorded.exit_code
-        status = AttemptStatus.from_exit_code(code)
-        detail = f"torchrun exited {code}" if status is AttemptStatus.CRASHED else ""
-        return Outcome(status, code, detail)
+        return Outcome.of_exit(code, who="torchrun")
 
     def cancel(self, attempt: Attempt) -> None:
         pid = int(attempt.backend_id)
