@@ -181,8 +181,8 @@ def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
-        (403, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': the service account lacks create on jobs; "
-              "apply manifests/rbac.yaml"),
+        (403, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': you (or the service account) lack create on jobs; "
+              "apply manifests/rbac.yaml and bind its Role"),
         (409, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': already exists (409); "
               "delete it (kubectl -n cona delete jobs exp1-a1) first"),
         (422, "kubernetes: create jobs 'exp1-a1' in namespace 'cona': rejected as invalid (422): "

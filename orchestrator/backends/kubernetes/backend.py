@@ -18,14 +18,13 @@ emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cl
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.render import CONTAINER, render_attempt, render_text
 from cona.protocol.yamlconfig import ConfigError
 
@@ -35,28 +34,9 @@ if TYPE_CHECKING:
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
-REQUEST_TIMEOUT_S = 30
-"""Per API call (connect and read), so that a poll never blocks for long."""
-RBAC = "manifests/rbac.yaml"
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", "app.kubernetes.io/instance")
 """Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _api_message(exc: Any) -> str:
-    """The API server's own message of an ApiException (its Status body), with the invalid fields' causes."""
-    try:
-        body = json.loads(exc.body or "")
-    except (TypeError, ValueError):
-        return _one_line(exc.reason or "")
-    if not isinstance(body, dict):
-        return _one_line(exc.reason or "")
-    causes = (body.get("details") or {}).get("causes") or []
-    fields = [f"{c.get('field')}: {c.get('message')}" for c in causes if isinstance(c, dict) and c.get("field")]
-    return _one_line("; ".join(fields) or body.get("message") or exc.reason or "")
+_one_line = one_line
 
 
 def _condition(conditions: list[Any] | None, kind: str) -> Any | None:
@@ -90,79 +70,22 @@ class KubernetesBackend(Backend):
             raise ConfigError(f"profile {name!r} has no kubernetes: section; the kubernetes backend needs one")
         self.spec = profile.kubernetes
         self.namespace = self.spec.namespace
-        self._api_client = api_client
+        self.api = KubeApi(self.namespace, api_client)
 
     @property
     def api_client(self) -> Any:
         """The API client given, else the default one, loaded on first use."""
-        if self._api_client is None:
-            self._api_client = self._default_client()
-        return self._api_client
-
-    @staticmethod
-    def _default_client() -> Any:
-        """An ApiClient from the in-cluster service account (KUBERNETES_SERVICE_HOST set) or the kubeconfig."""
-        from kubernetes import client, config
-
-        try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config()
-            else:
-                config.load_kube_config()
-        except (config.ConfigException, OSError, TypeError, ValueError) as e:
-            raise BackendError(f"kubernetes: cannot load the API configuration: {_one_line(str(e))}") from None
-        return client.ApiClient()
+        return self.api.api_client
 
     # --- API calls -------------------------------------------------------------------------------------------
 
     def _apis(self) -> tuple[Any, Any]:
-        from kubernetes import client
-
-        return client.CoreV1Api(self.api_client), client.BatchV1Api(self.api_client)
+        return self.api.core(), self.api.batch()
 
     def _call(self, verb: str, resource: str, name: str, fn: Callable[..., Any], *args: Any,
               missing_ok: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        """`fn(*args, **kwargs)`; an API error as one-line BackendError naming `verb`, `resource` and `name`.
-        With `missing_ok`, a 404 returns None."""
-        from kubernetes.client.exceptions import ApiException
-        from pydantic import ValidationError
-        from urllib3.exceptions import HTTPError
-
-        what = f"kubernetes: {verb} {resource} {name!r} in namespace {self.namespace!r}"
-        try:
-            return fn(*args, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
-        except ApiException as e:
-            status = e.status or 0
-            if status == 404 and missing_ok:
-                return None
-            message = _api_message(e)
-            if status == 401:
-                hint = "the credentials were rejected (401); renew them in the kubeconfig or the service account token"
-            elif status == 403:
-                hint = f"the service account lacks {verb} on {resource}; apply {RBAC}"
-            elif status == 404:
-                hint = f"not found (404): {message}; does namespace {self.namespace!r} exist (apply manifests/)?"
-            elif status == 409:
-                hint = f"already exists (409); delete it (kubectl -n {self.namespace} delete {resource} {name}) first"
-            elif status == 422:
-                hint = f"rejected as invalid (422): {message}; check the profile's kubernetes: section"
-            else:
-                hint = f"failed ({status} {_one_line(e.reason or '')}): {message}"
-            raise BackendError(f"{what}: {hint}") from None
-        except ValidationError as e:
-            # The client checks request bodies against the API's types before sending them.
-            error = e.errors()[0]
-            where = ".".join(str(part) for part in error.get("loc", ())[1:])
-            raise BackendError(
-                f"{what}: the Kubernetes client refused the object before sending it ({where}: {error.get('msg')}); "
-                "this is a bug in cona's rendering, please report it"
-            ) from None
-        except HTTPError as e:
-            host = getattr(self.api_client.configuration, "host", "?")
-            raise BackendError(
-                f"{what}: cannot reach the API server at {host} ({type(e).__name__}); check the kubeconfig or the "
-                "network"
-            ) from None
+        """`fn(*args, **kwargs)`; an API error as one-line BackendError (`KubeApi.call`)."""
+        return self.api.call(verb, resource, name, fn, *args, missing_ok=missing_ok, **kwargs)
 
     # --- the interface ---------------------------------------------------------------------------------------
 
