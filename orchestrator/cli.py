@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cona.orchestrator.backends import BACKENDS
 from cona.orchestrator.backends.base import BackendError
 from cona.protocol.yamlconfig import ConfigError
+
+if TYPE_CHECKING:
+    from cona.orchestrator.job import Job
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.orchestrator.runstate import RunState
+    from cona.orchestrator.scheduler import LiveStatus
+    from cona.protocol.rundir import RunDir
+    from cona.protocol.strategy import Strategy
 
 
 class UserError(Exception):
@@ -72,14 +81,10 @@ def _policy_overrides(policy: str | None) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
-    from cona.orchestrator.backends import make_backend
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.live import LiveView
     from cona.orchestrator.profile import load_profile
-    from cona.orchestrator.runstate import RunLock, create_run, load_run
-    from cona.orchestrator.scheduler import RunFailed, Scheduler
+    from cona.orchestrator.runstate import create_run, load_run
     from cona.protocol.rundir import RunDir
 
     if args.resume:
@@ -98,17 +103,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
         else:
             create_run(run_dir=run_dir, profile=profile, job=job)
-    view = LiveView(run_dir=run_dir, job=job, quiet=args.quiet)
-    with RunLock(run_dir.lock):
-        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir, job=job),
-                              on_update=view.update)  # fmt: skip
-        view.begin(scheduler)
-        try:
-            state = scheduler.run()
-        except RunFailed as e:
-            view.end(scheduler)
-            raise UserError(str(e)) from None
-        view.end(scheduler)
+    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
+    if failure is not None:
+        raise UserError(failure)
     if not args.no_report and state.status in ("done", "stopped"):
         from cona.orchestrator.report import write_report
 
@@ -117,13 +114,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if state.status in ("done", "stopped") else 1
 
 
+def drive(
+    *, run_dir: RunDir, profile: ClusterProfile, job: Job, quiet: bool = False, also: Callable[[], None] | None = None
+) -> tuple[RunState, str | None]:
+    """Drive a created run to its end under its backend's exclusion (flock, or a Kubernetes Lease), with the live
+    view; `also` runs on every pass of the loop (the Kubernetes status mirror). Returns the final state and, if the
+    run failed, why (one line)."""
+    from cona.orchestrator.backends import make_backend
+    from cona.orchestrator.live import LiveView
+    from cona.orchestrator.scheduler import RunFailed, Scheduler
+
+    view = LiveView(run_dir=run_dir, job=job, quiet=quiet)
+    backend = make_backend(profile=profile, run_dir=run_dir, job=job)
+    with backend.exclusion() as exclusion:
+
+        def on_update(live: LiveStatus) -> None:
+            exclusion.check()  # another orchestrator took over (a Kubernetes Lease lost): stop here
+            view.update(live)
+            if also is not None:
+                also()
+
+        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
+        view.begin(scheduler)
+        try:
+            state = scheduler.run()
+        except RunFailed as e:
+            view.end(scheduler)
+            return scheduler.state, str(e)
+        view.end(scheduler)
+    return state, None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cona.orchestrator.live import status_summary
     from cona.protocol.rundir import RunDir
 
-    summary = status_summary(RunDir(Path(args.run_dir)))
+    if _remote(args):
+        from cona.orchestrator.backends.kubernetes.remote import remote_status
+
+        summary = remote_status(args.run_dir, namespace=_namespace(args))
+    else:
+        summary = status_summary(RunDir(Path(args.run_dir)))
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -134,17 +167,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from cona.orchestrator.runstate import load_run, request_stop
+    from cona.protocol.rundir import RunDir
 
-    from cona.orchestrator.runstate import load_run, log_event
-    from cona.protocol.rundir import ControlRecord, RunDir
+    if _remote(args):
+        from cona.orchestrator.backends.kubernetes.remote import remote_stop
 
+        print(remote_stop(args.run_dir, namespace=_namespace(args)))
+        return 0
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)  # a clear error when this is not a run directory
-    current = run_dir.read_control()
-    seq = (current.seq if current else 0) + 1
-    run_dir.write_control(ControlRecord(seq=seq, command="stop", reason="cona stop"))
-    log_event(run_dir, "stop-command", seq=seq)
+    request_stop(run_dir)
     print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")
     return 0
 
@@ -156,6 +189,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from cona.orchestrator.runstate import load_run
     from cona.protocol.rundir import RunDir
 
+    if _remote(args):
+        from cona.orchestrator.backends.kubernetes.remote import remote_report
+
+        out = Path(args.out or f"{args.run_dir}-report")
+        md, fetched = remote_report(args.run_dir, namespace=_namespace(args), out_dir=out)
+        print(f"wrote {md}" + (f" and {fetched}" if fetched else ""))
+        return 0
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)
     png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
@@ -166,10 +206,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     from cona.orchestrator.backends import backend_class
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.planner import enumerate_candidates
-    from cona.orchestrator.policy import make_policy
     from cona.orchestrator.profile import load_profile
-    from cona.orchestrator.throughput import ThroughputModel
     from cona.protocol.rundir import RunDir
 
     profile = load_profile(args.profile)
@@ -179,15 +216,81 @@ def cmd_render(args: argparse.Namespace) -> int:
             f"{args.profile}: backend is {profile.backend!r}; `cona render {args.target}` needs a {args.target} profile"
         )
     run_dir = RunDir(Path(args.run_dir or f"{profile.storage.run_root}/{job.name}-RUN"))
-    # The strategy the run would start with: the policy's own choice over the feasible candidates.
-    candidates = [c for c in enumerate_candidates(profile=profile, job=job) if c.feasible]
+    backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
+    sys.stdout.write(backend.render(strategy=first_strategy(profile, job)))
+    return 0
+
+
+def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
+    """The strategy a run would start with: the policy's own choice over the feasible candidates."""
+    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.policy import make_policy
+    from cona.orchestrator.scheduler import device_counts
+    from cona.orchestrator.throughput import ThroughputModel
+
+    # The candidates the scheduler plans with (a schedule may name smaller worlds).
+    candidates = [c for devices in device_counts(profile, job)
+                  for c in enumerate_candidates(profile=profile, job=job, num_devices=devices) if c.feasible]  # fmt: skip
     if not candidates:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
     policy = make_policy(job, profile=profile, candidates=candidates)
-    strategy = policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
-    backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
-    sys.stdout.write(backend.render(strategy=strategy))
+    return policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import time
+
+    from cona.orchestrator.backends.kubernetes.render import render_attempt
+    from cona.orchestrator.backends.kubernetes.runobjects import render_submission, run_dir_for, run_name
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+
+    profile = load_profile(args.profile)
+    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+    if profile.backend != "kubernetes":
+        raise UserError(f"{args.profile}: backend is {profile.backend!r}; cona submit needs a kubernetes profile "
+                        "(use `cona run` for local and slurm profiles)")  # fmt: skip
+    if not Path(job.data.path).is_absolute():
+        raise UserError(
+            f"data.path {job.data.path!r} is relative: the pods read it in their own filesystem; give its absolute "
+            f"path on the PVC, e.g. --set data.path={profile.kubernetes.mount_path}/data/{Path(job.data.path).name}"  # type: ignore[union-attr]
+        )
+    now = time.time()
+    run = args.name or run_name(f"{job.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}")
+    objects = render_submission(profile=profile, job=job, run=run, submitted=now)
+    # Everything the orchestrator will render is checked here, before anything is created on the cluster.
+    render_attempt(profile=profile, strategy=first_strategy(profile, job), attempt=1, run_dir=run_dir_for(profile, run))
+    if args.dry_run:
+        import yaml
+
+        sys.stdout.write("---\n".join(yaml.safe_dump(o, sort_keys=False, width=1000) for o in objects))
+        return 0
+    from cona.orchestrator.backends.kubernetes.remote import submit
+
+    run, namespace = submit(objects)
+    print(f"submitted run {run} to namespace {namespace}: ConfigMap {run} and orchestrator Job {objects[1]['metadata']['name']}")
+    print(f"follow it: cona status {run} --namespace {namespace}   stop it: cona stop {run} --namespace {namespace}")
     return 0
+
+
+def cmd_orchestrate(args: argparse.Namespace) -> int:
+    from cona.orchestrator.backends.kubernetes.incluster import orchestrate
+
+    return orchestrate(args.run, namespace=args.namespace, quiet=args.quiet)
+
+
+def _remote(args: argparse.Namespace) -> bool:
+    """Whether RUN names a run on Kubernetes rather than a run directory here: it is not a path that exists, and
+    it is a bare name (a run's Kubernetes name has no `/`), or a namespace was given."""
+    path = Path(args.run_dir)
+    return not path.exists() and ("/" not in args.run_dir or args.namespace is not None)
+
+
+def _namespace(args: argparse.Namespace) -> str:
+    """--namespace, else the kubeconfig context's namespace (as kubectl), else `default`."""
+    from cona.orchestrator.backends.kubernetes.api import context_namespace
+
+    return args.namespace or context_namespace() or "default"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,22 +340,49 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     run.set_defaults(func=cmd_run)
 
+    submit = sub.add_parser(
+        "submit",
+        help="start a run on Kubernetes: its ConfigMap and orchestrator Job (the run lives on the cluster's PVC)",
+        description="Check the profile and job, then create the run's ConfigMap (resolved profile and job) and an "
+        "orchestrator Job that drives the run next to its PVC, through the kubeconfig (or in-cluster config). "
+        "Follow it with `cona status RUN`, stop it with `cona stop RUN`, fetch its report with `cona report RUN`.",
+    )
+    _add_config_args(submit)
+    submit.add_argument("--name", metavar="RUN", help="the run's name (default: <job name>-<time>), a DNS label")
+    submit.add_argument("--policy", metavar="POLICY", help="as for cona run")
+    submit.add_argument("--dry-run", action="store_true", help="print the objects (for kubectl apply -f -) instead")
+    submit.set_defaults(func=cmd_submit)
+
+    orchestrate = sub.add_parser(
+        "orchestrate",
+        help="what the orchestrator pod of a submitted run runs (not for use by hand)",
+        description="Read run RUN's ConfigMap, create or resume its run directory on the PVC, hold its Lease and "
+        "drive it, mirroring its status into the ConfigMap.",
+    )
+    orchestrate.add_argument("run", metavar="RUN", help="the run's name")
+    orchestrate.add_argument("--namespace", required=True, help="the run's namespace")
+    orchestrate.add_argument("--quiet", action="store_true", help="no live status lines, only events")
+    orchestrate.set_defaults(func=cmd_orchestrate)
+
     status = sub.add_parser("status", help="show where a run stands", description="Show a run's status, strategy, "
                             "progress, noise scale, switches and the latest decision.")  # fmt: skip
-    status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    status.add_argument("run_dir", metavar="RUN", help="the run directory, or the name of a run on Kubernetes")
+    status.add_argument("-n", "--namespace", help="the Kubernetes namespace of RUN (default: the kubeconfig's)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=cmd_status)
 
     stop = sub.add_parser("stop", help="ask a run to checkpoint and stop", description="Write a stop command to the "
                           "run's control.json: the trainer checkpoints at its next step boundary and exits; the "
                           "orchestrator marks the run stopped. Resume later with `cona run --resume RUN_DIR`.")  # fmt: skip
-    stop.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    stop.add_argument("run_dir", metavar="RUN", help="the run directory, or the name of a run on Kubernetes")
+    stop.add_argument("-n", "--namespace", help="the Kubernetes namespace of RUN (default: the kubeconfig's)")
     stop.set_defaults(func=cmd_stop)
 
     report = sub.add_parser("report", help="write a PNG and a Markdown summary of a run", description="Plot "
                             "validation loss against wall time with switches marked, the noise scale against samples "
                             "and throughput per strategy (report.png), and summarize the run (report.md).")  # fmt: skip
-    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    report.add_argument("run_dir", metavar="RUN", help="the run directory, or the name of a run on Kubernetes")
+    report.add_argument("-n", "--namespace", help="the Kubernetes namespace of RUN (default: the kubeconfig's)")
     report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory)")
     report.set_defaults(func=cmd_report)
 

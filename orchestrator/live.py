@@ -148,10 +148,20 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
 
 
 def print_status(summary: dict[str, Any]) -> None:
-    strategy = summary["strategy"]
-    print(f"run        {summary['run_dir']}")
-    print(f"job        {summary['job']} on {summary['profile']}, policy {summary['policy']}")
+    """`cona status` as text. A run on Kubernetes adds its name, namespace and orchestrator pod; before the
+    orchestrator first reports (or when the run could not start) only what is known is shown."""
+    if summary.get("run"):
+        print(f"run        {summary['run']} in namespace {summary.get('namespace')} ({summary.get('run_dir') or '-'})")
+    else:
+        print(f"run        {summary.get('run_dir')}")
+    if "job" in summary:
+        print(f"job        {summary['job']} on {summary['profile']}, policy {summary['policy']}")
     print(f"status     {summary['status']}" + (f" ({summary['reason']})" if summary.get("reason") else ""))
+    if "orchestrator" in summary:
+        print(f"orchestrator {summary['orchestrator']}")
+    if "attempt" not in summary:
+        return
+    strategy = summary["strategy"]
     print(f"attempt    {summary['attempt']} with {_short(strategy) if strategy else '-'}")
     ppl = summary.get("val_perplexity")
     target = summary.get("target_val_perplexity")

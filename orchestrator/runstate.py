@@ -63,6 +63,18 @@ def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
     return profile, job
 
 
+def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:
+    """Ask the run to stop: a stop command in control.json (the trainer checkpoints at its next step boundary and
+    exits; the orchestrator marks the run stopped). Returns the control record's sequence number."""
+    from cona.protocol.rundir import ControlRecord
+
+    current = run_dir.read_control()
+    seq = (current.seq if current else 0) + 1
+    run_dir.write_control(ControlRecord(seq=seq, command="stop", reason=reason))
+    log_event(run_dir, "stop-command", seq=seq, reason=reason)
+    return seq
+
+
 def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
     """Append one decision or incident to events.jsonl."""
     record = {"time": time.time(), "event": kind, **fields}
@@ -230,6 +242,9 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
+
+    def check(self) -> None:
+        """The kernel keeps the lock for as long as this process lives: it cannot be lost."""
 
     def release(self) -> None:
         if self._fd is not None:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,12 +188,37 @@ class Emulator:
 
     # --- running Jobs as local processes ----------------------------------------------------------------------
 
-    def run_jobs(self, workdir: Path) -> JobController:
+    def run_jobs(self, workdir: Path, *, env: dict[str, str] | None = None) -> JobController:
         """Start playing the Job controller and the kubelet: every Job created from now on runs its pods as local
-        processes (their working directories and logs under `workdir`). Stopped with the emulator."""
+        processes (their working directories and logs under `workdir`), with `env` added to their environment
+        (e.g. the KUBECONFIG that stands in for the pods' service account). Stopped with the emulator."""
         if self._controller is None:
-            self._controller = JobController(self, Path(workdir)).start()
+            self._controller = JobController(self, Path(workdir), env=env).start()
         return self._controller
+
+    def write_kubeconfig(self, path: Path, *, token: str, namespace: str = "default") -> Path:
+        """A kubeconfig for the emulator (plain http) whose requests carry `Bearer <token>`: the emulator does not
+        check it, but `requests_by(token)` tells the callers apart (the laptop's CLI, the orchestrator pod)."""
+        import yaml
+
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": token, "user": {"token": token}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": token, "namespace": namespace}}],
+            "current-context": "emulator",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def requests_by(self, token: str) -> list[tuple[str, str]]:
+        """(method, path) of every request made with a kubeconfig of `write_kubeconfig(token=...)`, in order."""
+        return [
+            (str(r.method.value if hasattr(r.method, "value") else r.method).upper(), r.url.path)
+            for r in list(self.kmock._requests)
+            if r.headers.get("Authorization") == f"Bearer {token}"
+        ]
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -256,6 +282,9 @@ class PodProcess:
     log: Path
     disrupted: bool = False
     reported: bool = False
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
 
 
 @dataclass
@@ -263,6 +292,10 @@ class RunningJob:
     name: str
     namespace: str
     port: int
+    uid: str = ""
+    container: str = "trainer"
+    restart_policy: str = "Never"
+    backoff_limit: int = 0
     pods: list[PodProcess] = field(default_factory=list)
     finished: bool = False
 
@@ -272,9 +305,10 @@ class JobController:
 
     POLL_S = 0.25
 
-    def __init__(self, emulator: Emulator, workdir: Path) -> None:
+    def __init__(self, emulator: Emulator, workdir: Path, *, env: dict[str, str] | None = None) -> None:
         self.emulator = emulator
         self.workdir = workdir
+        self.env = dict(env or {})
         self.jobs: dict[tuple[str, str], RunningJob] = {}
         self.errors: list[str] = []
         self._lock = threading.RLock()
@@ -330,25 +364,33 @@ class JobController:
         from kubernetes import client
 
         name, namespace = job.metadata.name, job.metadata.namespace
-        running = RunningJob(name=name, namespace=namespace, port=_free_port())
+        # kmock fills in no uid: the controller gives the Job one (its pods carry it, as the real controller's do).
+        uid = (job.metadata.uid if job.metadata else None) or str(uuid.uuid4())
         template = job.spec.template
         spec = client.ApiClient().sanitize_for_serialization(template.spec)
+        running = RunningJob(name=name, namespace=namespace, port=_free_port(), uid=uid,
+                             restart_policy=spec.get("restartPolicy") or "Never",
+                             backoff_limit=job.spec.backoff_limit if job.spec.backoff_limit is not None else 6)  # fmt: skip
         container = spec["containers"][0]
+        running.container = container["name"]
         for index in range(job.spec.completions or 1):
             pod_name = f"{name}-{index}-{os.urandom(3).hex()[:5]}"
             labels = {**(template.metadata.labels or {}), "batch.kubernetes.io/job-name": name,
-                      "job-name": name, "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+                      "job-name": name, "batch.kubernetes.io/job-completion-index": str(index),
+                      "batch.kubernetes.io/controller-uid": uid, "controller-uid": uid}  # fmt: skip
             annotations = {**(template.metadata.annotations or {}),
                            "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+            fields = {"metadata.name": pod_name, "metadata.namespace": namespace,
+                      **{f"metadata.labels['{k}']": v for k, v in labels.items()},
+                      **{f"metadata.annotations['{k}']": v for k, v in annotations.items()}}  # fmt: skip
             argv, env = self._command(container, index=index, job=name, subdomain=spec.get("subdomain"),
-                                      port=running.port)  # fmt: skip
+                                      port=running.port, fields=fields)  # fmt: skip
+            env.update(self.env)
             env[POD_MARKER] = pod_name
             cwd = Path(tempfile.mkdtemp(prefix=f"{pod_name}-", dir=self.workdir))
             log = cwd / "container.log"
-            with log.open("w") as out:
-                proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-            running.pods.append(PodProcess(name=pod_name, index=index, proc=proc, log=log))
+            running.pods.append(PodProcess(name=pod_name, index=index, proc=self._spawn(argv, env, cwd, log), log=log,
+                                           argv=argv, env=env))  # fmt: skip
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -365,20 +407,27 @@ class JobController:
         return running
 
     @staticmethod
+    def _spawn(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+        with log.open("a") as out:
+            return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+    @staticmethod
     def _container_status(container: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         return {"name": container["name"], "image": container["image"], "imageID": "", "restartCount": 0,
                 "ready": "running" in state, "state": state}  # fmt: skip
 
     @staticmethod
     def _command(container: dict[str, Any], *, index: int, job: str, subdomain: str | None,
-                 port: int) -> tuple[list[str], dict[str, str]]:  # fmt: skip
-        """The container's argv and environment as the kubelet would give them, mapped onto this machine."""
+                 port: int, fields: dict[str, str]) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+        """The container's argv and environment as the kubelet would give them, mapped onto this machine; `fields`
+        are the pod's downward-API fields (`metadata.name`, `metadata.labels['...']`, ...)."""
         env: dict[str, str] = {"JOB_COMPLETION_INDEX": str(index)}
         for var in container.get("env") or []:
             if "value" in var:
                 env[var["name"]] = expand(var["value"], env)
-            elif "job-completion-index" in str(var.get("valueFrom")):
-                env[var["name"]] = str(index)
+            elif (path := ((var.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")) in fields:
+                env[var["name"]] = fields[path]
         argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable
@@ -392,6 +441,17 @@ class JobController:
             return
         for pod in running.pods:
             code = pod.proc.poll()
+            if code is not None and code != 0 and running.restart_policy == "OnFailure" and not pod.disrupted and (
+                pod.restarts < running.backoff_limit
+            ):
+                # The kubelet restarts the container in the same pod (the real one backs off; 1 s here).
+                pod.restarts += 1
+                time.sleep(1.0)
+                pod.proc = self._spawn(pod.argv, pod.env, pod.log.parent, pod.log)
+                restarted = {"name": running.container, "image": "", "imageID": "", "restartCount": pod.restarts,
+                             "ready": True, "state": {"running": {"startedAt": _now()}}}  # fmt: skip
+                core.patch_namespaced_pod(pod.name, running.namespace, {"status": {"containerStatuses": [restarted]}})
+                continue
             if code is not None and not pod.reported:
                 self._report(core, running, pod, code)
         ended = [p for p in running.pods if p.reported]
@@ -418,7 +478,7 @@ class JobController:
         state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                 "finishedAt": _now()}}  # fmt: skip
         status = {"phase": "Succeeded" if exit_code == 0 else "Failed",
-                  "containerStatuses": [{"name": "trainer", "image": "", "imageID": "", "restartCount": 0,
+                  "containerStatuses": [{"name": running.container, "image": "", "imageID": "", "restartCount": pod.restarts,
                                          "ready": False, "state": state}]}  # fmt: skip
         if conditions is not None:
             status["conditions"] = conditions

@@ -49,6 +49,7 @@ def write_profile(root: Path) -> Path:
             "image": "cona:test",
             "mount_path": str(root),
             "gpu_resource": "cona.dev/cpu",
+            "lease_duration_s": 5,  # a restarted orchestrator takes over after 5 s
         },
     }
     path = root / "k8s-cpu.yaml"

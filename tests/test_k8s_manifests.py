@@ -106,7 +106,7 @@ def _flag(argv: list[str], name: str) -> str:
 def test_kustomize_base_renders_offline_and_validates():
     docs = _kustomize()
     assert sorted(doc["kind"] for doc in docs) == sorted(
-        ["Namespace", "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"]
+        ["Namespace", "ServiceAccount", "Role", "Role", "RoleBinding", "PersistentVolumeClaim"]
     )
     for doc in docs:
         _validate(doc)
@@ -117,7 +117,7 @@ def test_kustomize_base_renders_offline_and_validates():
 
 def test_kustomize_base_matches_the_example_profile():
     spec = load_profile(K8S_PROFILE).kubernetes
-    by_kind = {doc["kind"]: doc for doc in _kustomize()}
+    by_kind = {doc["kind"]: doc for doc in _kustomize() if doc["metadata"]["name"] != "cona-submitter"}
     assert by_kind["Namespace"]["metadata"]["name"] == spec.namespace
     assert by_kind["ServiceAccount"]["metadata"]["name"] == spec.service_account
     pvc = by_kind["PersistentVolumeClaim"]
@@ -130,23 +130,32 @@ def test_kustomize_base_matches_the_example_profile():
 def test_rbac_is_namespaced_exact_and_has_no_wildcard():
     docs = _kustomize()
     assert not {"ClusterRole", "ClusterRoleBinding"} & {doc["kind"] for doc in docs}
-    (role,) = [doc for doc in docs if doc["kind"] == "Role"]
-    granted = {}
-    for rule in role["rules"]:
-        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/nonResourceURLs
-        for field in ("apiGroups", "resources", "verbs"):
-            assert not any("*" in value for value in rule[field]), rule
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
-    assert granted == {
+    roles = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "Role"}
+    granted: dict[str, dict[tuple[str, str], set[str]]] = {}
+    for name, role in roles.items():
+        for rule in role["rules"]:
+            assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/nonResourceURLs
+            for field in ("apiGroups", "resources", "verbs"):
+                assert not any("*" in value for value in rule[field]), rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    granted.setdefault(name, {}).setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted["cona"] == {
         ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
         ("", "services"): {"create", "get", "delete"},
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
-        ("", "configmaps"): {"create", "get", "update", "patch"},
-        ("coordination.k8s.io", "leases"): {"create", "get", "update"},
+        ("", "configmaps"): {"create", "get", "patch"},
+        ("coordination.k8s.io", "leases"): {"create", "get", "patch"},
     }
+    # The submitting user's Role is not bound by the base: who may submit is the cluster's decision.
+    assert granted["cona-submitter"] == {
+        ("", "configmaps"): {"create", "get", "patch", "delete"},
+        ("batch", "jobs"): {"create", "get"},
+        ("", "pods"): {"list"},
+    }
+    bindings = [doc for doc in docs if doc["kind"] == "RoleBinding"]
+    assert [b["roleRef"]["name"] for b in bindings] == ["cona"]
 
 
 def test_profiles_are_not_part_of_the_kustomization():

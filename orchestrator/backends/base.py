@@ -185,6 +185,14 @@ class Backend(abc.ABC):
         """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""
         return not self.poll(attempt).status.finished
 
+    def exclusion(self) -> Any:
+        """What keeps a second orchestrator off this run while this one drives it: a context manager whose value
+        has `check()`, which raises once the exclusion is lost (the orchestrator then stops acting on the run).
+        Default: an exclusive `flock` on the run directory's orchestrator.lock (`RunLock`)."""
+        from cona.orchestrator.runstate import RunLock
+
+        return RunLock(self.run_dir.lock)
+
     def close(self) -> None:
         """Release anything held across attempts (an allocation) at the end of the run."""
         return None

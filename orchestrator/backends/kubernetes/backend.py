@@ -18,6 +18,7 @@ emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cl
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,29 @@ class KubernetesBackend(Backend):
         root = Path(self.run_dir.root)
         return str(root if root.is_absolute() else root.resolve())
 
+    @staticmethod
+    def _owner() -> dict[str, Any] | None:
+        """The ownerReference to the orchestrator Job this process runs in (`cona submit`), else None."""
+        from cona.orchestrator.backends.kubernetes.runobjects import (
+            OWNER_JOB_ENV,
+            OWNER_UID_ENV,
+            owner_reference,
+        )
+
+        name, uid = os.environ.get(OWNER_JOB_ENV, ""), os.environ.get(OWNER_UID_ENV, "")
+        return owner_reference(name, uid) if name and uid else None
+
+    def exclusion(self) -> Any:
+        """The run's Lease (`lease.py`): flock on a ReadWriteMany volume is not reliable across nodes."""
+        from cona.orchestrator.backends.kubernetes.lease import KubeLease
+        from cona.orchestrator.backends.kubernetes.render import dns_name
+        from cona.orchestrator.backends.kubernetes.runobjects import run_labels
+
+        name = dns_name(Path(self.run_dir.root).name)
+        duration = self.spec.lease_duration_s
+        return KubeLease(self.api, name, duration_s=duration, renew_every_s=duration / 3,
+                         labels=run_labels(name, "orchestrator"))  # fmt: skip
+
     def render(self, *, strategy: Strategy) -> str:
         return render_text(profile=self.profile, strategy=strategy, run_dir=self._pod_run_dir(), job=self.job)  # type: ignore[arg-type]
 
@@ -102,6 +126,10 @@ class KubernetesBackend(Backend):
         service, job = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
                                       run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
         job_name, service_name = job["metadata"]["name"], service["metadata"]["name"]
+        owner = self._owner()
+        if owner is not None:  # deleting the orchestrator Job deletes the workloads too
+            for obj in (service, job):
+                obj["metadata"]["ownerReferences"] = [owner]
         core, batch = self._apis()  # loads the API configuration: a missing kubeconfig leaves no record either
         self.write_launch(attempt, strategy, namespace=self.namespace, job_name=job_name, service=service_name)
         self._call("create", "services", service_name, core.create_namespaced_service, self.namespace, service)

@@ -38,3 +38,13 @@ class KubernetesSpec(StrictModel):
     """How long the backend lets an attempt's pods stay Pending (unschedulable, image pull) before it gives up."""
     shm_size: str | None = None
     """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""
+    orchestrator_cpu: str = "500m"
+    """CPU request of the orchestrator pod (`cona submit`): it tails files and calls the API, a fraction of a core."""
+    orchestrator_memory: str = "2Gi"
+    """Memory request and limit of the orchestrator pod (the report's plots are the largest part)."""
+    orchestrator_restarts: int = Field(default=10, ge=0)
+    """How often Kubernetes restarts a failing orchestrator pod (its Job's `backoffLimit`) before the run's Job fails;
+    each restart adopts the running attempt."""
+    lease_duration_s: int = Field(default=15, ge=3, le=300)
+    """How long the orchestrator's Lease lasts without renewal (renewed every third of it): after the orchestrator
+    dies, a restarted one waits this long before it takes over the run."""

@@ -1,0 +1,186 @@
+"""The orchestrator pod's side of a submitted run (`cona orchestrate R`, what the orchestrator Job runs).
+
+It reads the run's ConfigMap (the profile and job `cona submit` resolved), creates the run directory on the PVC
+the first time (later starts find run.yaml there and resume), takes the run's Lease and drives the run with the
+same scheduler loop as `cona run`. `StatusMirror` is the run directory's window for a laptop that cannot see the
+PVC: every few seconds it writes `cona status`'s summary into the ConfigMap and reads back what `cona stop` and
+`cona report` asked for (a stop goes into control.json, a report into the `R-report` ConfigMap).
+
+Exit codes: 0 once the run has ended (done, stopped or failed: its status is in the ConfigMap, and restarting the
+pod would not change it); non-zero when the orchestrator itself failed (a lost Lease, an API outage, a bug), so
+that Kubernetes restarts it (`restartPolicy: OnFailure`) and it adopts the running attempt.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from cona.orchestrator.backends.base import BackendError
+from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.runobjects import (
+    JOB_KEY,
+    PROFILE_KEY,
+    REPORT_DONE_KEY,
+    REPORT_MD,
+    REPORT_PNG,
+    REPORT_REQUEST_KEY,
+    RUN_DIR_KEY,
+    STATUS_KEY,
+    STOP_KEY,
+    report_configmap_name,
+    run_labels,
+)
+from cona.protocol.yamlconfig import ConfigError
+
+if TYPE_CHECKING:
+    from cona.protocol.rundir import RunDir
+
+MAX_CONFIGMAP_BYTES = 1_000_000
+"""What the API server stores in one ConfigMap (1 MiB), less room for its metadata."""
+
+
+def read_run_configmap(api: KubeApi, run: str) -> dict[str, str]:
+    """The data of run `run`'s ConfigMap; a missing one is a one-line error."""
+    core = api.core()
+    found = api.call("get", "configmaps", run, core.read_namespaced_config_map, run, api.namespace, missing_ok=True)
+    if found is None:
+        raise BackendError(
+            f"kubernetes: no run {run!r} in namespace {api.namespace!r} (no ConfigMap {run!r}); `cona submit` "
+            "prints the run's name, `kubectl get configmaps -l app.kubernetes.io/part-of=cona` lists them"
+        )
+    return dict(found.data or {})
+
+
+def store_report(api: KubeApi, run: str, run_dir: RunDir) -> str:
+    """Write the run's report and keep it in the `R-report` ConfigMap; returns a note on what was stored."""
+    from cona.orchestrator.report import write_report
+
+    png, md = write_report(run_dir)
+    data = {REPORT_MD: md.read_text(), "generated": f"{time.time():.3f}"}
+    binary: dict[str, str] = {}
+    png_bytes = png.read_bytes()
+    note = "report.md and report.png"
+    if len(png_bytes) * 4 // 3 + len(data[REPORT_MD]) < MAX_CONFIGMAP_BYTES:
+        binary[REPORT_PNG] = base64.b64encode(png_bytes).decode()
+    else:
+        note = f"report.md only (report.png is {len(png_bytes):,} bytes, over a ConfigMap's 1 MiB; it is at {png})"
+        data[REPORT_MD] += f"\n\n_{note}_\n"
+    name = report_configmap_name(run)
+    body = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": api.namespace, "labels": run_labels(run, "report")},
+            "data": data, "binaryData": binary}  # fmt: skip
+    core = api.core()
+    created = api.call("create", "configmaps", name, core.create_namespaced_config_map, api.namespace, body,
+                       conflict_ok=True)  # fmt: skip
+    if created is None:
+        # Replaced key by key: a merge patch with the new keys (and none removed: the same two keys each time).
+        api.call("patch", "configmaps", name, core.patch_namespaced_config_map, name, api.namespace,
+                 {"data": data, "binaryData": binary or {REPORT_PNG: None}})  # fmt: skip
+    return note
+
+
+class StatusMirror:
+    """The run's ConfigMap kept up to date from the run directory, and the laptop's requests carried back."""
+
+    def __init__(self, api: KubeApi, run: str, run_dir: RunDir, *, interval_s: float = 5.0) -> None:
+        self.api = api
+        self.run = run
+        self.run_dir = run_dir
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._last_status: str | None = None
+        self._stops_seen: set[str] = set()
+
+    def _summary(self) -> dict[str, Any]:
+        from cona.orchestrator.live import status_summary
+
+        return status_summary(self.run_dir)
+
+    def publish(self, summary: dict[str, Any] | None = None) -> dict[str, str]:
+        """Write the summary into the ConfigMap (one PATCH, whose answer also carries the requests); returns the
+        ConfigMap's data."""
+        summary = summary if summary is not None else self._summary()
+        core = self.api.core()
+        patched = self.api.call("patch", "configmaps", self.run, core.patch_namespaced_config_map, self.run,
+                                self.api.namespace, {"data": {STATUS_KEY: json.dumps(summary, sort_keys=True)}})  # fmt: skip
+        self._last = time.monotonic()
+        self._last_status = summary.get("status")
+        return dict(patched.data or {}) if patched is not None else {}
+
+    def tick(self, *, force: bool = False) -> None:
+        """Called from the scheduler's loop: publish every `interval_s`, or at once when the run's status changed,
+        then act on the requests found."""
+        from cona.orchestrator.runstate import read_state
+
+        status = read_state(self.run_dir).status
+        if not force and status == self._last_status and time.monotonic() - self._last < self.interval_s:
+            return
+        self.handle(self.publish())
+
+    def handle(self, data: dict[str, str]) -> None:
+        """Carry out what the laptop asked for through the ConfigMap."""
+        from cona.orchestrator.runstate import read_events, request_stop
+
+        stop = data.get(STOP_KEY)
+        if stop and stop not in self._stops_seen:
+            self._stops_seen.add(stop)
+            reason = f"cona stop ({stop})"
+            # Once per token, also across orchestrator restarts: the token's stop is in the event log.
+            if not any(e.get("event") == "stop-command" and e.get("reason") == reason for e in read_events(self.run_dir)):
+                request_stop(self.run_dir, reason=reason)
+        request = data.get(REPORT_REQUEST_KEY)
+        if request and request != data.get(REPORT_DONE_KEY):
+            store_report(self.api, self.run, self.run_dir)
+            core = self.api.core()
+            self.api.call("patch", "configmaps", self.run, core.patch_namespaced_config_map, self.run,
+                          self.api.namespace, {"data": {REPORT_DONE_KEY: request}})  # fmt: skip
+
+    def fail(self, reason: str) -> None:
+        """The run could not even start (bad profile, missing data): say so where `cona status` looks."""
+        self.publish({"status": "failed", "reason": reason, "run_dir": str(self.run_dir.root)})
+
+
+def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quiet: bool = False) -> int:
+    """Drive submitted run `run` (see the module docstring); returns the process's exit code."""
+    from cona.orchestrator.cli import drive
+    from cona.orchestrator.job import job_from_dict
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.orchestrator.runstate import create_run, load_run, read_state
+    from cona.protocol.rundir import RunDir
+    from cona.protocol.yamlconfig import validate
+
+    api = KubeApi(namespace, api_client)
+    data = read_run_configmap(api, run)
+    if RUN_DIR_KEY not in data:
+        raise BackendError(f"kubernetes: ConfigMap {run!r} in namespace {namespace!r} has no {RUN_DIR_KEY!r}; "
+                           "it was not written by cona submit")  # fmt: skip
+    run_dir = RunDir(data[RUN_DIR_KEY])
+    mirror = StatusMirror(api, run, run_dir)
+    try:
+        if run_dir.run_yaml.exists():
+            profile, job = load_run(run_dir)  # a restarted orchestrator: resume (and adopt) the run
+        else:
+            where = f"ConfigMap {namespace}/{run}"
+            profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"), source=f"{where} {PROFILE_KEY}")
+            job = job_from_dict(yaml.safe_load(data.get(JOB_KEY) or "{}"), source=f"{where} {JOB_KEY}")
+            create_run(run_dir=run_dir, profile=profile, job=job)
+    except (ConfigError, OSError) as e:
+        reason = one_line(str(e))
+        mirror.fail(reason)
+        print(f"cona: error: {reason}", flush=True)
+        return 0  # a restart would fail the same way; the reason is in the ConfigMap
+    if read_state(run_dir).final:
+        # The run had ended before this process started (it died after the end, before exiting): just report.
+        mirror.handle(mirror.publish())
+        return 0
+    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet, also=mirror.tick)
+    mirror.tick(force=True)
+    if failure is not None:
+        print(f"cona: error: {failure}", flush=True)
+    if state.status in ("done", "stopped"):
+        store_report(api, run, run_dir)
+    return 0

@@ -1,0 +1,159 @@
+"""The laptop's side of a run on Kubernetes: `cona submit`, and `cona status/stop/report R` through the API.
+
+The run directory lives on the cluster's PVC, which a laptop cannot see; the run's ConfigMap is the window
+(`runobjects.py` lists its keys): `cona status` reads the summary the orchestrator mirrors there (and the
+orchestrator pod's own state, so a pod that cannot start is visible too), `cona stop` and `cona report` leave a
+request there that the orchestrator carries out within a few seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from cona.orchestrator.backends.base import BackendError
+from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
+from cona.orchestrator.backends.kubernetes.runobjects import (
+    REPORT_DONE_KEY,
+    REPORT_MD,
+    REPORT_PNG,
+    REPORT_REQUEST_KEY,
+    STATUS_KEY,
+    STOP_KEY,
+    orchestrator_job_name,
+    owner_reference,
+    report_configmap_name,
+)
+
+FINAL = ("done", "stopped", "failed")
+
+
+def submit(objects: list[dict[str, Any]], *, api_client: Any | None = None) -> tuple[str, str]:
+    """Create a run's [ConfigMap, orchestrator Job] (`runobjects.render_submission`); returns (run, namespace).
+
+    Nothing is left behind when the Job cannot be created; the ConfigMap is then given the Job as its owner, so
+    deleting the Job deletes the run's objects (the attempts' workloads are owned by it too)."""
+    configmap, job = objects
+    run, namespace = configmap["metadata"]["name"], configmap["metadata"]["namespace"]
+    api = KubeApi(namespace, api_client)
+    core, batch = api.core(), api.batch()
+    if api.call("create", "configmaps", run, core.create_namespaced_config_map, namespace, configmap,
+                conflict_ok=True) is None:  # fmt: skip
+        raise BackendError(
+            f"kubernetes: a run named {run!r} exists already in namespace {namespace!r}; pick another --name, or "
+            f"follow it with `cona status {run} --namespace {namespace}`"
+        )
+    job_name = job["metadata"]["name"]
+    try:
+        created = api.call("create", "jobs", job_name, batch.create_namespaced_job, namespace, job)
+    except BackendError:
+        api.call("delete", "configmaps", run, core.delete_namespaced_config_map, run, namespace, missing_ok=True)
+        raise
+    uid = created.metadata.uid if created is not None and created.metadata else None
+    if uid:
+        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
+                 {"metadata": {"ownerReferences": [owner_reference(job_name, uid)]}})  # fmt: skip
+    return run, namespace
+
+
+def _orchestrator_state(api: KubeApi, run: str) -> str:
+    """One line on the orchestrator Job and its pod: what `cona status` adds to the mirrored summary."""
+    name = orchestrator_job_name(run)
+    batch, core = api.batch(), api.core()
+    job = api.call("get", "jobs", name, batch.read_namespaced_job, name, api.namespace, missing_ok=True)
+    if job is None:
+        return f"Job {name} not found (deleted?)"
+    for condition in (job.status.conditions or []) if job.status else []:
+        if condition.type in ("Failed", "Complete") and condition.status == "True":
+            detail = one_line(f"{condition.reason or ''} {condition.message or ''}")
+            return f"Job {name} {condition.type.lower()}" + (f": {detail}" if detail else "")
+    pods = api.call("list", "pods", f"of job {name}", core.list_namespaced_pod, api.namespace,
+                    label_selector=f"batch.kubernetes.io/job-name={name}")  # fmt: skip
+    mine = [p for p in pods.items if (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == name]
+    if not mine:
+        return f"Job {name}: no pod yet"
+    pod = max(mine, key=lambda p: str(p.metadata.creation_timestamp or ""))
+    status = pod.status
+    phase = (status.phase if status else None) or "Pending"
+    restarts = sum(c.restart_count or 0 for c in (status.container_statuses or [])) if status else 0
+    why = ""
+    for condition in (status.conditions or []) if status else []:
+        if condition.type == "PodScheduled" and condition.status == "False":
+            why = one_line(condition.message or condition.reason or "")
+    for container in (status.container_statuses or []) if status else []:
+        waiting = container.state.waiting if container.state else None
+        if waiting is not None and waiting.reason:
+            why = one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
+    return f"pod {pod.metadata.name} {phase}, {restarts} restart(s)" + (f": {why}" if why else "")
+
+
+def remote_status(run: str, *, namespace: str, api_client: Any | None = None) -> dict[str, Any]:
+    """`cona status`'s summary of a run on Kubernetes, with `orchestrator` (its pod) added."""
+    api = KubeApi(namespace, api_client)
+    data = read_run_configmap(api, run)
+    try:
+        summary = json.loads(data[STATUS_KEY]) if STATUS_KEY in data else None
+    except ValueError:
+        summary = None
+    if not isinstance(summary, dict):
+        summary = {"status": "submitted", "reason": "the orchestrator has not reported yet", "run_dir": data.get("run-dir")}
+    summary["run"] = run
+    summary["namespace"] = namespace
+    summary["orchestrator"] = _orchestrator_state(api, run)
+    return summary
+
+
+def remote_stop(run: str, *, namespace: str, api_client: Any | None = None) -> str:
+    """Leave a stop request in the run's ConfigMap; returns what to tell the user."""
+    api = KubeApi(namespace, api_client)
+    data = read_run_configmap(api, run)
+    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    if status in FINAL:
+        return f"run {run} has already ended ({status}); nothing to stop"
+    core = api.core()
+    token = f"stop-{time.time():.3f}"
+    api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": {STOP_KEY: token}})
+    return (f"asked run {run} to stop: the orchestrator passes it on within seconds, the trainer checkpoints at its "
+            f"next step boundary and exits (follow with `cona status {run} --namespace {namespace}`)")  # fmt: skip
+
+
+def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 120.0,
+                  api_client: Any | None = None) -> tuple[Path, Path | None]:  # fmt: skip
+    """Fetch the run's report into `out_dir`: the stored one of an ended run, else one the orchestrator writes on
+    request now. Returns (report.md, report.png or None)."""
+    api = KubeApi(namespace, api_client)
+    core = api.core()
+    data = read_run_configmap(api, run)
+    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    name = report_configmap_name(run)
+    if status not in FINAL:
+        token = f"report-{time.time():.3f}"
+        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
+                 {"data": {REPORT_REQUEST_KEY: token}})  # fmt: skip
+        deadline = time.monotonic() + wait_s
+        while read_run_configmap(api, run).get(REPORT_DONE_KEY) != token:
+            if time.monotonic() > deadline:
+                raise BackendError(
+                    f"kubernetes: run {run!r}: the orchestrator did not write the report within {wait_s:.0f} s; is its "
+                    f"pod running? (`cona status {run} --namespace {namespace}`)"
+                )
+            time.sleep(1.0)
+    report = api.call("get", "configmaps", name, core.read_namespaced_config_map, name, namespace, missing_ok=True)
+    if report is None:
+        raise BackendError(
+            f"kubernetes: run {run!r} has ended ({status}) without a stored report (ConfigMap {name!r}); the run "
+            "directory on the PVC has its files"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / REPORT_MD
+    md.write_text((report.data or {}).get(REPORT_MD, ""))
+    png_data = (report.binary_data or {}).get(REPORT_PNG)
+    png = None
+    if png_data:
+        png = out_dir / REPORT_PNG
+        png.write_bytes(base64.b64decode(png_data))
+    return md, png
