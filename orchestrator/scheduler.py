@@ -350,7 +350,8 @@ class Scheduler:
         if not outcome.stuck:
             return outcome
         self.backend.cancel(attempt)  # frees what its pods hold already (nodes, GPUs)
-        return Outcome(AttemptStatus.UNSTARTABLE, None, f"{outcome.detail}; pending {waited:.0f}s (timeout {timeout:.0f}s)")
+        detail = f"{outcome.detail}; pending {waited:.0f}s (timeout {timeout:.0f}s)"
+        return Outcome(AttemptStatus.UNSTARTABLE, None, detail)
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s

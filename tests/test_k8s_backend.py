@@ -171,6 +171,20 @@ def test_a_pending_pod_is_stuck_only_for_reasons_waiting_does_not_fix(k8s, setup
     assert f"{waiting}: why" in outcome.detail and "\n" not in outcome.detail
 
 
+def test_a_stuck_pod_names_the_attempts_pending_reason_whatever_its_index():
+    """Pod 0 waits for a GPU, pod 1 for an image that cannot be pulled: the image is what must be fixed."""
+    def pod(name: str, **status) -> client.V1Pod:
+        return client.V1Pod(metadata=client.V1ObjectMeta(name=name), status=client.V1PodStatus(phase="Pending", **status))
+
+    unschedulable = pod("p0", conditions=[client.V1PodCondition(type="PodScheduled", status="False", message=INSUFFICIENT)])
+    waiting = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="InvalidImageName", message="bad"))
+    bad_image = pod("p1", container_statuses=[client.V1ContainerStatus(
+        name="trainer", image="Not/An:Image:", image_id="", ready=False, restart_count=0, state=waiting)])  # fmt: skip
+    assert KubernetesBackend._pending([unschedulable, bad_image]) == (
+        "image Not/An:Image: cannot be pulled (InvalidImageName: bad)", True)  # fmt: skip
+    assert KubernetesBackend._pending([unschedulable, pod("p2")]) == (INSUFFICIENT, False)
+
+
 DISRUPTION = [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
                "message": "preempted by a higher-priority pod"}]  # fmt: skip
 
