@@ -73,6 +73,11 @@ class PolicySpec(StrictModel):
     (`cona.orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
     max_restarts: int = Field(3, ge=0)
     """Relaunches of a crashed or hung attempt before the run fails."""
+    max_disruptions_without_progress: int = Field(10, ge=0)
+    """Disruptions (a pod or node taken away by the cluster: eviction, preemption, drain) in a row that find no
+    newer complete checkpoint than the one before, before the run fails. A disruption is relaunched without
+    counting against `max_restarts`; this bounds a loop that makes no progress (pods evicted for node pressure they
+    cause, preempted faster than the run checkpoints)."""
     heartbeat_timeout_s: float = Field(300.0, gt=0)
     """A running attempt without a heartbeat for this long counts as hung."""
     startup_timeout_s: float = Field(600.0, gt=0)

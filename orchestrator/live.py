@@ -77,7 +77,8 @@ class LiveView:
                 print(f"cona: switch {_short(e['from'])} → {_short(e['to'])}: {e.get('reason', '')}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
-            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget"):
+            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget",
+                          "disruption", "pending", "pending-timeout"):
                 detail = {k: v for k, v in e.items() if k not in ("time", "event")}
                 print(f"cona: {kind}: {detail}", flush=True)
 
@@ -119,6 +120,11 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     live = state.live
     current = state.current
     latest = run_dir.latest_checkpoint()
+    spell = state.pending
+    pending = None
+    if spell is not None:
+        pending = {"attempt": spell.attempt, "since": spell.since, "for_s": round(time.time() - spell.since, 1),
+                   "detail": spell.detail, "timed_out": spell.timed_out}  # fmt: skip
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
@@ -142,6 +148,8 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         ],
         "last_decision": state.model.get("last_decision"),
         "reason": state.reason,
+        "pending": pending,
+        "restarts_in_row": state.restarts_in_row,
         "latest_checkpoint": str(latest) if latest else None,
         "updated": state.updated,
     }
@@ -163,6 +171,10 @@ def print_status(summary: dict[str, Any]) -> None:
         return
     strategy = summary["strategy"]
     print(f"attempt    {summary['attempt']} with {_short(strategy) if strategy else '-'}")
+    pending = summary.get("pending")
+    if pending:
+        late = "; past the pending timeout" if pending["timed_out"] else ""
+        print(f"pending    for {_duration(pending['for_s'])}{late}: {pending['detail']}")
     ppl = summary.get("val_perplexity")
     target = summary.get("target_val_perplexity")
     print(

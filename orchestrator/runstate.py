@@ -88,7 +88,27 @@ def read_events(run_dir: RunDir) -> list[dict[str, Any]]:
 
 STATE_VERSION = 2
 """Version of state.json's layout. 1 (cona 0.1, unversioned): the run model's fields at the top level next to
-`attempt` and `strategy` copies of the newest attempt; still read. 2: `RunState`."""
+`attempt` and `strategy` copies of the newest attempt; still read. 2: `RunState`. Fields added to version 2 since
+(`pending`, `disruptions_without_progress`, `disruption_checkpoint`) have defaults, so a state written before them
+reads as before, and an older cona 2 reader ignores them: no new version."""
+
+
+@dataclasses.dataclass
+class PendingSpell:
+    """The current attempt is pending (queued, unschedulable, pulling its image): since when, and why."""
+
+    attempt: int
+    since: float
+    """The first poll of this spell that found the attempt pending (the backend's pending timeout counts from here)."""
+    detail: str = ""
+    """The backend's reason, e.g. the cluster scheduler's `0/4 nodes are available: 4 Insufficient nvidia.com/gpu`."""
+    timed_out: bool = False
+    """The `pending-timeout` event was logged (once per spell)."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PendingSpell:
+        return cls(attempt=int(data["attempt"]), since=float(data["since"]), detail=str(data.get("detail", "")),
+                   timed_out=bool(data.get("timed_out", False)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -148,7 +168,15 @@ class RunState:
     control_seq: int = 0
     """The newest control.json seq this orchestrator wrote or took note of."""
     restarts_in_row: int = 0
-    """Crashes since the last attempt that ended well (policy.max_restarts bounds it)."""
+    """Crashes since the last attempt that ended well (policy.max_restarts bounds it). A disruption leaves it as it
+    is: it neither counts as a crash nor proves that the trainer is healthy."""
+    disruptions_without_progress: int = 0
+    """Disruptions in a row that found the same latest complete checkpoint (policy.max_disruptions_without_progress
+    bounds it)."""
+    disruption_checkpoint: str | None = None
+    """The latest complete checkpoint (its directory name) when the last disruption was handled."""
+    pending: PendingSpell | None = None
+    """Set while the current attempt is pending (`cona status` shows it); cleared when it runs or ends."""
     hang_cancelled: int | None = None
     """The attempt cancelled for a heartbeat gap, so its end is reported as a hang."""
     switch_requested: SwitchRequest | None = None
@@ -195,6 +223,8 @@ class RunState:
             known["attempts"] = [Attempt.from_dict(a) for a in data.get("attempts") or []]
             request = data.get("switch_requested")
             known["switch_requested"] = SwitchRequest.from_dict(request) if request else None
+            pending = data.get("pending")
+            known["pending"] = PendingSpell.from_dict(pending) if pending else None
             known["version"] = STATE_VERSION
             return cls(**known)
         except (KeyError, TypeError, ValueError) as e:

@@ -1,4 +1,5 @@
-"""The scheduler loop: launch, poll, follow switches, stops, crashes and hangs, persist (docs/architecture.md).
+"""The scheduler loop: launch, poll, follow switches, stops, crashes, hangs, disruptions and pending attempts,
+persist (docs/architecture.md).
 
 What the run knows and decides lives in the run model (`runmodel.py`, no I/O); this loop feeds it heartbeats and
 the time, carries out its decisions through the backend and control.json, and persists both in state.json. All
@@ -11,13 +12,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
-from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
 from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
-from cona.orchestrator.runstate import RunState, SwitchRequest, log_event, read_state, write_state
+from cona.orchestrator.runstate import (
+    PendingSpell,
+    RunState,
+    SwitchRequest,
+    log_event,
+    read_state,
+    write_state,
+)
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
@@ -27,7 +36,8 @@ __all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts"]
 
 
 class RunFailed(Exception):
-    """The run cannot go on (too many crashes, no feasible strategy); the message says why."""
+    """The run cannot go on (too many crashes, an attempt that cannot start, no feasible strategy); the message
+    says why."""
 
 
 class Scheduler:
@@ -104,6 +114,7 @@ class Scheduler:
         self.model.attempt_started(number, strategy)
         self.state.launched_at = time.time()
         self.state.last_heartbeat_time = None
+        self.state.pending = None
         self._save()
         log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
                   backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
@@ -194,7 +205,7 @@ class Scheduler:
             log_event(self.run_dir, "resume-run", previous_status=self.state.status)
             self.state.final = self.state.stop_requested = self.state.time_budget_reached = False
             self.state.reason = self.state.switch_requested = None
-            self.state.restarts_in_row = 0
+            self.state.restarts_in_row = self.state.disruptions_without_progress = 0
             self.state.status = "running"
         if self.state.run_started is None:
             self.state.run_started = time.time()
@@ -250,6 +261,8 @@ class Scheduler:
                 continue
 
             outcome = self.backend.poll(attempt)
+            if outcome.status is AttemptStatus.PENDING:
+                outcome = self._note_pending(attempt, outcome)
             if outcome.status.finished:
                 # Read the heartbeats written just before the exit.
                 self._absorb(attempt, self._tail_heartbeats(attempt))
@@ -260,16 +273,11 @@ class Scheduler:
                 next_decision = time.time() + self.job.policy.decision_interval_s
                 continue
 
-            if outcome.status is AttemptStatus.PENDING:
-                # Queued, or requeued by Slurm (a node failure, `scontrol requeue`, the pre-timeout USR1): no
-                # heartbeat is due until it runs again, so the heartbeat-gap clock restarts instead of firing.
-                self.state.pending_seen_at = time.time()
-                if self.live.status != "pending":
-                    log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
-                    self.live.status = "pending"
-                    self._save()  # `cona status` shows it
-            else:
+            if outcome.status is not AttemptStatus.PENDING:  # pending: `_note_pending` noted it above
                 self.live.status = "running"
+                if self.state.pending is not None:
+                    self.state.pending = None
+                    self._save()  # `cona status` stops showing it
                 self._check_hang(attempt)
             if time.time() >= next_decision and self.state.last_heartbeat_time:
                 self._evaluate(attempt)
@@ -308,6 +316,43 @@ class Scheduler:
         self.state.strategy_since = time.time()
         return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
 
+    def _note_pending(self, attempt: Attempt, outcome: Outcome) -> Outcome:
+        """Note that `attempt` is pending, and apply the backend's pending timeout: the one place that decides it.
+
+        Queued, unschedulable, pulling its image, or requeued by Slurm (a node failure, `scontrol requeue`, the
+        pre-timeout USR1): no heartbeat is due until it runs, so the heartbeat-gap clock restarts instead of firing.
+        state.json keeps since when and why (`cona status` shows both), from the first poll of the spell, so the
+        clock survives an orchestrator restart. Past `Backend.pending_timeout_s`: an event `pending-timeout` with
+        the reason, once per spell; then an attempt that is `Outcome.stuck` (waiting will not bring what it waits
+        for, e.g. an image that cannot be pulled) is cancelled and ends as UNSTARTABLE (the outcome returned),
+        while one that waits for capacity — a queue, like Slurm's — goes on waiting, reported (`outcome`
+        returned as it is)."""
+        now = time.time()
+        self.state.pending_seen_at = now
+        self.live.status = "pending"
+        spell = self.state.pending
+        if spell is None or spell.attempt != attempt.number:
+            spell = self.state.pending = PendingSpell(attempt=attempt.number, since=now, detail=outcome.detail)
+            log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
+            self._save()
+        elif spell.detail != outcome.detail:
+            spell.detail = outcome.detail
+            self._save()
+        timeout = self.backend.pending_timeout_s
+        waited = now - spell.since
+        if timeout is None or waited < timeout:
+            return outcome
+        if not spell.timed_out:
+            spell.timed_out = True
+            log_event(self.run_dir, "pending-timeout", attempt=attempt.number, pending_s=round(waited, 1),
+                      timeout_s=timeout, detail=outcome.detail, action="fail" if outcome.stuck else "wait")  # fmt: skip
+            self._save()
+        if not outcome.stuck:
+            return outcome
+        self.backend.cancel(attempt)  # frees what its pods hold already (nodes, GPUs)
+        detail = f"{outcome.detail}; pending {waited:.0f}s (timeout {timeout:.0f}s)"
+        return Outcome(AttemptStatus.UNSTARTABLE, None, detail)
+
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s
         if not self.state.last_heartbeat_time:
@@ -326,6 +371,7 @@ class Scheduler:
     def _finish(self, status: str, *, reason: str | None = None) -> None:
         self.state.status, self.state.final, self.state.finished_at = status, True, time.time()
         self.state.reason = reason
+        self.state.pending = None
         self.live.status = status
         self._save()
         self.backend.close()
@@ -346,7 +392,8 @@ class Scheduler:
                 log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)
                 return self._launch(attempt.strategy, previous=attempt, why="resume after an unrequested switch exit")
             return self._follow_switch(attempt, requested.target, requested=requested, requested_at=requested.time)
-        if status is AttemptStatus.STOPPED and self.state.stop_requested:
+        if status in (AttemptStatus.STOPPED, AttemptStatus.DISRUPTED) and self.state.stop_requested:
+            # A disrupted attempt of a run asked to stop is not relaunched just to stop again.
             reason = "time budget reached" if self.state.time_budget_reached else "stopped on request"
             self._finish("stopped", reason=reason)
             log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples)
@@ -355,6 +402,11 @@ class Scheduler:
             # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
             self.state.restarts_in_row = 0
             return self._launch(attempt.strategy, previous=attempt, why="resume after preemption")
+        if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
+            return self._relaunch_disrupted(attempt, detail)
+        if status is AttemptStatus.UNSTARTABLE:
+            # Relaunching would wait for the same thing again: the user fixes it (the image, a Secret) and resumes.
+            self._fail(attempt, f"attempt {attempt.number} could not start: {detail}")
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
         restarts = self.state.restarts_in_row + 1
         self.state.restarts_in_row = restarts
@@ -362,16 +414,47 @@ class Scheduler:
         limit = self.job.policy.max_restarts
         what = "hang" if self.state.hang_cancelled == attempt.number else status.value
         if restarts > limit:
-            reason = f"attempt {attempt.number} {what} ({detail or f'exit {code}'}); gave up after {limit} restarts"
-            self._finish("failed", reason=reason)
-            log_event(self.run_dir, "failed", reason=reason)
-            raise RunFailed(f"{reason}; logs: {self.run_dir.attempt_dir(attempt.number)}")
+            self._fail(attempt, f"attempt {attempt.number} {what} ({detail or f'exit {code}'}); gave up after {limit} restarts")
         backoff = min(30.0, 2.0 ** (restarts - 1))
         log_event(self.run_dir, "failure", attempt=attempt.number, kind=what, detail=detail, exit_code=code,
                   restart=restarts, backoff_s=backoff)  # fmt: skip
         self._save()
         time.sleep(backoff)
         return self._launch(attempt.strategy, previous=attempt, why=f"relaunch after {what}")
+
+    def _relaunch_disrupted(self, attempt: Attempt, detail: str) -> Attempt:
+        """The cluster took a pod or node of `attempt` away: relaunch its strategy from the last complete checkpoint.
+
+        Not a failure: no restart is counted and there is no backoff (the new pods queue in the cluster's scheduler);
+        `restarts_in_row` stays as it is, as a disruption neither counts as a crash nor shows the trainer healthy.
+        What ends an endless loop of disruptions is progress: a disruption that finds no newer complete checkpoint
+        than the previous one (or than the run's start) counts, and more than
+        `policy.max_disruptions_without_progress` of them in a row fail the run. So a run on a cluster that
+        preempts it now and then goes on forever, while one whose pods are taken away before they checkpoint (pods
+        evicted for the node pressure they cause, preemptions faster than `checkpoint.interval_steps`) stops."""
+        latest = self.run_dir.latest_checkpoint()
+        checkpoint = latest.name if latest is not None else None
+        if checkpoint != self.state.disruption_checkpoint:
+            self.state.disruptions_without_progress = 0
+        else:
+            self.state.disruptions_without_progress += 1
+        self.state.disruption_checkpoint = checkpoint
+        self.state.switch_requested = None
+        count, limit = self.state.disruptions_without_progress, self.job.policy.max_disruptions_without_progress
+        if count > limit:
+            self._fail(attempt, f"attempt {attempt.number} disrupted ({detail}); gave up after {count} disruptions in "
+                                f"a row without a newer complete checkpoint (policy.max_disruptions_without_progress "
+                                f"{limit})")  # fmt: skip
+        log_event(self.run_dir, "disruption", attempt=attempt.number, detail=detail, checkpoint=checkpoint,
+                  without_progress=count, restarts=self.state.restarts_in_row)  # fmt: skip
+        self._save()
+        return self._launch(attempt.strategy, previous=attempt, why="relaunch after a disruption")
+
+    def _fail(self, attempt: Attempt, reason: str) -> NoReturn:
+        """End the run as failed with `reason` (one line), after `attempt`."""
+        self._finish("failed", reason=reason)
+        log_event(self.run_dir, "failed", reason=reason)
+        raise RunFailed(f"{reason}; logs: {self.run_dir.attempt_dir(attempt.number)}")
 
 
 def device_counts(profile: ClusterProfile, job: Job) -> list[int]:

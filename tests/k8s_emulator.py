@@ -137,9 +137,11 @@ class Emulator:
     def make_pods(
         self, job_name: str, namespace: str, *, phase: str = "Running", exit_codes: list[int] | None = None,
         conditions: list[dict[str, Any]] | None = None, container_waiting: dict[str, str] | None = None,
+        node_name: str | None = None,
     ) -> list[str]:  # fmt: skip
         """Create the Job's pods (one per completion index, from its template) with the given status, as the Job
-        controller and the kubelet would. `exit_codes[i]`: pod i's trainer container terminated with that code."""
+        controller and the kubelet would. `exit_codes[i]`: pod i's trainer container terminated with that code;
+        `node_name`: the node they were scheduled on."""
         from kubernetes import client
 
         core, batch = self._kubelet()
@@ -165,7 +167,8 @@ class Emulator:
                     "labels": labels,
                     "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
                 },
-                "spec": client.ApiClient().sanitize_for_serialization(template.spec),
+                "spec": {**client.ApiClient().sanitize_for_serialization(template.spec),
+                         **({"nodeName": node_name} if node_name else {})},
                 "status": {
                     "phase": phase,
                     "conditions": list(conditions or []),

@@ -17,12 +17,16 @@ import yaml
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, BackendError
 from cona.orchestrator.backends.kubernetes.backend import KubernetesBackend
 from cona.orchestrator.backends.kubernetes.render import render_attempt
+from cona.orchestrator.job import load_job
+from cona.orchestrator.live import status_summary
 from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.orchestrator.runstate import create_run, read_events, read_state
+from cona.orchestrator.scheduler import RunFailed, Scheduler
 from cona.protocol.rundir import ExitCode, ExitRecord, RunDir
 from cona.protocol.strategy import Strategy
 from kubernetes import client
 
-from tests.conftest import REPO
+from tests.conftest import EXAMPLES, REPO
 
 pytestmark = [
     pytest.mark.kubernetes,
@@ -124,7 +128,7 @@ def test_poll_complete_is_done_and_prefers_the_trainers_exit_record(k8s, setup):
 
 
 def test_poll_pending_running_and_a_missing_job(k8s, setup):
-    backend, _, _ = setup
+    backend, _, profile = setup
     attempt = _launch(backend)
     assert backend.poll(attempt).status is AttemptStatus.PENDING  # no pods yet
     unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": INSUFFICIENT}]
@@ -132,11 +136,15 @@ def test_poll_pending_running_and_a_missing_job(k8s, setup):
     outcome = backend.poll(attempt)
     assert (outcome.status, outcome.detail) == (AttemptStatus.PENDING, INSUFFICIENT)
 
+    assert not outcome.stuck  # a queue: capacity may come
+
     second = _launch(backend, attempt=2)
     k8s.make_pods("exp1-a2", NS, phase="Pending", container_waiting={"reason": "ImagePullBackOff",
                                                                       "message": "Back-off pulling image"})  # fmt: skip
     outcome = backend.poll(second)
-    assert (outcome.status, outcome.detail) == (AttemptStatus.PENDING, "ImagePullBackOff: Back-off pulling image")
+    assert (outcome.status, outcome.detail) == (
+        AttemptStatus.PENDING, f"image {profile.kubernetes.image} cannot be pulled (ImagePullBackOff: Back-off pulling image)")  # fmt: skip
+    assert outcome.stuck
 
     third = _launch(backend, attempt=3)
     k8s.make_pods("exp1-a3", NS, phase="Running")
@@ -147,16 +155,129 @@ def test_poll_pending_running_and_a_missing_job(k8s, setup):
     assert (outcome.status, outcome.detail) == (AttemptStatus.CRASHED, "the Job is gone")
 
 
-def test_a_disrupted_pod_crashes_the_attempt_and_deletes_its_job(k8s, setup):
+@pytest.mark.parametrize(
+    ("waiting", "stuck"),
+    [
+        ("ErrImagePull", True), ("InvalidImageName", True), ("CreateContainerConfigError", True),
+        ("ContainerCreating", False), ("PodInitializing", False),
+    ],
+)  # fmt: skip
+def test_a_pending_pod_is_stuck_only_for_reasons_waiting_does_not_fix(k8s, setup, waiting, stuck):
     backend, _, _ = setup
     attempt = _launch(backend)
-    disrupted = [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
-                  "message": "preempted by a higher-priority pod"}]  # fmt: skip
-    k8s.make_pods("exp1-a1", NS, phase="Running", conditions=disrupted)
+    k8s.make_pods("exp1-a1", NS, phase="Pending", container_waiting={"reason": waiting, "message": "why"})
     outcome = backend.poll(attempt)
-    assert outcome.status is AttemptStatus.CRASHED
-    assert outcome.detail == "disrupted: PreemptionByScheduler"
+    assert outcome.status is AttemptStatus.PENDING and outcome.stuck is stuck
+    assert f"{waiting}: why" in outcome.detail and "\n" not in outcome.detail
+
+
+def test_a_stuck_pod_names_the_attempts_pending_reason_whatever_its_index():
+    """Pod 0 waits for a GPU, pod 1 for an image that cannot be pulled: the image is what must be fixed."""
+    def pod(name: str, **status) -> client.V1Pod:
+        return client.V1Pod(metadata=client.V1ObjectMeta(name=name), status=client.V1PodStatus(phase="Pending", **status))
+
+    unschedulable = pod("p0", conditions=[client.V1PodCondition(type="PodScheduled", status="False", message=INSUFFICIENT)])
+    waiting = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="InvalidImageName", message="bad"))
+    bad_image = pod("p1", container_statuses=[client.V1ContainerStatus(
+        name="trainer", image="Not/An:Image:", image_id="", ready=False, restart_count=0, state=waiting)])  # fmt: skip
+    assert KubernetesBackend._pending([unschedulable, bad_image]) == (
+        "image Not/An:Image: cannot be pulled (InvalidImageName: bad)", True)  # fmt: skip
+    assert KubernetesBackend._pending([unschedulable, pod("p2")]) == (INSUFFICIENT, False)
+
+
+DISRUPTION = [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+               "message": "preempted by a higher-priority pod"}]  # fmt: skip
+
+
+def test_a_disrupted_pod_disrupts_the_attempt_and_deletes_its_job(k8s, setup):
+    backend, _, _ = setup
+    attempt = _launch(backend)
+    pods = k8s.make_pods("exp1-a1", NS, phase="Running", conditions=DISRUPTION, node_name="gpu-n3")
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.DISRUPTED
+    assert outcome.detail == f"pod {pods[0]} on node gpu-n3: PreemptionByScheduler (preempted by a higher-priority pod)"
+    assert ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1") in k8s.backend_requests()
     assert backend.poll(attempt).detail == "the Job is gone"
+
+
+def test_a_disruption_outranks_the_job_failure_it_caused_but_not_the_trainers_exit_record(k8s, setup):
+    """Pod 1 evicted: torchrun in pod 0 loses its peer and exits 1, so the Job fails too; the root cause is the
+    disruption. A trainer that recorded its exit (here a stop after a checkpoint) says what happened."""
+    backend, run_dir, _ = setup
+    attempt = _launch(backend)
+    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[1, 137], conditions=DISRUPTION)
+    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Failed", "status": "True",
+                                                   "reason": "BackoffLimitExceeded"}])  # fmt: skip
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.DISRUPTED and "PreemptionByScheduler" in outcome.detail
+    _record(run_dir, 1, int(ExitCode.STOPPED))
+    assert backend.poll(attempt).status is AttemptStatus.STOPPED
+
+
+# --- the scheduler's pending timeout on the backend's view of the pods ------------------------------------------------
+
+
+def _scheduler(k8s, tmp_path, pods, *, timeout_s: float, complete_after: int | None = None) -> tuple[Scheduler, list]:
+    """The real scheduler loop on the backend, `kubernetes.pending_timeout_s` = `timeout_s`. The test plays the
+    cluster from the loop's update hook: the attempt's pods are made with `pods` (make_pods' keywords) at the
+    first update; with `complete_after`, the Job completes that many updates after the `pending-timeout` event.
+    Also returns the `cona status` summaries taken after that event."""
+    mount = tmp_path / "runs"
+    profile = _profile(mount)
+    spec = profile.kubernetes.model_copy(update={"pending_timeout_s": timeout_s})
+    profile = profile.model_copy(update={"kubernetes": spec})
+    job = load_job(EXAMPLES / "tiny-gpt.yaml", [f"data.path={EXAMPLES / 'tiny-gpt.yaml'}"])
+    run_dir = RunDir(mount / "exp1")
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    backend = KubernetesBackend(run_dir=run_dir, profile=profile, job=job, api_client=k8s.api_client())
+    after: list[dict] = []
+    made: list[str] = []
+
+    def script(live) -> None:
+        name = sched.current.backend_id
+        if not made:
+            made.append(name)
+            k8s.make_pods(name, NS, **pods)
+        if any(e["event"] == "pending-timeout" for e in read_events(run_dir)):
+            after.append(status_summary(run_dir))
+            if len(after) == complete_after:
+                k8s.set_job_status(name, NS, conditions=[{"type": "Complete", "status": "True"}], succeeded=2)
+
+    sched = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, poll_interval_s=0.02,
+                      on_update=script)  # fmt: skip
+    return sched, after
+
+
+def test_a_pod_whose_image_cannot_be_pulled_fails_the_run_past_the_pending_timeout(k8s, tmp_path):
+    waiting = {"reason": "ErrImagePull", "message": 'failed to pull image "ghcr.io/x:y": not found'}
+    sched, _ = _scheduler(k8s, tmp_path, {"phase": "Pending", "container_waiting": waiting}, timeout_s=0.3)
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    message = str(info.value)
+    image = sched.profile.kubernetes.image
+    why = 'ErrImagePull: failed to pull image "ghcr.io/x:y": not found'
+    expected = f"attempt 1 could not start: image {image} cannot be pulled ({why}); pending "
+    assert "\n" not in message and message.startswith(expected)
+    state = read_state(sched.run_dir)
+    assert state.status == "failed" and state.reason.startswith(expected)
+    timeouts = [e for e in read_events(sched.run_dir) if e["event"] == "pending-timeout"]
+    assert [(e["action"], e["timeout_s"]) for e in timeouts] == [("fail", 0.3)]
+    # The Job and its Service are deleted, and no second attempt was launched.
+    assert ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1") in k8s.backend_requests()
+    assert [p for m, p in k8s.backend_requests() if m == "POST" and p.endswith("/jobs")] == [
+        f"/apis/batch/v1/namespaces/{NS}/jobs"]  # fmt: skip
+
+
+def test_an_unschedulable_pod_past_the_pending_timeout_is_reported_once_and_waits(k8s, tmp_path):
+    unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": INSUFFICIENT}]
+    sched, after = _scheduler(k8s, tmp_path, {"phase": "Pending", "conditions": unschedulable}, timeout_s=0.3,
+                              complete_after=5)  # fmt: skip
+    assert sched.run().status == "done"
+    timeouts = [e for e in read_events(sched.run_dir) if e["event"] == "pending-timeout"]
+    assert [(e["detail"], e["action"]) for e in timeouts] == [(INSUFFICIENT, "wait")]
+    assert after[0]["pending"]["detail"] == INSUFFICIENT and after[0]["pending"]["timed_out"]
+    assert after[0]["pending"]["for_s"] >= 0.3
+    assert not [r for r in k8s.backend_requests() if r[0] == "DELETE"]  # waited: nothing cancelled
 
 
 def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):

@@ -140,9 +140,11 @@ def steps(run: K8sRun, attempt: int) -> int:
 
 def test_a_crashed_worker_and_a_disrupted_pod_are_relaunched_from_the_checkpoint(k8s_run):
     """Attempt 1: a trainer worker of pod 0 is killed (-9): torchrun fails, the pod fails, the Job fails
-    (backoffLimit 0). Attempt 2: pod 1 is evicted (DisruptionTarget): the backend deletes the Job. Each time the
+    (backoffLimit 0): a crash. Attempt 2: pod 1 is evicted (DisruptionTarget): the backend deletes the Job and the
+    attempt ends disrupted, which is not a failure: the run's restart counter shows only the crash. Each time the
     next attempt resumes from the last checkpoint and the samples audit stays exact."""
     k8s_run.start("--policy", f"fixed:{S4}")
+    evicted = ""
     for attempt in (1, 2):
         k8s_run.wait(lambda a=attempt: k8s_run.launch(a).get("job_name"), 120, f"attempt {attempt}'s launch")
         job = k8s_run.launch(attempt)["job_name"]
@@ -151,11 +153,15 @@ def test_a_crashed_worker_and_a_disrupted_pod_are_relaunched_from_the_checkpoint
         if attempt == 1:
             k8s_run.controller.crash_worker(job, 0)
         else:
-            k8s_run.controller.disrupt_pod(job, 1)
+            evicted = k8s_run.controller.disrupt_pod(job, 1)
     state = k8s_run.finish()
     ends = k8s_run.events("attempt-end")
-    assert [(e["attempt"], e["status"]) for e in ends[:2]] == [(1, "crashed"), (2, "crashed")], ends
-    assert "disrupted: EvictionByEvictionAPI" in ends[1]["detail"], ends[1]
+    assert [(e["attempt"], e["status"]) for e in ends[:2]] == [(1, "crashed"), (2, "disrupted")], ends
+    assert ends[1]["detail"] == f"pod {evicted}: EvictionByEvictionAPI (Eviction API: evicting)", ends[1]
+    assert [e["attempt"] for e in k8s_run.events("failure")] == [1]
+    assert [(e["attempt"], e["detail"]) for e in k8s_run.events("disruption")] == [(2, ends[1]["detail"])]
+    assert state.restarts_in_row == 1  # the crash only
+    assert [e["reason"] for e in k8s_run.events("launch")][1:3] == ["relaunch after crashed", "relaunch after a disruption"]
     assert ends[-1]["status"] == "done" and len(k8s_run.events("launch")) >= 3
     for attempt in (1, 2):
         running = k8s_run.controller.jobs[(NAMESPACE, k8s_run.launch(attempt)["job_name"])]

@@ -6,7 +6,14 @@ import json
 
 import pytest
 from cona.orchestrator.backends.base import Attempt
-from cona.orchestrator.runstate import STATE_VERSION, RunState, SwitchRequest, read_state, write_state
+from cona.orchestrator.runstate import (
+    STATE_VERSION,
+    PendingSpell,
+    RunState,
+    SwitchRequest,
+    read_state,
+    write_state,
+)
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
@@ -20,10 +27,13 @@ def test_round_trip(tmp_path):
     run = RunDir(tmp_path)
     state = RunState(status="running", attempts=[Attempt(number=1, strategy=A, backend_id="42", started_at=1.0)],
                      attempts_started=1, control_seq=3, heartbeat_offset=120, model={"live": {"samples": 64}},
-                     switch_requested=SwitchRequest(time=5.0, seq=3, source=A, target=B, kind=SwitchKind.IN_PLACE, predicted_s=1.5))  # fmt: skip
+                     switch_requested=SwitchRequest(time=5.0, seq=3, source=A, target=B, kind=SwitchKind.IN_PLACE, predicted_s=1.5),
+                     pending=PendingSpell(attempt=1, since=4.0, detail="0/4 nodes are available", timed_out=True),
+                     disruptions_without_progress=2, disruption_checkpoint="step-00000010")  # fmt: skip
     write_state(run, state)
     again = read_state(run)
     assert again == state
+    assert again.pending.detail == "0/4 nodes are available" and again.pending.timed_out
     assert again.current.strategy == A and again.live["samples"] == 64 and again.switch_requested.in_place
     assert json.loads(run.state_json.read_text())["version"] == STATE_VERSION
 
@@ -53,6 +63,18 @@ def test_unversioned_state_of_cona_0_1_still_resumes(tmp_path):
     assert state.version == STATE_VERSION
 
 
+def test_a_version_2_state_from_before_the_pending_and_disruption_fields_reads_with_their_defaults(tmp_path):
+    run = RunDir(tmp_path)
+    state = RunState(status="running", attempts=[Attempt(number=1, strategy=A)], attempts_started=1, restarts_in_row=1)
+    data = state.to_dict()
+    for added in ("pending", "disruptions_without_progress", "disruption_checkpoint"):
+        del data[added]
+    run.state_json.write_text(json.dumps(data))
+    again = read_state(run)
+    assert again == state and again.pending is None and again.disruptions_without_progress == 0
+    assert again.version == STATE_VERSION == 2
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -60,6 +82,7 @@ def test_unversioned_state_of_cona_0_1_still_resumes(tmp_path):
         ("[1, 2]", "not a JSON object"),
         ('{"status": "running", "attem', "unreadable"),
         (json.dumps({"version": 2, "attempts": [{"number": 1}]}), "unreadable run state"),
+        (json.dumps({"version": 2, "pending": {"attempt": 1}}), "unreadable run state"),
     ],
 )
 def test_unusable_state_is_one_clear_line(tmp_path, text, message):

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
+from collections.abc import Callable
 
 import pytest
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
 from cona.orchestrator.job import load_job
+from cona.orchestrator.live import print_status, status_summary
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.runstate import (
+    PendingSpell,
     RunState,
     SwitchRequest,
     create_run,
@@ -16,9 +21,9 @@ from cona.orchestrator.runstate import (
     read_state,
     write_state,
 )
-from cona.orchestrator.scheduler import Scheduler
+from cona.orchestrator.scheduler import RunFailed, Scheduler
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.rundir import ExitCode, RunDir
+from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, RunDir
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES
@@ -28,7 +33,8 @@ B = Strategy.parse("dp=2,tp=1,pp=2,mbs=16,gbs=64")
 
 
 class ScriptedBackend(Backend):
-    """Every attempt is 'running' until the test sets its exit code; launches are recorded, nothing runs."""
+    """Every attempt is 'running' until the test sets its exit code or outcome; launches are recorded, nothing
+    runs. `checkpoint_per_attempt`: each launch leaves a new complete checkpoint behind (progress)."""
 
     name = "local"
     supports_in_place_switch = True
@@ -37,6 +43,14 @@ class ScriptedBackend(Backend):
         super().__init__(**kw)
         self.launched: list[tuple[int, Strategy]] = []
         self.exit_codes: dict[int, int] = {}
+        self.outcomes: dict[int, Outcome] = {}
+        self.cancelled: list[int] = []
+        self.timeout: float | None = None
+        self.checkpoint_per_attempt = False
+
+    @property
+    def pending_timeout_s(self) -> float | None:
+        return self.timeout
 
     def render(self, *, strategy: Strategy) -> str:
         return ""
@@ -44,29 +58,41 @@ class ScriptedBackend(Backend):
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         self.write_launch(attempt, strategy)
         self.launched.append((attempt, strategy))
+        if self.checkpoint_per_attempt:
+            checkpoint = self.run_dir.checkpoint_dir(10 * attempt)
+            checkpoint.mkdir(parents=True)
+            (checkpoint / COMPLETE_MARKER).touch()
         return Attempt(number=attempt, strategy=strategy, backend_id=f"job{attempt}")
 
     def poll(self, attempt: Attempt) -> Outcome:
+        if attempt.number in self.outcomes:
+            return self.outcomes[attempt.number]
         code = self.exit_codes.get(attempt.number)
         if code is None:
             return Outcome(AttemptStatus.RUNNING)
         return Outcome(AttemptStatus.from_exit_code(code), exit_code=code)
 
     def cancel(self, attempt: Attempt) -> None:
+        self.cancelled.append(attempt.number)
         self.exit_codes.setdefault(attempt.number, 1)
 
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         return dataclasses.replace(attempt, number=number, strategy=strategy)
 
 
-@pytest.fixture
-def run(tmp_path):
+def make_scheduler(root, *overrides: str, on_update: Callable | None = None) -> tuple[Scheduler, ScriptedBackend]:
     profile = load_profile(PROFILES / "local-cpu.yaml")
-    job = load_job(EXAMPLES / "tiny-gpt.yaml", ["data.path=examples/tiny-gpt.yaml"])
-    run_dir = RunDir(tmp_path / "run")
+    job = load_job(EXAMPLES / "tiny-gpt.yaml", ["data.path=examples/tiny-gpt.yaml", *overrides])
+    run_dir = RunDir(root / "run")
     create_run(run_dir=run_dir, profile=profile, job=job)
     backend = ScriptedBackend(run_dir=run_dir, profile=profile, job=job)
-    return Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, poll_interval_s=0.01), backend
+    return Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, poll_interval_s=0.01,
+                     on_update=on_update), backend  # fmt: skip
+
+
+@pytest.fixture
+def run(tmp_path):
+    return make_scheduler(tmp_path)
 
 
 def _state_with_attempt_one(run_dir: RunDir, **fields) -> None:
@@ -119,3 +145,189 @@ def test_attempt_numbers_are_never_reused_after_a_launch_that_died(run):
     attempt = sched.start_or_resume()
     nxt = sched._handle_end(attempt, AttemptStatus.STOPPED, int(ExitCode.STOPPED), "")
     assert nxt is not None and nxt.number == 3
+
+
+# --- disruptions: the cluster took a pod or node away --------------------------------------------------------------
+
+DISRUPTED = Outcome(AttemptStatus.DISRUPTED, None, "pod exp1-a1-1-x on node n3: EvictionByEvictionAPI (drain)")
+CRASHED = Outcome(AttemptStatus.CRASHED, 1, "trainer exited 1")
+DONE = Outcome(AttemptStatus.DONE, 0)
+
+
+def _events(sched: Scheduler, kind: str) -> list[dict]:
+    return [e for e in read_events(sched.run_dir) if e["event"] == kind]
+
+
+def test_disruptions_in_a_row_finish_with_max_restarts_0(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=0")
+    backend.outcomes = {1: DISRUPTED, 2: DISRUPTED, 3: DISRUPTED, 4: DONE}
+    state = sched.run()
+    assert state.status == "done" and state.restarts_in_row == 0
+    assert [n for n, _ in backend.launched] == [1, 2, 3, 4]
+    assert len({strategy for _, strategy in backend.launched}) == 1  # relaunched with the same strategy
+    disruptions = _events(sched, "disruption")
+    assert [e["attempt"] for e in disruptions] == [1, 2, 3]
+    assert all(e["detail"] == DISRUPTED.detail for e in disruptions)
+    assert not _events(sched, "failure")
+    ends = [(e["attempt"], e["status"]) for e in _events(sched, "attempt-end")]
+    assert ends == [(1, "disrupted"), (2, "disrupted"), (3, "disrupted"), (4, "done")]
+    assert [e["reason"] for e in _events(sched, "launch")][1:] == ["relaunch after a disruption"] * 3
+
+
+def test_a_disruption_does_not_consume_max_restarts(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1")
+    backend.outcomes = {1: CRASHED, 2: DISRUPTED, 3: DISRUPTED, 4: DONE}
+    state = sched.run()
+    assert state.status == "done" and state.restarts_in_row == 1  # only the crash
+    assert [e["restart"] for e in _events(sched, "failure")] == [1]
+
+
+def test_a_disruption_does_not_forgive_a_crash(tmp_path):
+    """Crash, disruption, crash with max_restarts=1: the second crash is the second restart in a row."""
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1")
+    backend.outcomes = {1: CRASHED, 2: DISRUPTED, 3: CRASHED}
+    with pytest.raises(RunFailed, match=r"attempt 3 crashed .*gave up after 1 restarts"):
+        sched.run()
+    assert read_state(sched.run_dir).status == "failed"
+
+
+def test_disruptions_without_a_newer_checkpoint_fail_the_run(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_disruptions_without_progress=1")
+    backend.outcomes = {1: DISRUPTED, 2: DISRUPTED, 3: DONE}
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"attempt 2 disrupted ({DISRUPTED.detail}); gave up after 2 "
+                                                      "disruptions in a row without a newer complete checkpoint")
+    state = read_state(sched.run_dir)
+    assert state.status == "failed" and state.reason in message and [n for n, _ in backend.launched] == [1, 2]
+
+
+def test_disruptions_with_progress_between_them_go_on(tmp_path):
+    """Each attempt leaves a newer checkpoint: however many disruptions, none is without progress."""
+    sched, backend = make_scheduler(tmp_path, "policy.max_disruptions_without_progress=0", "policy.max_restarts=0")
+    backend.checkpoint_per_attempt = True
+    backend.outcomes = {1: DISRUPTED, 2: DISRUPTED, 3: DISRUPTED, 4: DONE}
+    assert sched.run().status == "done"
+    names = [sched.run_dir.checkpoint_dir(step).name for step in (10, 20, 30)]
+    assert [(e["checkpoint"], e["without_progress"]) for e in _events(sched, "disruption")] == [(n, 0) for n in names]
+
+
+def test_a_disrupted_attempt_of_a_run_asked_to_stop_is_not_relaunched(run):
+    sched, backend = run
+    _state_with_attempt_one(sched.run_dir, stop_requested=True, control_seq=1)
+    attempt = sched.start_or_resume()
+    assert sched._handle_end(attempt, AttemptStatus.DISRUPTED, None, DISRUPTED.detail) is None
+    assert read_state(sched.run_dir).status == "stopped" and backend.launched == []
+
+
+def test_a_disruption_seen_after_a_hang_cancel_is_the_hang(run):
+    """The scheduler cancelled the attempt for a heartbeat gap: whatever the pods report then, it hung."""
+    sched, _ = run
+    _state_with_attempt_one(sched.run_dir, hang_cancelled=1)
+    attempt = sched.start_or_resume()
+    nxt = sched._handle_end(attempt, AttemptStatus.DISRUPTED, None, DISRUPTED.detail)
+    assert nxt is not None and nxt.number == 2
+    assert read_state(sched.run_dir).restarts_in_row == 1
+    assert [e["kind"] for e in _events(sched, "failure")] == ["hang"] and not _events(sched, "disruption")
+
+
+# --- pending: queued, unschedulable, or waiting for an image -------------------------------------------------------
+
+INSUFFICIENT = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu"
+BAD_IMAGE = "image ghcr.io/x:y cannot be pulled (ImagePullBackOff: Back-off pulling image)"
+
+
+def test_the_pending_reason_reaches_state_json_and_cona_status(tmp_path, capsys):
+    seen: list[dict] = []
+
+    def script(live) -> None:
+        summary = status_summary(sched.run_dir)
+        seen.append(summary)
+        if len(seen) == 3:
+            backend.outcomes[1] = Outcome(AttemptStatus.RUNNING)
+        elif len(seen) == 5:
+            backend.outcomes[1] = DONE
+
+    sched, backend = make_scheduler(tmp_path, on_update=script)
+    backend.timeout = 3600.0
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, INSUFFICIENT)
+    before = time.time()
+    assert sched.run().status == "done"
+    pending = seen[0]["pending"]
+    assert pending["attempt"] == 1 and pending["detail"] == INSUFFICIENT and not pending["timed_out"]
+    assert before <= pending["since"] <= time.time() and pending["for_s"] >= 0
+    assert seen[0]["status"] == "running"
+    assert seen[3]["pending"] is None  # running: no longer shown
+    assert read_state(sched.run_dir).pending is None
+    assert [e["detail"] for e in _events(sched, "pending")] == [INSUFFICIENT]  # one spell, one event
+    assert not _events(sched, "pending-timeout")  # not before the timeout
+    print_status(seen[0])
+    assert re.search(rf"^pending    for \d+s: {re.escape(INSUFFICIENT)}$", capsys.readouterr().out, re.M)
+
+
+def test_pending_for_capacity_past_the_timeout_is_reported_once_and_waits(tmp_path, capsys):
+    after: list[dict] = []  # `cona status` at each loop after the timeout; 5 of them, then the attempt ends
+
+    def script(live) -> None:
+        if _events(sched, "pending-timeout"):
+            after.append(status_summary(sched.run_dir))
+            if len(after) == 5:
+                backend.outcomes[1] = DONE
+
+    sched, backend = make_scheduler(tmp_path, on_update=script)
+    backend.timeout = 0.05
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, INSUFFICIENT)
+    assert sched.run().status == "done"
+    assert after[0]["pending"]["timed_out"] and after[0]["pending"]["for_s"] >= 0.05
+    print_status(after[0])
+    assert f"past the pending timeout: {INSUFFICIENT}" in capsys.readouterr().out
+    timeouts = _events(sched, "pending-timeout")
+    assert len(timeouts) == 1 and backend.cancelled == [] and [n for n, _ in backend.launched] == [1]
+    assert (timeouts[0]["attempt"], timeouts[0]["detail"], timeouts[0]["action"]) == (1, INSUFFICIENT, "wait")
+    assert timeouts[0]["pending_s"] >= 0.05 and timeouts[0]["timeout_s"] == 0.05
+
+
+def test_a_stuck_attempt_past_the_timeout_fails_the_run_with_its_reason(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3")
+    backend.timeout = 0.05
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"attempt 1 could not start: {BAD_IMAGE}; pending ")
+    state = read_state(sched.run_dir)
+    assert state.status == "failed" and state.reason.startswith(f"attempt 1 could not start: {BAD_IMAGE}")
+    assert state.pending is None and state.restarts_in_row == 0
+    assert backend.cancelled == [1] and [n for n, _ in backend.launched] == [1]  # not relaunched
+    assert [e["action"] for e in _events(sched, "pending-timeout")] == ["fail"]
+    assert [e["status"] for e in _events(sched, "attempt-end")] == ["unstartable"]
+
+
+def test_a_stuck_attempt_before_the_timeout_waits(tmp_path):
+    """The kubelet retries a pull: within the timeout, a stuck reason is only reported."""
+    loops = {"n": 0}
+
+    def script(live) -> None:
+        loops["n"] += 1
+        if loops["n"] == 5:
+            backend.outcomes[1] = DONE
+
+    sched, backend = make_scheduler(tmp_path, on_update=script)
+    backend.timeout = 3600.0
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
+    assert sched.run().status == "done"
+    assert not _events(sched, "pending-timeout") and backend.cancelled == []
+
+
+def test_the_pending_clock_survives_an_orchestrator_restart(tmp_path):
+    """The spell began 100 s ago under the previous orchestrator: the timeout of 50 s is already past."""
+    sched, backend = make_scheduler(tmp_path)
+    spell = PendingSpell(attempt=1, since=time.time() - 100, detail=BAD_IMAGE)
+    _state_with_attempt_one(sched.run_dir, pending=spell)
+    backend.timeout = 50.0
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
+    with pytest.raises(RunFailed, match=r"could not start: .*; pending 10\ds \(timeout 50s\)"):
+        sched.run()
+    assert not _events(sched, "pending")  # the same spell: not announced again
+    assert len(_events(sched, "pending-timeout")) == 1

@@ -37,6 +37,14 @@ class AttemptStatus(enum.Enum):
     """The world it got does not fit its strategy."""
     CRASHED = "crashed"
     """Anything else: a non-protocol exit code, a killed process, a lost node, a cancelled job."""
+    DISRUPTED = "disrupted"
+    """The cluster took a pod or node away (eviction, preemption, node drain) before the trainer recorded an exit:
+    relaunched from the last complete checkpoint with the same strategy, without counting as a failure (bounded by
+    `policy.max_disruptions_without_progress` instead of `policy.max_restarts`)."""
+    UNSTARTABLE = "unstartable"
+    """Set by the scheduler, never by a backend: the attempt stayed pending past the backend's `pending_timeout_s`
+    waiting for something that waiting does not bring (`Outcome.stuck`: an image that cannot be pulled, a missing
+    Secret). The run fails with the reason; fix it and resume the run."""
 
     @property
     def finished(self) -> bool:
@@ -92,6 +100,10 @@ class Outcome:
     exit_code: int | None = None
     detail: str = ""
     """A one-line human reason (e.g. `node n2 DOWN`, `exit code -9`)."""
+    stuck: bool = False
+    """Only with PENDING: what the attempt waits for does not come by waiting (a container image that cannot be
+    pulled, a missing Secret), unlike capacity in a queue. Past the backend's `pending_timeout_s` the scheduler
+    ends such an attempt as UNSTARTABLE; an attempt waiting for capacity goes on waiting."""
 
     @classmethod
     def of_exit(cls, code: int | None, *, who: str) -> Outcome:
@@ -150,6 +162,12 @@ class Backend(abc.ABC):
     """Seconds a relaunch adds to checkpoint save and load: teardown, process start, imports, rendezvous, build."""
     resubmit_overhead_s: float = 120.0
     """Seconds a switch that needs a new allocation adds to checkpoint save and load (a relaunch plus the queue)."""
+
+    @property
+    def pending_timeout_s(self) -> float | None:
+        """How long an attempt may stay pending before the scheduler reports it (a `pending-timeout` event) and
+        ends it if it is `Outcome.stuck`; None: pending is a queue without a limit (Slurm, local)."""
+        return None
 
     def switch_kind(self, current: Strategy, target: Strategy, *, in_place_allowed: bool) -> SwitchKind:
         """How a switch from `current` to `target` happens on this backend (the one place that decides it).

@@ -2,9 +2,11 @@
 
 `launch` writes the attempt's launch record on the PVC (the trainer reads its strategy there), then creates the
 Service and the Job. `poll` reads the Job's conditions and its pods (container exit codes, scheduling messages,
-disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1 whatever protocol code
-a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read, as on the other
-backends. `cancel` deletes the Job (foreground: its pods go first) and the Service.
+waiting reasons, disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1
+whatever protocol code a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read,
+as on the other backends. A disrupted pod ends the attempt as DISRUPTED (not a failure); a Pending pod is reported
+with its reason, and whether waiting can help (`Outcome.stuck`), to the scheduler, which applies
+`kubernetes.pending_timeout_s`. `cancel` deletes the Job (foreground: its pods go first) and the Service.
 
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, create/delete on
 services, list on pods. An API error becomes a one-line `BackendError` naming the object and what to do.
@@ -38,6 +40,18 @@ if TYPE_CHECKING:
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", "app.kubernetes.io/instance")
 """Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
 _one_line = one_line
+IMAGE_WAITING_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "ImageInspectError",
+    "RegistryUnavailable", "SignatureValidationFailed",
+})  # fmt: skip
+"""The kubelet's waiting reasons of a container whose image cannot be pulled or used."""
+STUCK_WAITING_REASONS = IMAGE_WAITING_REASONS | {
+    "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError", "PreStartHookError",
+}  # fmt: skip
+"""Waiting reasons that waiting does not fix (a bad image, a missing Secret or ConfigMap key, a container the
+runtime refuses): past `kubernetes.pending_timeout_s` the scheduler ends such an attempt (`Outcome.stuck`). Anything
+else, above all an unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`), is capacity the
+cluster's queue may still give."""
 
 
 def _condition(conditions: list[Any] | None, kind: str) -> Any | None:
@@ -52,9 +66,10 @@ class KubernetesBackend(Backend):
     """Runs each attempt as an Indexed Job with one pod per node, plus the headless Service of its rendezvous.
 
     A pod disrupted by the cluster (eviction, preemption, node drain: a `DisruptionTarget` condition) ends the
-    attempt as CRASHED with the detail `disrupted: <reason>` unless the trainer recorded a protocol exit; the
-    orchestrator relaunches it like any crash for now, and `poll` deletes the Job of such an attempt if it is
-    still active, so its other pods free their GPUs before the next attempt is created.
+    attempt as DISRUPTED, naming the pod, its node and the reason, unless the trainer recorded an exit; the
+    scheduler relaunches it from the last complete checkpoint without counting a failure, and `poll` first deletes
+    the Job of such an attempt if it is still active, so its other pods free their GPUs before the next attempt
+    is created.
     """
 
     name = "kubernetes"
@@ -72,6 +87,10 @@ class KubernetesBackend(Backend):
         self.spec = profile.kubernetes
         self.namespace = self.spec.namespace
         self.api = KubeApi(self.namespace, api_client)
+
+    @property
+    def pending_timeout_s(self) -> float:
+        return self.spec.pending_timeout_s
 
     @property
     def api_client(self) -> Any:
@@ -165,26 +184,53 @@ class KubernetesBackend(Backend):
         return codes
 
     @staticmethod
-    def _pending_detail(pod: Any) -> str:
-        """Why a Pending pod waits: the scheduler's message, or its container's waiting reason."""
+    def _pending_reason(pod: Any) -> tuple[str, bool]:
+        """Why a Pending pod waits (the scheduler's message, or its container's waiting reason), and whether it is
+        stuck: waiting for something that waiting does not bring (`STUCK_WAITING_REASONS`)."""
         status = pod.status
         for condition in (status.conditions or []) if status else []:
             if condition.type == "PodScheduled" and condition.status == "False":
-                return _one_line(condition.message or condition.reason or "unschedulable")
+                return _one_line(condition.message or condition.reason or "unschedulable"), False
         for container in (status.container_statuses or []) if status else []:
             waiting = container.state.waiting if container.state else None
             if waiting is not None and waiting.reason:
-                return _one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
-        return f"pod {pod.metadata.name} is pending"
+                why = _one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
+                if waiting.reason in IMAGE_WAITING_REASONS:
+                    return f"image {container.image} cannot be pulled ({why})", True
+                return why, waiting.reason in STUCK_WAITING_REASONS
+        return f"pod {pod.metadata.name} is pending", False
+
+    @classmethod
+    def _pending(cls, pods: list[Any]) -> tuple[str, bool]:
+        """The reason an attempt with Pending pods waits: a stuck pod's first (it is what must be fixed), else the
+        first pod's."""
+        reasons = [cls._pending_reason(pod) for pod in pods]
+        return next((r for r in reasons if r[1]), reasons[0])
+
+    @staticmethod
+    def _disruption(pods: list[Any]) -> str | None:
+        """The first disrupted pod (a `DisruptionTarget` condition) as one line naming it, its node and the
+        cluster's reason, or None."""
+        for pod in pods:
+            condition = _condition(pod.status.conditions if pod.status else None, "DisruptionTarget")
+            if condition is None:
+                continue
+            node = pod.spec.node_name if pod.spec else None
+            where = f"pod {pod.metadata.name}" + (f" on node {node}" if node else "")
+            why = condition.reason or "DisruptionTarget"
+            return _one_line(f"{where}: {why}" + (f" ({condition.message})" if condition.message else ""))
+        return None
 
     def poll(self, attempt: Attempt) -> Outcome:
         """Where the attempt stands, from the Job's conditions, its pods and the trainer's exit record.
 
         Job gone → the trainer's record if it wrote one, else CRASHED (`the Job is gone`). A pod with a
-        `DisruptionTarget` condition → CRASHED `disrupted: <reason>` (relaunched as a crash for now; the Job is
-        deleted if still active). Job Complete → DONE; Job Failed → the protocol code of the exit record or of a
-        pod's trainer container (`AttemptStatus.from_exit_code`), else CRASHED with the Job's reason. Otherwise a
-        Pending pod (or none yet) → PENDING with the scheduler's message, else RUNNING.
+        `DisruptionTarget` condition → DISRUPTED naming the pod, its node and the reason (the Job is deleted first
+        if still active; a pod that failed because its peer went away does not make it a crash). Job Complete →
+        DONE; Job Failed → the protocol code of the exit record or of a pod's trainer container
+        (`AttemptStatus.from_exit_code`), else CRASHED with the Job's reason. Otherwise a Pending pod (or none
+        yet) → PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting
+        cannot help (`STUCK_WAITING_REASONS`), else RUNNING.
         """
         _, batch = self._apis()
         name = attempt.backend_id
@@ -197,14 +243,13 @@ class KubernetesBackend(Backend):
         conditions = job.status.conditions if job.status else None
         complete, failed = _condition(conditions, "Complete"), _condition(conditions, "Failed")
         pods = self._pods(name)
-        disrupted = next((c for pod in pods if (c := _condition(pod.status.conditions if pod.status else None,
-                                                                "DisruptionTarget"))), None)  # fmt: skip
+        disrupted = self._disruption(pods)
         if recorded is not None and (complete or failed or disrupted):
             return Outcome.of_exit(recorded.exit_code, who="trainer")
         if disrupted is not None:
             if not (complete or failed):
                 self.cancel(attempt)
-            return Outcome(AttemptStatus.CRASHED, None, _one_line(f"disrupted: {disrupted.reason or disrupted.message}"))
+            return Outcome(AttemptStatus.DISRUPTED, None, disrupted)
         if complete:
             return Outcome(AttemptStatus.DONE, 0)
         if failed:
@@ -220,7 +265,8 @@ class KubernetesBackend(Backend):
             return Outcome(AttemptStatus.CRASHED, code, f"the Job failed ({why}); trainer {shown}")
         pending = [pod for pod in pods if pod.status is None or pod.status.phase in (None, "Pending")]
         if pending:
-            return Outcome(AttemptStatus.PENDING, None, self._pending_detail(pending[0]))
+            detail, stuck = self._pending(pending)
+            return Outcome(AttemptStatus.PENDING, None, detail, stuck=stuck)
         if not pods:
             return Outcome(AttemptStatus.PENDING, None, "no pods yet")
         return Outcome(AttemptStatus.RUNNING)

@@ -20,8 +20,9 @@ launch step should watch for it and, if needed, move to torchrun's static rendez
 
 The Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world does
 not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such an
-exit is replaced without counting as a failure. `backoffLimit: 0`: any other failure ends the attempt, and the
-orchestrator decides what follows.
+exit does not count against `backoffLimit`; the orchestrator, which sees the condition, deletes the Job and
+relaunches the attempt as disrupted (torchrun's rendezvous cannot take in a replacement pod). `backoffLimit: 0`: any other failure ends the attempt,
+and the orchestrator decides what follows.
 """
 
 from __future__ import annotations

@@ -35,7 +35,13 @@ class KubernetesSpec(StrictModel):
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
     """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`)."""
     pending_timeout_s: float = Field(default=600.0, gt=0)
-    """How long the backend lets an attempt's pods stay Pending (unschedulable, image pull) before it gives up."""
+    """How long an attempt's pods may stay Pending before the orchestrator acts (`Scheduler._note_pending` decides;
+    the clock starts at the first poll that finds the attempt pending and survives an orchestrator restart). Past
+    it: an event `pending-timeout` with the reason, once; a pod that waits for something waiting does not bring
+    (ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, ...: `STUCK_WAITING_REASONS` in
+    `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), while an
+    unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) goes on waiting — the cluster's
+    queue, like Slurm's — and `cona status` shows for how long and why."""
     shm_size: str | None = None
     """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""
     orchestrator_cpu: str = "500m"
