@@ -241,7 +241,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     import time
 
     from cona.orchestrator.backends.kubernetes.render import render_attempt
-    from cona.orchestrator.backends.kubernetes.runobjects import render_submission, run_dir_for, run_name
+    from cona.orchestrator.backends.kubernetes.runobjects import (
+        dump_objects,
+        render_submission,
+        run_dir_for,
+        run_name,
+    )
     from cona.orchestrator.job import load_job
     from cona.orchestrator.profile import load_profile
 
@@ -261,9 +266,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # Everything the orchestrator will render is checked here, before anything is created on the cluster.
     render_attempt(profile=profile, strategy=first_strategy(profile, job), attempt=1, run_dir=run_dir_for(profile, run))
     if args.dry_run:
-        import yaml
-
-        sys.stdout.write("---\n".join(yaml.safe_dump(o, sort_keys=False, width=1000) for o in objects))
+        sys.stdout.write(dump_objects(objects))
         return 0
     from cona.orchestrator.backends.kubernetes.remote import submit
 

@@ -108,8 +108,28 @@ def run_dir_for(profile: ClusterProfile, run: str) -> str:
     return str(path)
 
 
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML without anchors; multi-line strings (the embedded profile and job) as `|` blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value and not any(c in value for c in "\r\t") and value == value.rstrip(" ") else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _text)
+
+
 def _dump(data: Any) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def dump_objects(objects: list[dict[str, Any]]) -> str:
+    """Multi-document YAML of `objects` for `kubectl apply -f -`."""
+    return "---\n".join(_dump(obj) for obj in objects)
 
 
 def render_configmap(*, profile: ClusterProfile, job: Job, run: str, run_dir: str, submitted: float) -> dict[str, Any]:

@@ -1,0 +1,266 @@
+"""`cona submit`'s objects, the Lease and the laptop's view of a run, without running any pod.
+
+The rendered ConfigMap and orchestrator Job are golden files validated against the Kubernetes schemas (strict);
+the Lease and `cona status/stop` run against the API emulator with scripted pod states. The whole submitted run
+(orchestrator and trainer pods as local processes) is in tests/test_k8s_submit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+from cona.orchestrator.backends.base import BackendError
+from cona.orchestrator.backends.kubernetes.api import KubeApi
+from cona.orchestrator.backends.kubernetes.incluster import StatusMirror, orchestrate
+from cona.orchestrator.backends.kubernetes.lease import KubeLease, LeaseLost
+from cona.orchestrator.backends.kubernetes.remote import remote_status, remote_stop, submit
+from cona.orchestrator.backends.kubernetes.runobjects import (
+    RUN_NAME_MAX,
+    dump_objects,
+    render_submission,
+    run_name,
+)
+from cona.orchestrator.job import load_job
+from cona.orchestrator.runstate import create_run, read_events
+from cona.protocol.rundir import RunDir
+from cona.protocol.yamlconfig import ConfigError
+from kubernetes import client
+
+from tests.conftest import EXAMPLES, REPO, run_cona
+from tests.test_k8s_manifests import K8S_PROFILE, _golden, _profile, _validate, k8s_expand
+
+pytestmark = [
+    pytest.mark.kubernetes,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),  # inside kmock
+]
+
+NS = "cona"
+JOB = EXAMPLES / "tiny-gpt.yaml"
+SUBMITTED = 1796300000.0
+
+
+def _job():
+    job = load_job(JOB)
+    job.data.path = "/runs/data/shakespeare.txt"
+    return job
+
+
+def _objects(run: str = "tiny-1", **kubernetes):
+    return render_submission(profile=_profile(**kubernetes), job=_job(), run=run, submitted=SUBMITTED)
+
+
+# ---- rendering ----------------------------------------------------------------------------------------------------
+
+
+def test_submission_golden_and_valid():
+    objects = _objects()
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Job"]
+    for obj in objects:
+        _validate(obj)
+    _golden("submit.yaml", dump_objects(objects))
+    configmap, job = objects
+    # The ConfigMap holds what the orchestrator creates run.yaml from: the resolved profile and job.
+    assert yaml.safe_load(configmap["data"]["profile.yaml"])["name"] == "h100-k8s"
+    assert yaml.safe_load(configmap["data"]["job.yaml"])["data"]["path"] == "/runs/data/shakespeare.txt"
+    assert configmap["data"]["run-dir"] == "/runs/tiny-1"
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["restartPolicy"] == "OnFailure" and spec["backoffLimit"] == 10
+    assert container["command"] == ["python", "-m", "cona.orchestrator.cli", "orchestrate", "--namespace", NS, "tiny-1"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}.items() <= pod["securityContext"].items()
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/runs", "/tmp"}
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["CONA_OWNER_UID"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert "nodeSelector" not in pod and "nvidia.com/gpu" not in json.dumps(container["resources"])
+
+
+def test_the_example_run_in_manifests_is_what_submit_renders():
+    """manifests/examples/run.yaml is `cona submit --dry-run` of the example profile; it must not drift."""
+    out = run_cona("submit", "--profile", str(K8S_PROFILE), "--job", str(JOB), "--name", "tiny-gpt-example",
+                   "--set", "data.path=/runs/data/shakespeare.txt", "--dry-run")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    example = REPO / "manifests" / "examples" / "run.yaml"
+    text = example.read_text()
+    body = text[text.index("apiVersion") :] if text.startswith("#") else text
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    stored = [d for d in yaml.safe_load_all(body) if d]
+    for doc in rendered + stored:
+        doc["data"].pop("submitted", None) if doc["kind"] == "ConfigMap" else None
+    assert stored == rendered, "manifests/examples/run.yaml is stale: regenerate it with the command in its header"
+    for doc in stored:
+        _validate(doc)
+
+
+def test_hostile_run_names_and_values_are_refused_or_inert():
+    with pytest.raises(ConfigError, match=r"--name 'a\$\(id\)': not a DNS-1035 label"):
+        _objects(run="a$(id)")
+    with pytest.raises(ConfigError, match="--name"):
+        _objects(run="x" * (RUN_NAME_MAX + 1))
+    with pytest.raises(ConfigError, match=r"kubernetes\.namespace"):
+        _objects(namespace="cona\n$(rm -rf /)")
+    with pytest.raises(ConfigError, match=r"kubernetes\.orchestrator_memory"):
+        _objects(orchestrator_memory="2 GB")
+    assert run_name("My Run: $(id)!") == "my-run-id" and len(run_name("a" * 99)) == RUN_NAME_MAX
+    image = "registry.example/cona:v1\"';$(id)"
+    _, job = _objects(image=image)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == image and all(k8s_expand(a, {}) == a for a in container["command"][3:])
+
+
+def test_run_root_must_lie_under_the_mount():
+    profile = _profile()
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": "/elsewhere"})})
+    with pytest.raises(ConfigError, match=r"storage\.run_root ./elsewhere. is not under kubernetes\.mount_path"):
+        render_submission(profile=profile, job=_job(), run="r", submitted=SUBMITTED)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--profile", "slurm/profiles/local-cpu.yaml"], "backend is 'local'; cona submit needs a kubernetes profile"),
+        (["--profile", str(K8S_PROFILE), "--set", "data.path=data/x.txt"], "data.path 'data/x.txt' is relative"),
+        (["--profile", str(K8S_PROFILE), "--set", "data.path=/runs/x", "--name", "Bad_Name"], "--name 'Bad_Name'"),
+        (["--profile", str(K8S_PROFILE), "--set", "data.path=/runs/x", "--policy", "fixed:dp=64,tp=1,pp=1,mbs=1,gbs=64"],
+         "dp=64"),
+    ],
+)  # fmt: skip
+def test_submit_refuses_bad_input_before_creating_anything(args, message, tmp_path):
+    out = run_cona("submit", "--job", str(JOB), *args, env={"KUBECONFIG": str(tmp_path / "none")})
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+# ---- creating a run and following it --------------------------------------------------------------------------------
+
+
+def test_submit_creates_the_configmap_then_the_job_and_refuses_a_second_run_of_the_name(k8s):
+    objects = _objects()
+    assert submit(objects, api_client=k8s.api_client()) == ("tiny-1", NS)
+    core = client.CoreV1Api(k8s.api_client())
+    assert core.read_namespaced_config_map("tiny-1", NS).data["run-dir"] == "/runs/tiny-1"
+    assert client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS).spec.backoff_limit == 10
+    k8s.refuse("POST", "", "v1", "configmaps", status=409, message='configmaps "tiny-1" already exists')
+    with pytest.raises(BackendError, match="a run named 'tiny-1' exists already in namespace 'cona'; pick another --name"):
+        submit(objects, api_client=k8s.api_client())
+
+
+def test_a_job_that_cannot_be_created_leaves_no_configmap(k8s):
+    k8s.refuse("POST", "batch", "v1", "jobs", status=403, message="forbidden")
+    with pytest.raises(BackendError, match="lack create on jobs"):
+        submit(_objects(), api_client=k8s.api_client())
+    names = [c.metadata.name for c in client.CoreV1Api(k8s.api_client()).list_namespaced_config_map(NS).items]
+    assert "tiny-1" not in names
+
+
+def test_status_of_a_run_whose_orchestrator_cannot_start(k8s):
+    submit(_objects(), api_client=k8s.api_client())
+    status = remote_status("tiny-1", namespace=NS, api_client=k8s.api_client())
+    assert status["status"] == "submitted" and status["orchestrator"] == "Job tiny-1-orch: no pod yet"
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/4 nodes are available: 4 Insufficient memory."}  # fmt: skip
+    k8s.make_pods("tiny-1-orch", NS, phase="Pending", conditions=[unschedulable])
+    status = remote_status("tiny-1", namespace=NS, api_client=k8s.api_client())
+    assert status["orchestrator"].endswith("Pending, 0 restart(s): 0/4 nodes are available: 4 Insufficient memory.")
+    with pytest.raises(BackendError, match=r"no run 'nope' in namespace 'cona' \(no ConfigMap 'nope'\)"):
+        remote_status("nope", namespace=NS, api_client=k8s.api_client())
+
+
+def test_cona_status_of_an_unknown_name_is_one_line(k8s, tmp_path):
+    config = k8s.write_kubeconfig(tmp_path / "kubeconfig", token="laptop", namespace=NS)
+    out = run_cona("status", "nope", env={"KUBECONFIG": str(config)})
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "no run 'nope' in namespace 'cona'" in out.stderr
+    out = run_cona("status", str(tmp_path / "missing-dir"))
+    assert out.returncode == 2 and "not a cona run directory" in out.stderr, out.stderr
+
+
+def test_the_mirror_publishes_status_and_carries_a_stop_once(k8s, tmp_path):
+    run_dir = RunDir(tmp_path / "runs" / "tiny-1")
+    profile = _profile(mount_path=str(tmp_path / "runs"))
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path / "runs")})})
+    job = load_job(JOB)
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    objects = render_submission(profile=profile, job=job, run="tiny-1", submitted=SUBMITTED)
+    submit(objects, api_client=k8s.api_client())
+    api = KubeApi(NS, k8s.api_client())
+    mirror = StatusMirror(api, "tiny-1", run_dir, interval_s=3600)
+    mirror.tick()
+    status = remote_status("tiny-1", namespace=NS, api_client=k8s.api_client())
+    assert status["status"] == "created" and status["job"] == "tiny-gpt" and status["run_dir"] == str(run_dir.root)
+    assert "asked run tiny-1 to stop" in remote_stop("tiny-1", namespace=NS, api_client=k8s.api_client())
+    mirror.tick()  # within the interval and the status unchanged: nothing read yet
+    assert run_dir.read_control() is None
+    mirror.tick(force=True)
+    control = run_dir.read_control()
+    assert control is not None and control.command == "stop" and control.reason.startswith("cona stop (stop-")
+    # The same request again (a restarted orchestrator reads the same ConfigMap) is not a second stop.
+    StatusMirror(api, "tiny-1", run_dir).tick(force=True)
+    assert [e["event"] for e in read_events(run_dir)].count("stop-command") == 1
+
+
+def test_orchestrate_a_run_that_cannot_start_records_why_and_exits_0(k8s, tmp_path):
+    profile = _profile(mount_path=str(tmp_path))
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path)})})
+    job = load_job(JOB)
+    job.data.path = str(tmp_path / "no-such-data.txt")
+    submit(render_submission(profile=profile, job=job, run="r9", submitted=SUBMITTED), api_client=k8s.api_client())
+    assert orchestrate("r9", namespace=NS, api_client=k8s.api_client(), quiet=True) == 0
+    status = remote_status("r9", namespace=NS, api_client=k8s.api_client())
+    assert status["status"] == "failed" and "no-such-data.txt' does not exist" in status["reason"], status
+
+
+# ---- the Lease --------------------------------------------------------------------------------------------------------
+
+
+def _lease(k8s, identity: str, **kwargs) -> KubeLease:
+    return KubeLease(KubeApi(NS, k8s.api_client()), "run1", identity=identity, **kwargs)
+
+
+def test_one_holder_at_a_time_and_release_hands_over_at_once(k8s):
+    a = _lease(k8s, "A", duration_s=3, renew_every_s=0.5)
+    a.acquire()
+    try:
+        time.sleep(1.2)  # renewed meanwhile: B never sees it unchanged for a whole duration
+        b = _lease(k8s, "B", duration_s=3, renew_every_s=0.5, wait_s=4)
+        with pytest.raises(BackendError, match=r"Lease 'run1' in namespace 'cona' is held by another orchestrator \(A, "):
+            b.acquire()
+        a.check()
+    finally:
+        a.release()
+    lease = client.CoordinationV1Api(k8s.api_client()).read_namespaced_lease("run1", NS)
+    assert lease.spec.holder_identity is None
+    started = time.monotonic()
+    with _lease(k8s, "B", duration_s=3, renew_every_s=0.5) as b:
+        assert time.monotonic() - started < 1.0 and b.held
+
+
+def test_a_dead_holder_is_taken_over_after_one_duration(k8s):
+    a = _lease(k8s, "A", duration_s=2, renew_every_s=0.5)
+    a.acquire()
+    a._stop.set()  # dies without releasing: no renewals from now on
+    a._thread.join()
+    started = time.monotonic()
+    with _lease(k8s, "C", duration_s=2, renew_every_s=0.5):
+        waited = time.monotonic() - started
+        lease = client.CoordinationV1Api(k8s.api_client()).read_namespaced_lease("run1", NS)
+        assert lease.spec.holder_identity == "C" and lease.spec.lease_transitions == 1
+    assert 1.5 < waited < 6, waited
+
+
+def test_a_holder_whose_lease_was_taken_stops_in_one_line(k8s):
+    a = _lease(k8s, "A", duration_s=30, renew_every_s=0.2)
+    a.acquire()
+    coordination = client.CoordinationV1Api(k8s.api_client())
+    coordination.patch_namespaced_lease("run1", NS, {"spec": {"holderIdentity": "intruder"}})
+    deadline = time.monotonic() + 10
+    while a.held and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(LeaseLost, match=r"lost Lease 'run1' in namespace 'cona' \(taken by intruder\)") as info:
+        a.check()
+    assert "\n" not in str(info.value)
+    a.release()
+    assert coordination.read_namespaced_lease("run1", NS).spec.holder_identity == "intruder"  # not ours to clear
