@@ -31,6 +31,10 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
         "--profile", required=profile_required, metavar="PROFILE.yaml",
         help="cluster profile: nodes, devices, network, storage and backend settings",
     )
+    parser.add_argument(
+        "--profile-set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a profile field by its dotted path, e.g. --profile-set kubernetes.image=reg/cona:1 (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--job", required=True, metavar="JOB.yaml", help="job spec: model, data, batch bounds, target, policy")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -43,7 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
     from cona.orchestrator.profile import load_profile
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, args.overrides)
     gbs_values = [args.gbs] if args.gbs else None
     candidates = enumerate_candidates(profile=profile, job=job, gbs_values=gbs_values)
@@ -89,13 +93,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume:
         run_dir = RunDir(Path(args.resume))
-        if args.profile or args.job:
+        if args.profile or args.job or args.profile_overrides:
             raise UserError("--resume takes the profile and job from the run directory; drop --profile/--job")
         profile, job = load_run(run_dir)
     else:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
-        profile = load_profile(args.profile)
+        profile = load_profile(args.profile, args.profile_overrides)
         job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
@@ -209,7 +213,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from cona.orchestrator.profile import load_profile
     from cona.protocol.rundir import RunDir
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, args.overrides)
     if profile.backend != args.target:
         raise UserError(
@@ -250,7 +254,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
     from cona.orchestrator.profile import load_profile
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
     if profile.backend != "kubernetes":
         raise UserError(f"{args.profile}: backend is {profile.backend!r}; cona submit needs a kubernetes profile "
@@ -328,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
         "adopts or relaunches the run; it never starts a second attempt.",
     )
     run.add_argument("--profile", metavar="PROFILE.yaml", help="cluster profile (backend, devices, network, storage)")
+    run.add_argument(
+        "--profile-set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a profile field by its dotted path, e.g. --profile-set nodes=2 (repeatable)",
+    )  # fmt: skip
     run.add_argument("--job", metavar="JOB.yaml", help="job spec")
     run.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
