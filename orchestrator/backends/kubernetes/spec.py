@@ -28,8 +28,13 @@ class KubernetesSpec(StrictModel):
     """Node labels the trainer pods must match (e.g. the GPU product)."""
     tolerations: list[dict[str, str | int]] = Field(default_factory=list)
     """Tolerations of the trainer pods, as in a pod spec (key, operator, value, effect, tolerationSeconds)."""
-    workload: Literal["indexed-job", "jobset", "pytorchjob"] = "indexed-job"
-    """The training workload kind. Only `indexed-job` renders so far (an Indexed Job plus a headless Service)."""
+    workload: Literal["indexed-job", "jobset", "trainjob"] = "indexed-job"
+    """The training workload of an attempt: `indexed-job` (an Indexed Job plus a headless Service; nothing to install),
+    `jobset` (a JobSet, `jobset.x-k8s.io/v1alpha2`; needs the JobSet controller), `trainjob` (a Kubeflow Trainer v2
+    TrainJob, `trainer.kubeflow.org/v1alpha1`; needs Kubeflow Trainer and its `trainer_runtime`)."""
+    trainer_runtime: str = "torch-distributed"
+    """`workload: trainjob` only: the ClusterTrainingRuntime the TrainJob refers to. It must be a torch runtime (it
+    sets torchrun's `PET_*` variables) whose trainer container is named `node`, as Trainer's `torch-distributed`."""
     gpu_resource: str = "nvidia.com/gpu"
     """Extended resource name requested per pod."""
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
