@@ -181,6 +181,8 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
     assert granted == {
         ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
+        ("jobset.x-k8s.io", "jobsets"): {"create", "get", "delete"},
+        ("trainer.kubeflow.org", "trainjobs"): {"create", "get", "delete"},
         ("", "services"): {"create", "get", "delete"},
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
