@@ -191,9 +191,10 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
     }
 
 
-def test_profiles_are_not_part_of_the_kustomization():
+def test_profiles_and_crd_schemas_are_not_part_of_the_kustomization():
     kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    assert not any("profiles" in resource for resource in kustomization["resources"])
+    assert not any("profiles" in resource or "crds" in resource for resource in kustomization["resources"])
+    assert not any(doc["kind"] == "CustomResourceDefinition" for doc in _kustomize())
     assert all((MANIFESTS / resource).is_file() for resource in kustomization["resources"])
 
 
