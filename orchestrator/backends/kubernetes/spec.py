@@ -38,7 +38,8 @@ class KubernetesSpec(StrictModel):
     gpu_resource: str = "nvidia.com/gpu"
     """Extended resource name requested per pod."""
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
-    """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`)."""
+    """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`, `<jobset>-node-0-0.<jobset>:<port>`);
+    a TrainJob's runtime picks its own (`PET_MASTER_PORT`, 29500 in Trainer's torch runtimes)."""
     pending_timeout_s: float = Field(default=600.0, gt=0)
     """How long the backend lets an attempt's pods stay Pending (unschedulable, image pull) before it gives up."""
     shm_size: str | None = None
