@@ -1,17 +1,22 @@
 """The Kubernetes API emulator (kmock) for the backend tests, behind the `k8s` fixture in conftest.py.
 
 kmock serves an in-memory Kubernetes API over HTTP; it runs here in a thread with its own event loop, and the
-official (synchronous) client talks to it. It has no controllers: nothing creates a Job's pods or fills in its
-status, so `Emulator` plays the Job controller and the kubelet (`make_pods`, `set_job_status`) through a client of
-its own, whose requests carry a different User-Agent and so are left out of `backend_requests`.
+official (synchronous) client talks to it. Besides the bundled built-in resources it knows the custom ones of the
+optional workload kinds (`CUSTOM_RESOURCES`: JobSet, TrainJob), as if their CRDs were installed. It has no
+controllers: nothing creates a Job's pods or fills in its status, so `Emulator` plays the Job, JobSet and Trainer
+controllers and the kubelet (`make_pods`, `set_status`) through a client of its own, whose requests carry a
+different User-Agent and so are left out of `backend_requests`.
 
-`run_jobs(workdir)` goes further for whole `cona run`s: a background thread plays the Job controller and the
-kubelet. Every new Job gets its `completions` pods (from its template) and each pod's container command runs as a
-local process: argv from the container spec with `$(VAR)` expanded from the container's env as Kubernetes does
-(`$$` → `$`, JOB_COMPLETION_INDEX = the pod's index), `python` → this interpreter, the rendezvous endpoint
-`<job>-0.<service>:<port>` → `127.0.0.1:<a free port of this Job>`. Pod and Job status follow the processes
-(Running; Succeeded/Failed with the exit code; Job Complete, or Failed and its other pods killed, as
-`backoffLimit: 0` would); deleting a Job kills its processes. `disrupt_pod` and `crash_worker` inject faults.
+`run_jobs(workdir)` goes further for whole `cona run`s: a background thread plays the Job and JobSet controllers
+and the kubelet. Every new Job gets its `completions` pods (from its template), every new JobSet the pods of its
+first replicatedJob's Job (one per completion index, named and labelled as JobSet does), and each pod's container
+command runs as a local process: argv from the container spec with `$(VAR)` expanded from the container's env as
+Kubernetes does (`$$` → `$`, JOB_COMPLETION_INDEX = the pod's index), `python` → this interpreter, the rendezvous
+endpoint (pod 0's hostname: `<job>-0.<service>`, `<jobset>-<replicatedJob>-0-0.<subdomain>`) →
+`127.0.0.1:<a free port of this workload>`. Pod and workload status follow the processes (Running;
+Succeeded/Failed with the exit code; Job Complete or JobSet Completed, or Failed and its other pods killed, as
+`backoffLimit: 0` and `maxRestarts: 0` would); deleting the workload kills its processes. `disrupt_pod` and
+`crash_worker` inject faults. TrainJobs are not run (their torch runtime is not emulated).
 
 Known limits of the emulator: label and field selectors are ignored (the backend filters pods itself), no
 uid/resourceVersion/status is filled in, PUT and deletecollection answer 404, watches never end on their own.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import os
 import re
 import signal
@@ -39,6 +45,20 @@ from typing import Any
 
 BACKEND_AGENT = "cona-backend-under-test"
 KUBELET_AGENT = "cona-test-kubelet"
+CUSTOM_RESOURCES = {
+    # (group, version, plural): kind. Served as if the CRDs of JobSet and Kubeflow Trainer were installed.
+    ("jobset.x-k8s.io", "v1alpha2", "jobsets"): "JobSet",
+    ("trainer.kubeflow.org", "v1alpha1", "trainjobs"): "TrainJob",
+}
+CUSTOM_VERBS = {"create", "get", "list", "watch", "update", "patch", "delete", "deletecollection"}
+WORKLOADS = {
+    # profile workload: (group, version, plural) of its main object; None: a batch/v1 Job
+    "indexed-job": None,
+    "jobset": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+    "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs"),
+}
+SUCCEEDED = {"indexed-job": "Complete", "jobset": "Completed", "trainjob": "Complete"}
+REPLICATED_JOB = "node"
 
 
 class Emulator:
@@ -67,6 +87,10 @@ class Emulator:
 
         async with kmock.KubernetesEmulator(strict=False) as k, kmock.Server(k) as srv:
             k.resources.load_bundled()
+            for (group, version, plural), kind in CUSTOM_RESOURCES.items():
+                k.resources[f"{group}/{version}/{plural}"] = kmock.ResourceInfo(
+                    kind=kind, namespaced=True, verbs=CUSTOM_VERBS, subresources={"status"}
+                )
             self.kmock, self.url = k, str(srv.url).rstrip("/")
             self._stop = asyncio.Event()
             self._ready.set()
@@ -131,27 +155,65 @@ class Emulator:
 
     def set_job_status(self, name: str, namespace: str, *, conditions: list[dict[str, Any]], **status: Any) -> None:
         """Give the Job a status (as the Job controller would), e.g. `[{"type": "Complete", "status": "True"}]`."""
-        _, batch = self._kubelet()
-        batch.patch_namespaced_job(name, namespace, {"status": {"conditions": conditions, **status}})
+        self.set_status("indexed-job", name, namespace, conditions=conditions, **status)
+
+    def set_status(self, workload: str, name: str, namespace: str, *, conditions: list[dict[str, Any]],
+                   **status: Any) -> None:  # fmt: skip
+        """Give the workload of kind `workload` (a profile's `kubernetes.workload`) a status, as its controller
+        would, e.g. `[{"type": "Completed", "status": "True"}]` for a JobSet."""
+        from kubernetes import client
+
+        body = {"status": {"conditions": conditions, **status}}
+        gvp = WORKLOADS[workload]
+        if gvp is None:
+            self._kubelet()[1].patch_namespaced_job(name, namespace, body)
+        else:
+            client.CustomObjectsApi(self.api_client(KUBELET_AGENT)).patch_namespaced_custom_object(
+                gvp[0], gvp[1], namespace, gvp[2], name, body
+            )
+
+    def pod_template(self, workload: str, name: str, namespace: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """(pod count, pod template as a dict, labels its controllers add) of the workload, as its controllers
+        would make the pods: a Job's template; a JobSet's first replicatedJob's; a TrainJob's torch runtime (a
+        `node` container with the trainer's image and command, patched by its runtime patch)."""
+        from kubernetes import client
+
+        api = self.api_client(KUBELET_AGENT)
+        gvp = WORKLOADS[workload]
+        if gvp is None:
+            job = client.BatchV1Api(api).read_namespaced_job(name, namespace)
+            template = client.ApiClient().sanitize_for_serialization(job.spec.template)
+            return job.spec.completions or 1, template, {"batch.kubernetes.io/job-name": name, "job-name": name}
+        obj = client.CustomObjectsApi(api).get_namespaced_custom_object(gvp[0], gvp[1], namespace, gvp[2], name)
+        job_name = f"{name}-{REPLICATED_JOB}-0"
+        added = {"jobset.sigs.k8s.io/jobset-name": name, "batch.kubernetes.io/job-name": job_name, "job-name": job_name}
+        if workload == "jobset":
+            job_template = obj["spec"]["replicatedJobs"][0]["template"]
+            return job_template["spec"].get("completions") or 1, job_template["spec"]["template"], added
+        trainer = obj["spec"]["trainer"]
+        (patch,) = obj["spec"]["runtimePatches"]
+        (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        template = json_copy(replicated["template"]["spec"]["template"])
+        (container,) = template["spec"]["containers"]
+        container.update({"image": trainer["image"], "command": trainer["command"], "env": trainer.get("env", [])})
+        return trainer["numNodes"], template, added
 
     def make_pods(
         self, job_name: str, namespace: str, *, phase: str = "Running", exit_codes: list[int] | None = None,
         conditions: list[dict[str, Any]] | None = None, container_waiting: dict[str, str] | None = None,
-        node_name: str | None = None,
+        workload: str = "indexed-job", node_name: str | None = None,
     ) -> list[str]:  # fmt: skip
-        """Create the Job's pods (one per completion index, from its template) with the given status, as the Job
-        controller and the kubelet would. `exit_codes[i]`: pod i's trainer container terminated with that code;
-        `node_name`: the node they were scheduled on."""
-        from kubernetes import client
-
-        core, batch = self._kubelet()
-        job = batch.read_namespaced_job(job_name, namespace)
-        template = job.spec.template
+        """Create the pods of the workload `job_name` (one per completion index, from its template) with the given
+        status, as its controllers and the kubelet would. `exit_codes[i]`: pod i's trainer container terminated
+        with that code. `workload`: the kind, as a profile's `kubernetes.workload` names it; `node_name`: the node
+        they were scheduled on."""
+        core, _ = self._kubelet()
+        count, template, added = self.pod_template(workload, job_name, namespace)
         names = []
-        for index in range(job.spec.completions or 1):
-            labels = {**(template.metadata.labels or {}), "batch.kubernetes.io/job-name": job_name,
-                      "job-name": job_name, "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
-            container = template.spec.containers[0]
+        for index in range(count):
+            labels = {**(template["metadata"].get("labels") or {}), **added,
+                      "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+            container = template["spec"]["containers"][0]
             state: dict[str, Any] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
             if exit_codes is not None:
                 code = exit_codes[index]
@@ -167,15 +229,14 @@ class Emulator:
                     "labels": labels,
                     "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
                 },
-                "spec": {**client.ApiClient().sanitize_for_serialization(template.spec),
-                         **({"nodeName": node_name} if node_name else {})},
+                "spec": {**template["spec"], **({"nodeName": node_name} if node_name else {})},
                 "status": {
                     "phase": phase,
                     "conditions": list(conditions or []),
                     "containerStatuses": [
                         {
-                            "name": container.name,
-                            "image": container.image,
+                            "name": container["name"],
+                            "image": container.get("image") or "",
                             "imageID": "",
                             "ready": phase == "Running",
                             "restartCount": 0,
@@ -222,6 +283,10 @@ class Emulator:
             for r in list(self.kmock._requests)
             if r.headers.get("Authorization") == f"Bearer {token}"
         ]
+
+
+def json_copy(value: Any) -> Any:
+    return json.loads(json.dumps(value))
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -292,6 +357,8 @@ class PodProcess:
 
 @dataclass
 class RunningJob:
+    """A Job or a JobSet (`workload`: "indexed-job" or "jobset") whose pods run as local processes."""
+
     name: str
     namespace: str
     port: int
@@ -301,6 +368,7 @@ class RunningJob:
     backoff_limit: int = 0
     pods: list[PodProcess] = field(default_factory=list)
     finished: bool = False
+    workload: str = "indexed-job"
 
 
 class JobController:
@@ -347,11 +415,19 @@ class JobController:
             self._stop.wait(self.POLL_S)
 
     def _tick(self, core: Any, batch: Any) -> None:
-        listed = {(j.metadata.namespace, j.metadata.name): j for j in batch.list_job_for_all_namespaces().items}
+        from kubernetes import client
+
+        # Keyed by (namespace, name) whatever the kind: a run uses one kind, so a Job and a JobSet never share it.
+        listed = {(j.metadata.namespace, j.metadata.name): "indexed-job"
+                  for j in batch.list_job_for_all_namespaces().items}  # fmt: skip
+        group, version, plural = WORKLOADS["jobset"]  # type: ignore[misc]
+        custom = client.CustomObjectsApi(batch.api_client)
+        for obj in custom.list_cluster_custom_object(group, version, plural)["items"]:
+            listed[(obj["metadata"]["namespace"], obj["metadata"]["name"])] = "jobset"
         with self._lock:
-            for key, job in listed.items():
+            for key, workload in listed.items():
                 if key not in self.jobs:
-                    self.jobs[key] = self._start_job(core, job)
+                    self.jobs[key] = self._start_job(core, key[1], key[0], workload)
             for key, running in self.jobs.items():
                 if key not in listed:
                     if not running.finished or any(p.proc.poll() is None for p in running.pods):
@@ -363,30 +439,40 @@ class JobController:
                     continue
                 self._update(core, batch, running)
 
-    def _start_job(self, core: Any, job: Any) -> RunningJob:
+    def _start_job(self, core: Any, name: str, namespace: str, workload: str) -> RunningJob:
+        """Create the workload's pods and start their commands (Job: `<job>-<index>` in the Service named by the
+        template's subdomain; JobSet: `<jobset>-node-0-<index>` in the JobSet's subdomain, as JobSet names them)."""
         from kubernetes import client
 
-        name, namespace = job.metadata.name, job.metadata.namespace
-        # kmock fills in no uid: the controller gives the Job one (its pods carry it, as the real controller's do).
-        uid = (job.metadata.uid if job.metadata else None) or str(uuid.uuid4())
-        template = job.spec.template
-        spec = client.ApiClient().sanitize_for_serialization(template.spec)
-        running = RunningJob(name=name, namespace=namespace, port=_free_port(), uid=uid,
-                             restart_policy=spec.get("restartPolicy") or "Never",
-                             backoff_limit=job.spec.backoff_limit if job.spec.backoff_limit is not None else 6)  # fmt: skip
+        count, template, added = self.emulator.pod_template(workload, name, namespace)
+        spec = template["spec"]
+        # kmock fills in no uid: the controller gives the workload one (its pods carry it, as the real ones do).
+        uid, backoff_limit = str(uuid.uuid4()), 0
+        if workload == "indexed-job":
+            job = client.BatchV1Api(core.api_client).read_namespaced_job(name, namespace)
+            uid = (job.metadata.uid if job.metadata else None) or uid
+            backoff_limit = job.spec.backoff_limit if job.spec.backoff_limit is not None else 6
+        running = RunningJob(name=name, namespace=namespace, port=_free_port(), workload=workload, uid=uid,
+                             restart_policy=spec.get("restartPolicy") or "Never", backoff_limit=backoff_limit)  # fmt: skip
+        if workload == "jobset":
+            job_name = f"{name}-{REPLICATED_JOB}-0"
+            spec = {**spec, "subdomain": name}  # the JobSet's network.subdomain, which render.py sets to its name
+            hostname = [f"{job_name}-{index}" for index in range(count)]
+        else:
+            hostname = [f"{name}-{index}" for index in range(count)]
         container = spec["containers"][0]
         running.container = container["name"]
-        for index in range(job.spec.completions or 1):
-            pod_name = f"{name}-{index}-{os.urandom(3).hex()[:5]}"
-            labels = {**(template.metadata.labels or {}), "batch.kubernetes.io/job-name": name,
-                      "job-name": name, "batch.kubernetes.io/job-completion-index": str(index),
+        for index in range(count):
+            pod_name = f"{hostname[index]}-{os.urandom(3).hex()[:5]}"
+            labels = {**(template["metadata"].get("labels") or {}), **added,
+                      "batch.kubernetes.io/job-completion-index": str(index),
                       "batch.kubernetes.io/controller-uid": uid, "controller-uid": uid}  # fmt: skip
-            annotations = {**(template.metadata.annotations or {}),
+            annotations = {**(template["metadata"].get("annotations") or {}),
                            "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
             fields = {"metadata.name": pod_name, "metadata.namespace": namespace,
                       **{f"metadata.labels['{k}']": v for k, v in labels.items()},
                       **{f"metadata.annotations['{k}']": v for k, v in annotations.items()}}  # fmt: skip
-            argv, env = self._command(container, index=index, job=name, subdomain=spec.get("subdomain"),
+            argv, env = self._command(container, index=index, host=f"{hostname[0]}.{spec.get('subdomain')}",
                                       port=running.port, fields=fields)  # fmt: skip
             env.update(self.env)
             env[POD_MARKER] = pod_name
@@ -421,10 +507,11 @@ class JobController:
                 "ready": "running" in state, "state": state}  # fmt: skip
 
     @staticmethod
-    def _command(container: dict[str, Any], *, index: int, job: str, subdomain: str | None,
-                 port: int, fields: dict[str, str]) -> tuple[list[str], dict[str, str]]:  # fmt: skip
-        """The container's argv and environment as the kubelet would give them, mapped onto this machine; `fields`
-        are the pod's downward-API fields (`metadata.name`, `metadata.labels['...']`, ...)."""
+    def _command(container: dict[str, Any], *, index: int, host: str, port: int,
+                 fields: dict[str, str]) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+        """The container's argv and environment as the kubelet would give them, mapped onto this machine: the
+        rendezvous on `host` (pod 0's DNS name) goes to 127.0.0.1:`port`; `fields` are the pod's downward-API
+        fields (`metadata.name`, `metadata.labels['...']`, ...)."""
         env: dict[str, str] = {"JOB_COMPLETION_INDEX": str(index)}
         for var in container.get("env") or []:
             if "value" in var:
@@ -434,7 +521,6 @@ class JobController:
         argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable
-        host = f"{job}-0.{subdomain}"
         argv = [re.sub(rf"^--rdzv-endpoint={re.escape(host)}:\d+$", f"--rdzv-endpoint=127.0.0.1:{port}", a)
                 for a in argv]  # fmt: skip
         return argv, {**os.environ, **env, "OMP_NUM_THREADS": "1"}
@@ -467,11 +553,12 @@ class JobController:
                     self._report(core, running, pod, pod.proc.wait(30))
             code = failed[0].proc.returncode
             reason = "PodFailurePolicy" if code in (2, 42, 43, 44) else "BackoffLimitExceeded"
-            self._job_status(batch, running, "Failed", reason, f"pod {failed[0].name} exited {code}",
-                             failed=len(failed))  # fmt: skip
+            if running.workload == "jobset":
+                reason = "FailedJobs"  # maxRestarts 0: the JobSet fails with its Job
+            self._job_status(running, "Failed", reason, f"pod {failed[0].name} exited {code}", failed=len(failed))
             running.finished = True
         elif len(ended) == len(running.pods) and all(p.proc.returncode == 0 for p in ended):
-            self._job_status(batch, running, "Complete", "", "", succeeded=len(ended))
+            self._job_status(running, SUCCEEDED[running.workload], "", "", succeeded=len(ended))
             running.finished = True
 
     def _report(self, core: Any, running: RunningJob, pod: PodProcess, code: int, *,
@@ -487,11 +574,12 @@ class JobController:
             status["conditions"] = conditions
         core.patch_namespaced_pod(pod.name, running.namespace, {"status": status})
 
-    @staticmethod
-    def _job_status(batch: Any, running: RunningJob, kind: str, reason: str, message: str, **counts: int) -> None:
+    def _job_status(self, running: RunningJob, kind: str, reason: str, message: str, **counts: int) -> None:
         condition = {"type": kind, "status": "True", "reason": reason, "message": message,
                      "lastTransitionTime": _now()}  # fmt: skip
-        batch.patch_namespaced_job(running.name, running.namespace, {"status": {"conditions": [condition], **counts}})
+        if running.workload == "jobset":
+            counts = {}  # a JobSet's status counts per replicatedJob, which the backend does not read
+        self.emulator.set_status(running.workload, running.name, running.namespace, conditions=[condition], **counts)
 
     @staticmethod
     def _kill(running: RunningJob, sig: int = signal.SIGKILL) -> None:

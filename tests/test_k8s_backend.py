@@ -1,7 +1,8 @@
-"""The Kubernetes backend against the API emulator (kmock, `tests/k8s_emulator.py`): launch, poll, cancel, errors.
+"""The Kubernetes backend against the API emulator (kmock, `tests/k8s_emulator.py`): launch, poll, cancel, errors,
+for each workload kind (Indexed Job, JobSet, TrainJob).
 
-The emulator has no controllers, so each test plays the Job controller and the kubelet itself (`k8s.make_pods`,
-`k8s.set_job_status`). No cluster, no network, no torch.
+The emulator has no controllers, so each test plays the Job, JobSet or Trainer controller and the kubelet itself
+(`k8s.make_pods`, `k8s.set_status`). No cluster, no network, no torch.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ TWO_NODES = Strategy.parse("dp=2,tp=8,pp=1,mbs=1,gbs=16")  # 16 processes: 2 pod
 INSUFFICIENT = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
 
 
-def _profile(mount: Path) -> ClusterProfile:
+def _profile(mount: Path, workload: str = "indexed-job") -> ClusterProfile:
     profile = load_profile(K8S_PROFILE)
-    spec = profile.kubernetes.model_copy(update={"mount_path": str(mount)})
+    spec = profile.kubernetes.model_copy(update={"mount_path": str(mount), "workload": workload})
     return profile.model_copy(update={"kubernetes": spec})
 
 
@@ -54,6 +55,20 @@ def setup(k8s, tmp_path):
     profile = _profile(mount)
     backend = KubernetesBackend(run_dir=run_dir, profile=profile, api_client=k8s.api_client())
     return backend, run_dir, profile
+
+
+def _setup(k8s, tmp_path: Path, workload: str) -> tuple[KubernetesBackend, RunDir, ClusterProfile]:
+    mount = tmp_path / "runs"
+    run_dir = RunDir(mount / "exp1")
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    profile = _profile(mount, workload)
+    return KubernetesBackend(run_dir=run_dir, profile=profile, api_client=k8s.api_client()), run_dir, profile
+
+
+CUSTOM = {  # workload: (API path prefix, its kind, success condition, the trainer container)
+    "jobset": (f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets", "JobSet", "Completed", "trainer"),
+    "trainjob": (f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS}/trainjobs", "TrainJob", "Complete", "node"),
+}
 
 
 def _launch(backend: KubernetesBackend, attempt: int = 1) -> Attempt:
@@ -370,20 +385,158 @@ def _verb(method: str, path: str) -> tuple[str, str, str]:
     return group, resource, verb
 
 
-def test_every_call_the_backend_makes_is_granted_by_the_role(k8s, setup):
-    backend, run_dir, _ = setup
+@pytest.mark.parametrize(
+    ("workload", "expected"),
+    [
+        ("indexed-job", {("", "services", "create"), ("batch", "jobs", "create"), ("batch", "jobs", "get"),
+                         ("", "pods", "list"), ("batch", "jobs", "delete"), ("", "services", "delete")}),
+        ("jobset", {("jobset.x-k8s.io", "jobsets", "create"), ("jobset.x-k8s.io", "jobsets", "get"),
+                    ("", "pods", "list"), ("jobset.x-k8s.io", "jobsets", "delete")}),
+        ("trainjob", {("trainer.kubeflow.org", "trainjobs", "create"), ("trainer.kubeflow.org", "trainjobs", "get"),
+                      ("", "pods", "list"), ("trainer.kubeflow.org", "trainjobs", "delete")}),
+    ],
+)  # fmt: skip
+def test_every_call_the_backend_makes_is_granted_by_the_role(k8s, tmp_path, workload, expected):
+    backend, run_dir, _ = _setup(k8s, tmp_path, workload)
     attempt = _launch(backend)
     backend.poll(attempt)
-    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[43, 43])
-    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
+    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[43, 43], workload=workload)
+    k8s.set_status(workload, "exp1-a1", NS, conditions=[{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}])
     _record(run_dir, 1, int(ExitCode.STOPPED))
     assert backend.poll(attempt).status is AttemptStatus.STOPPED
     backend.cancel(attempt)
     backend.cancel(attempt)
     used = {_verb(method, path) for method, path in k8s.backend_requests()}
-    assert used == {("", "services", "create"), ("batch", "jobs", "create"), ("batch", "jobs", "get"),
-                    ("", "pods", "list"), ("batch", "jobs", "delete"), ("", "services", "delete")}  # fmt: skip
+    assert used == expected
     assert used <= _granted()
+
+
+# ---- JobSet and TrainJob ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_launch_creates_the_rendered_custom_object_and_no_service(k8s, tmp_path, workload):
+    backend, run_dir, profile = _setup(k8s, tmp_path, workload)
+    attempt = _launch(backend)
+    (obj,) = render_attempt(profile=profile, strategy=TWO_NODES, attempt=1, run_dir=str(run_dir.root))
+    path, kind, _, _ = CUSTOM[workload]
+    assert obj["kind"] == kind and attempt.backend_id == obj["metadata"]["name"] == "exp1-a1"
+    assert attempt.extra == {"namespace": NS, "workload": workload}
+    group, version = obj["apiVersion"].split("/")
+    got = client.CustomObjectsApi(k8s.api_client("reader")).get_namespaced_custom_object(
+        group, version, NS, path.rsplit("/", 1)[1], "exp1-a1")  # fmt: skip
+    assert got["spec"] == obj["spec"] and got["metadata"]["labels"] == obj["metadata"]["labels"]
+    launch = json.loads((run_dir.attempt_dir(1) / "launch.json").read_text())
+    assert (launch["namespace"], launch["job_name"], launch["workload"]) == (NS, "exp1-a1", workload)
+    assert "service" not in launch
+    assert k8s.backend_requests() == [("POST", path)]
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_poll_reads_the_kinds_own_conditions_and_trainer_container(k8s, tmp_path, workload):
+    backend, run_dir, _ = _setup(k8s, tmp_path, workload)
+    _, kind, succeeded, container = CUSTOM[workload]
+    attempt = _launch(backend)
+    assert backend.poll(attempt).detail == "no pods yet"
+    names = k8s.make_pods("exp1-a1", NS, phase="Running", workload=workload)
+    assert len(names) == 2 and backend.poll(attempt).status is AttemptStatus.RUNNING
+    # A condition type of another kind means nothing here (a JobSet says Completed, a Job or TrainJob Complete).
+    other = "Complete" if succeeded == "Completed" else "Completed"
+    k8s.set_status(workload, "exp1-a1", NS, conditions=[{"type": other, "status": "True"}])
+    assert backend.poll(attempt).status is AttemptStatus.RUNNING
+    k8s.set_status(workload, "exp1-a1", NS, conditions=[{"type": succeeded, "status": "True"}])
+    assert (backend.poll(attempt).status, backend.poll(attempt).exit_code) == (AttemptStatus.DONE, 0)
+
+    # Failed: the protocol code of the kind's trainer container (`node` in Trainer's torch runtime).
+    second = _launch(backend, attempt=2)
+    pods = k8s.make_pods("exp1-a2", NS, phase="Failed", exit_codes=[1, 44], workload=workload)
+    k8s.set_status(workload, "exp1-a2", NS, conditions=[{"type": "Failed", "status": "True", "reason": "FailedJobs",
+                                                         "message": "jobset failed\nbecause"}])  # fmt: skip
+    pod = client.CoreV1Api(k8s.api_client("reader")).read_namespaced_pod(pods[0], NS)
+    assert pod.status.container_statuses[0].name == container
+    outcome = backend.poll(second)
+    assert (outcome.status, outcome.exit_code) == (AttemptStatus.BAD_WORLD, 44)
+
+    third = _launch(backend, attempt=3)
+    k8s.make_pods("exp1-a3", NS, phase="Failed", exit_codes=[1, 0], workload=workload)
+    k8s.set_status(workload, "exp1-a3", NS, conditions=[{"type": "Failed", "status": "True", "reason": "FailedJobs",
+                                                         "message": "jobset failed\nbecause"}])  # fmt: skip
+    outcome = backend.poll(third)
+    assert outcome.status is AttemptStatus.CRASHED
+    assert outcome.detail == f"the {kind} failed (FailedJobs: jobset failed because); trainer exit code 1"
+
+    # The trainer's exit record comes first, and a workload gone is reported by its kind.
+    _record(run_dir, 3, int(ExitCode.SWITCH))
+    assert backend.poll(third).status is AttemptStatus.SWITCHED
+    gone = Attempt(number=9, strategy=TWO_NODES, backend_id="exp1-a9", extra={"workload": workload})
+    assert backend.poll(gone).detail == f"the {kind} is gone"
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_pods_of_another_attempt_are_not_mixed_in(k8s, tmp_path, workload):
+    backend, _, _ = _setup(k8s, tmp_path, workload)
+    first, second = _launch(backend), _launch(backend, attempt=2)
+    k8s.make_pods("exp1-a1", NS, phase="Running", workload=workload)
+    # The emulator ignores label selectors: attempt 2's pods come back from the list and must be dropped.
+    k8s.make_pods("exp1-a2", NS, phase="Pending", workload=workload,
+                  conditions=[{"type": "PodScheduled", "status": "False", "message": INSUFFICIENT}])  # fmt: skip
+    assert backend.poll(first).status is AttemptStatus.RUNNING
+    assert (backend.poll(second).status, backend.poll(second).detail) == (AttemptStatus.PENDING, INSUFFICIENT)
+    selectors = [r.params.get("labelSelector") for r in k8s.kmock._requests
+                 if r.url.path.endswith("/pods") and r.method.value.upper() == "GET"]  # fmt: skip
+    assert set(selectors) == {"jobset.sigs.k8s.io/jobset-name=exp1-a1", "jobset.sigs.k8s.io/jobset-name=exp1-a2"}
+
+
+def test_a_trainjob_ends_when_its_trainer_exited_and_a_pod_failed_before_the_runtime_retries_it(k8s, tmp_path):
+    """Trainer's torch runtime leaves its Job's backoffLimit at 6: the Job would replace the failed pod and run the
+    attempt again. The backend ends the attempt on the trainer's exit record and deletes the TrainJob first."""
+    backend, run_dir, _ = _setup(k8s, tmp_path, "trainjob")
+    attempt = _launch(backend)
+    k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[1, 1], workload="trainjob")
+    assert backend.poll(attempt).status is AttemptStatus.RUNNING  # no record yet: the Job may still retry
+    _record(run_dir, 1, int(ExitCode.SWITCH))
+    assert backend.poll(attempt).status is AttemptStatus.SWITCHED
+    assert k8s.backend_requests()[-1] == ("DELETE", f"{CUSTOM['trainjob'][0]}/exp1-a1")
+    # A JobSet's Job has backoffLimit 0 (rendered by cona): its own Failed condition ends the attempt instead.
+    jobset_backend, jobset_run, _ = _setup(k8s, tmp_path / "js", "jobset")
+    js_attempt = _launch(jobset_backend, attempt=2)
+    k8s.make_pods("exp1-a2", NS, phase="Failed", exit_codes=[1, 1], workload="jobset")
+    _record(jobset_run, 2, int(ExitCode.SWITCH))
+    assert jobset_backend.poll(js_attempt).status is AttemptStatus.RUNNING
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_cancel_deletes_the_custom_object_in_the_foreground_and_no_service(k8s, tmp_path, workload):
+    backend, _, _ = _setup(k8s, tmp_path, workload)
+    attempt = _launch(backend)
+    backend.cancel(attempt)
+    backend.cancel(attempt)
+    path = CUSTOM[workload][0]
+    assert [r for r in k8s.backend_requests() if r[0] == "DELETE"] == [("DELETE", f"{path}/exp1-a1")] * 2
+    body = next(r for r in k8s.kmock._requests if r.method.value.upper() == "DELETE").data
+    assert body["propagationPolicy"] == "Foreground"
+    assert backend.poll(attempt).detail == f"the {CUSTOM[workload][1]} is gone"
+
+
+def test_a_missing_jobset_crd_is_a_one_line_error_saying_what_to_install(k8s, tmp_path):
+    backend, _, _ = _setup(k8s, tmp_path, "jobset")
+    k8s.refuse("post", "jobset.x-k8s.io", "v1alpha2", "jobsets", status=404,
+               message="the server could not find the requested resource")  # fmt: skip
+    with pytest.raises(BackendError) as info:
+        _launch(backend)
+    assert str(info.value) == (
+        "kubernetes: create jobsets 'exp1-a1' in namespace 'cona': not found (404): the server could not find the "
+        "requested resource; is jobset.x-k8s.io/v1alpha2 installed (the JobSet controller, kubernetes-sigs/jobset, "
+        "which installs the jobsets.jobset.x-k8s.io CRD), and does namespace 'cona' exist (apply manifests/)?"
+    )
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_render_prints_the_kinds_manifest(k8s, tmp_path, workload):
+    backend, _, _ = _setup(k8s, tmp_path, workload)
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(backend.render(strategy=TWO_NODES)) if doc]
+    assert kinds == [CUSTOM[workload][1]]
+    assert k8s.backend_requests() == []  # rendering calls no API
 
 
 def test_render_is_the_first_attempts_manifests(setup):

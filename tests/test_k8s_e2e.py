@@ -1,9 +1,9 @@
 """cona end to end on Kubernetes, emulated: a real `cona run` on a kubernetes profile, the real scheduler loop,
 the real `KubernetesBackend` (official client, loaded from a kubeconfig) and the real trainer.
 
-The API server is the kmock emulator (`tests/k8s_emulator.py`); `Emulator.run_jobs` plays the Job controller and
-the kubelet, so each pod of an attempt's Indexed Job runs its rendered torchrun command as a local process (2 pods
-× 2 CPU processes, gloo), with the rendezvous endpoint mapped to 127.0.0.1. The checks are what a user relies on:
+The API server is the kmock emulator (`tests/k8s_emulator.py`); `Emulator.run_jobs` plays the Job and JobSet
+controllers and the kubelet, so each pod of an attempt's Indexed Job (or JobSet) runs its rendered torchrun command
+as a local process (2 pods × 2 CPU processes, gloo), with the rendezvous endpoint mapped to 127.0.0.1. The checks are what a user relies on:
 the run ends DONE, no two attempts overlap, and the samples consumed across every relaunch are exactly 0..N−1.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client
 
 from tests.cli_run import CliRun
 from tests.conftest import REPO
@@ -33,7 +34,7 @@ BASE = [  # a short run: no perplexity target, a checkpoint every 10 steps, gene
 ]  # fmt: skip
 
 
-def write_profile(root: Path) -> Path:
+def write_profile(root: Path, workload: str = "indexed-job") -> Path:
     """A kubernetes profile for this machine: 2 nodes × 2 CPU processes, the PVC "mounted" at `root`."""
     local = yaml.safe_load((REPO / "slurm" / "profiles" / "local-cpu.yaml").read_text())
     profile = {
@@ -50,6 +51,7 @@ def write_profile(root: Path) -> Path:
             "mount_path": str(root),
             "gpu_resource": "cona.dev/cpu",
             "lease_duration_s": 5,  # a restarted orchestrator takes over after 5 s
+            "workload": workload,
         },
     }
     path = root / "k8s-cpu.yaml"
@@ -76,12 +78,12 @@ class K8sRun(CliRun):
 
     finish_timeout_s = 200.0
 
-    def __init__(self, k8s, root: Path) -> None:
+    def __init__(self, k8s, root: Path, workload: str = "indexed-job") -> None:
         super().__init__(root / "run", root / "cona-run.out")
         self.k8s = k8s
         self.controller = k8s.run_jobs(root / "pods")
         (root / "pods").mkdir(exist_ok=True)
-        self.profile = write_profile(root)
+        self.profile = write_profile(root, workload)
         self.kubeconfig = write_kubeconfig(root / "kubeconfig", k8s.url)
 
     def start(self, *args: str) -> None:
@@ -102,6 +104,13 @@ class K8sRun(CliRun):
 @pytest.fixture
 def k8s_run(k8s, tmp_path):
     run = K8sRun(k8s, tmp_path)
+    yield run
+    run.cleanup()
+
+
+@pytest.fixture
+def jobset_run(k8s, tmp_path):
+    run = K8sRun(k8s, tmp_path, workload="jobset")
     yield run
     run.cleanup()
 
@@ -132,6 +141,34 @@ def test_cona_run_switches_through_kubernetes_jobs(k8s_run):
     assert jobs[first["job_name"]].port != jobs[second["job_name"]].port
     assert state.live["samples"] >= 1600
     assert_samples(k8s_run, state.live["samples"])
+
+
+def test_cona_run_switches_through_jobsets(jobset_run):
+    """The same schedule (2 pods × 2 → 1 pod × 2 at 800 samples) with `workload: jobset`: one JobSet per attempt,
+    its pods named and reached as JobSet names them, no Service of cona's own."""
+    schedule = f"[{{samples: 0, strategy: '{S4}'}}, {{samples: 800, strategy: '{S2}'}}]"
+    jobset_run.start("--set", "policy.name=schedule", "--set", f"policy.schedule={schedule}")
+    state = jobset_run.finish()
+    first, second = jobset_run.launch(1), jobset_run.launch(2)
+    assert first["workload"] == second["workload"] == "jobset" and first["job_name"] != second["job_name"]
+    assert any(s["from"]["dp"] != s["to"]["dp"] for s in jobset_run.events("switch")), jobset_run.logs()
+    running = {name: job for (_, name), job in jobset_run.controller.jobs.items()}
+    assert {job.workload for job in running.values()} == {"jobset"}
+    for name, nnodes in ((first["job_name"], 2), (second["job_name"], 1)):
+        pods = running[name].pods
+        assert [pod.name.rsplit("-", 1)[0] for pod in pods] == [f"{name}-node-0-{i}" for i in range(nnodes)]
+        assert all(f"--rdzv-endpoint=127.0.0.1:{running[name].port}" in pod.proc.args for pod in pods)
+    # The backend read the JobSets' own conditions: the switched attempt's JobSet Failed (torchrun exits 1), the
+    # last one Completed; cona created no Service (JobSet makes its own).
+    api = jobset_run.k8s.api_client("reader")
+    jobsets = client.CustomObjectsApi(api).list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE,
+                                                                         "jobsets")["items"]  # fmt: skip
+    final = {obj["metadata"]["name"]: [c["type"] for c in obj["status"]["conditions"]] for obj in jobsets}
+    assert final[first["job_name"]] == ["Failed"] and final[jobset_run.launch(len(final))["job_name"]] == ["Completed"]
+    assert jobset_run.events("attempt-end")[-1]["status"] == "done"
+    assert client.CoreV1Api(api).list_namespaced_service(NAMESPACE).items == []
+    assert state.live["samples"] >= 1600
+    assert_samples(jobset_run, state.live["samples"])
 
 
 def steps(run: K8sRun, attempt: int) -> int:

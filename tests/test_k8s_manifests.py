@@ -1,21 +1,27 @@
 """Kubernetes manifests: the kustomize base in `manifests/` and the per-attempt workload the backend renders.
 
 No cluster and no network: `kubectl kustomize` renders offline, and every object is checked against the Kubernetes
-1.32 OpenAPI schemas that `kubernetes-validate` ships (strict: unknown fields fail). `UPDATE_GOLDEN=1 pytest
+1.32 OpenAPI schemas that `kubernetes-validate` ships (strict: unknown fields fail); a JobSet or TrainJob against
+its CRD's schema in `manifests/crds/` (`jsonschema`, made strict the same way). `UPDATE_GOLDEN=1 pytest
 tests/test_k8s_manifests.py` rewrites the golden files in tests/golden/kubernetes/.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from cona.orchestrator.backends.kubernetes.render import (
+    MAX_JOBSET_NAME,
     MAX_NAME,
     PROTOCOL_EXIT_CODES,
     escape,
@@ -47,7 +53,41 @@ def _profile(**kubernetes) -> ClusterProfile:
     return profile.model_copy(update={"kubernetes": profile.kubernetes.model_copy(update=kubernetes)})
 
 
+CRD_SCHEMAS = {
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): MANIFESTS / "crds" / "jobset.x-k8s.io_jobsets.v1alpha2.schema.yaml",
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): MANIFESTS / "crds" / "trainer.kubeflow.org_trainjobs.v1alpha1.schema.yaml",
+}
+WORKLOAD_KINDS = {"indexed-job": ["Service", "Job"], "jobset": ["JobSet"], "trainjob": ["TrainJob"]}
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields, as kubernetes-validate's strict mode does for built-in kinds: every
+    object schema with `properties` gets `additionalProperties: false` unless it keeps unknown fields on purpose."""
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: ({name: _strict(sub) for name, sub in value.items()} if key == "properties" else _strict(value))
+           for key, value in schema.items()}  # fmt: skip
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def _crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    schema = yaml.safe_load(CRD_SCHEMAS[(api_version, kind)].read_text())
+    return jsonschema.Draft7Validator(_strict(schema))
+
+
 def _validate(obj: dict) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    if key in CRD_SCHEMAS:
+        errors = sorted(_crd_validator(*key).iter_errors(obj), key=lambda e: list(e.path))
+        if errors:
+            raise AssertionError(f"{obj['kind']} {obj['metadata'].get('name')}: {errors[0].message} at "
+                                 f"{list(errors[0].path)} ({len(errors)} errors)")  # fmt: skip
+        return
     try:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
@@ -142,6 +182,8 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
                     granted.setdefault(name, {}).setdefault((group, resource), set()).update(rule["verbs"])
     assert granted["cona"] == {
         ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
+        ("jobset.x-k8s.io", "jobsets"): {"create", "get", "delete"},
+        ("trainer.kubeflow.org", "trainjobs"): {"create", "get", "delete"},
         ("", "services"): {"create", "get", "delete"},
         ("", "pods"): {"get", "list", "watch"},
         ("", "pods/log"): {"get"},
@@ -158,9 +200,10 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
     assert [b["roleRef"]["name"] for b in bindings] == ["cona"]
 
 
-def test_profiles_are_not_part_of_the_kustomization():
+def test_profiles_and_crd_schemas_are_not_part_of_the_kustomization():
     kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    assert not any("profiles" in resource for resource in kustomization["resources"])
+    assert not any("profiles" in resource or "crds" in resource for resource in kustomization["resources"])
+    assert not any(doc["kind"] == "CustomResourceDefinition" for doc in _kustomize())
     assert all((MANIFESTS / resource).is_file() for resource in kustomization["resources"])
 
 
@@ -341,9 +384,180 @@ def test_strategy_larger_than_the_profile_is_refused():
                        attempt=1, run_dir="/runs/r")  # fmt: skip
 
 
-def test_jobset_workload_is_not_supported_yet():
-    with pytest.raises(ValueError, match="workload 'jobset' is not supported yet; use indexed-job"):
-        render_attempt(profile=_profile(workload="jobset"), strategy=MULTI_NODE, attempt=1, run_dir="/runs/r")
+# ---- JobSet and TrainJob ---------------------------------------------------------------------------------------
+
+
+def _jobset_job(jobset: dict) -> dict:
+    """The Job template of the JobSet's one replicatedJob."""
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    return replicated["template"]
+
+
+def _patched_pod(trainjob: dict) -> dict:
+    """The pod template the TrainJob's runtime patch applies to the `node` replicatedJob."""
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["name"] == "node"
+    return replicated["template"]["spec"]["template"]
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+@pytest.mark.parametrize(
+    ("name", "strategy"), [("h100-4-nodes", MULTI_NODE), ("h100-1-node", Strategy.parse("dp=2,tp=2,pp=2,mbs=1,gbs=8"))]
+)
+def test_rendered_jobset_and_trainjob_golden_and_valid_against_their_crds(workload, name, strategy):
+    text = render_text(profile=_profile(workload=workload), strategy=strategy, run_dir="/runs/golden-run")
+    _golden(f"{name}-{workload}.yaml", text)
+    docs = [doc for doc in yaml.safe_load_all(text) if doc]
+    assert [doc["kind"] for doc in docs] == WORKLOAD_KINDS[workload]  # no Service: JobSet makes its own
+    (doc,) = docs
+    _validate(doc)
+    assert STANDARD_LABELS | {"cona.dev/run", "cona.dev/attempt"} <= set(doc["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_the_crd_schemas_refuse_what_their_servers_would(workload):
+    (obj,) = render_attempt(profile=_profile(workload=workload), strategy=MULTI_NODE, attempt=1, run_dir="/runs/r")
+    _validate(obj)
+    typo, missing, wrong = copy.deepcopy(obj), copy.deepcopy(obj), copy.deepcopy(obj)
+    if workload == "jobset":
+        _jobset_job(typo)["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]  # deep inside the pod
+        del missing["spec"]["replicatedJobs"][0]["name"]
+        wrong["spec"]["failurePolicy"]["maxRestarts"] = "0"
+    else:
+        _patched_pod(typo)["spec"]["containers"][0]["command"] = ["x"]  # not patchable through runtimePatches
+        del missing["spec"]["runtimeRef"]
+        wrong["spec"]["trainer"]["numProcPerNode"] = "auto"  # an int in v1alpha1 of Trainer v2.3
+    for broken in (typo, missing, wrong):
+        with pytest.raises(AssertionError):
+            _validate(broken)
+
+
+def test_jobset_runs_the_indexed_job_of_the_attempt():
+    jobset_objects = render_attempt(profile=_profile(workload="jobset"), strategy=MULTI_NODE, attempt=2,
+                                    run_dir="/runs/r")  # fmt: skip
+    service, job = render_attempt(profile=load_profile(K8S_PROFILE), strategy=MULTI_NODE, attempt=2, run_dir="/runs/r")
+    (jobset,) = jobset_objects
+    name = jobset["metadata"]["name"]
+    assert (jobset["apiVersion"], jobset["kind"], name) == ("jobset.x-k8s.io/v1alpha2", "JobSet", "r-a2")
+    spec = jobset["spec"]
+    assert spec["network"] == {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True}
+    assert spec["failurePolicy"] == {"maxRestarts": 0}
+    (replicated,) = spec["replicatedJobs"]
+    assert (replicated["name"], replicated["replicas"]) == ("node", 1)
+    template = replicated["template"]
+    assert template["metadata"]["labels"] == jobset["metadata"]["labels"] == job["metadata"]["labels"]
+    # The same Indexed Job as `indexed-job` renders, but for the subdomain (JobSet sets its own) and the endpoint:
+    # pod 0 is `<jobset>-node-0-0` in the JobSet's subdomain.
+    job_spec = copy.deepcopy(job["spec"])
+    del job_spec["template"]["spec"]["subdomain"]
+    argv = job_spec["template"]["spec"]["containers"][0]["command"]
+    argv[argv.index(f"--rdzv-endpoint={name}-0.{service['metadata']['name']}:29400")] = (
+        f"--rdzv-endpoint={name}-node-0-0.{name}:29400"
+    )
+    assert template["spec"] == job_spec
+    assert (job_spec["completions"], job_spec["parallelism"], job_spec["backoffLimit"]) == (4, 4, 0)
+    assert "subdomain" not in template["spec"]["template"]["spec"]
+
+
+def test_trainjob_on_the_torch_runtime():
+    profile = _profile(workload="trainjob", trainer_runtime="my-torch", shm_size="64Gi")
+    (trainjob,) = render_attempt(profile=profile, strategy=MULTI_NODE, attempt=3, run_dir="/runs/r")
+    assert (trainjob["apiVersion"], trainjob["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    spec = trainjob["spec"]
+    assert spec["runtimeRef"] == {"name": "my-torch", "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"}
+    trainer = spec["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 8)
+    assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert trainer["image"] == "ghcr.io/cona-project/cona:0.1.0"
+    # The runtime's PET_* variables carry nodes, processes, node rank and the rendezvous: the command names none,
+    # and sets none of them (Trainer refuses a TrainJob whose env does).
+    assert trainer["command"] == ["python", "-m", "torch.distributed.run", "--max-restarts=0", "-m", "cona.trainer",
+                                  "--run-dir", "/runs/r", "--attempt", "3"]  # fmt: skip
+    assert not any(var["name"].startswith("PET_") for var in trainer["env"])
+    assert {"name": "CONA_ATTEMPT", "value": "3"} in trainer["env"]
+    pod = _patched_pod(trainjob)
+    assert pod["metadata"]["labels"] == trainjob["metadata"]["labels"]
+    pod_spec = pod["spec"]
+    volumes = {volume["name"]: volume for volume in pod_spec["volumes"]}
+    assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "cona-runs"}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    (container,) = pod_spec["containers"]
+    assert container["name"] == "node"
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]} == {"runs": "/runs", "dshm": "/dev/shm"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod_spec["securityContext"]["runAsUser"] == 1000 and pod_spec["serviceAccountName"] == "cona"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_jobset_and_trainjob_names_keep_generated_pod_names_within_63(workload):
+    names = set()
+    for run_name in ("My_Very.Long Run Name " * 8 + "A", "My_Very.Long Run Name " * 8 + "B"):
+        (obj,) = render_attempt(profile=_profile(workload=workload), strategy=MULTI_NODE, attempt=12,
+                                run_dir="/runs/r", run_name=run_name)  # fmt: skip
+        _validate(obj)
+        name = obj["metadata"]["name"]
+        assert DNS_1035.fullmatch(name) and len(name) <= MAX_JOBSET_NAME == 46, name
+        # JobSet's webhook: the longest generated pod name, for 1000 nodes, with the 5-character suffix.
+        assert len(f"{name}-node-0-999-abcde") <= 63
+        names.add(name)
+    assert len(names) == 2
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_hostile_values_stay_inert_in_jobset_and_trainjob(workload):
+    run_dir = f"/runs/{HOSTILE}"
+    image = "registry.example/cona:v1\"';$(id)"
+    profile = _profile(workload=workload, image=image)
+    objects = render_attempt(profile=profile, strategy=MULTI_NODE, attempt=1, run_dir=run_dir, run_name=HOSTILE)
+    (obj,) = objects
+    _validate(obj)
+    assert DNS_1035.fullmatch(obj["metadata"]["name"])
+    if workload == "jobset":
+        container = _jobset_job(obj)["spec"]["template"]["spec"]["containers"][0]
+        argv, expected_refs = container["command"], {"JOB_COMPLETION_INDEX"}
+        assert container["image"] == image and "args" not in container
+    else:
+        trainer = obj["spec"]["trainer"]
+        argv, expected_refs = trainer["command"], set()
+        assert trainer["image"] == image and "args" not in trainer
+    assert argv[0] == "python" and "-c" not in argv
+    assert not any(word in ("sh", "bash", "/bin/sh", "/bin/bash") for word in argv)
+    assert _flag(argv, "--run-dir") == escape(run_dir)
+    expanded = [k8s_expand(arg, {"JOB_COMPLETION_INDEX": "3", "HOME": "/root", "x": "X", "rm -rf /": "BOOM"})
+                for arg in argv]  # fmt: skip
+    assert _flag(expanded, "--run-dir") == run_dir
+    references = {m for arg in argv for m in re.findall(r"(?<!\$)(?:\$\$)*\$\(([^)]*)\)", arg)}
+    assert references == expected_refs
+    text = render_text(profile=profile, strategy=MULTI_NODE, run_dir=run_dir, run_name=HOSTILE)
+    _golden(f"hostile-{workload}.yaml", text)
+    assert [doc for doc in yaml.safe_load_all(text) if doc] == objects
+
+
+def test_a_workload_kind_that_does_not_exist_lists_the_valid_ones(tmp_path):
+    text = K8S_PROFILE.read_text().replace("workload: indexed-job", "workload: pytorchjob")
+    assert "pytorchjob" in text
+    path = tmp_path / "profile.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_profile(path)
+    assert "field 'kubernetes.workload': Input should be 'indexed-job', 'jobset' or 'trainjob'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"kubernetes\.trainer_runtime"):
+        render_attempt(profile=_profile(workload="trainjob", trainer_runtime="Torch Runtime"), strategy=MULTI_NODE,
+                       attempt=1, run_dir="/runs/r")  # fmt: skip
+
+
+@pytest.mark.parametrize("workload", ["jobset", "trainjob"])
+def test_cona_render_kubernetes_prints_the_chosen_kind(tmp_path, workload):
+    path = tmp_path / "profile.yaml"
+    path.write_text(K8S_PROFILE.read_text().replace("workload: indexed-job", f"workload: {workload}"))
+    out = run_cona("render", "kubernetes", "--profile", str(path), "--job", str(EXAMPLES / "tiny-gpt.yaml"))
+    assert out.returncode == 0, out.stderr
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    assert [doc["kind"] for doc in docs] == WORKLOAD_KINDS[workload]
+    _validate(docs[0])
+    assert docs[0]["metadata"]["annotations"]["cona.dev/run-dir"] == "/runs/tiny-gpt-RUN"
 
 
 def test_cona_render_kubernetes_prints_valid_manifests():

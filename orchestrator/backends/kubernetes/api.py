@@ -97,9 +97,11 @@ class KubeApi:
         return client.CoordinationV1Api(self.api_client)
 
     def call(self, verb: str, resource: str, name: str, fn: Callable[..., Any], *args: Any,
-             missing_ok: bool = False, conflict_ok: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+             missing_ok: bool = False, conflict_ok: bool = False, not_found_hint: str | None = None,
+             **kwargs: Any) -> Any:  # fmt: skip
         """`fn(*args, **kwargs)`; an API error as one-line BackendError naming `verb`, `resource` and `name`.
-        With `missing_ok`, a 404 returns None; with `conflict_ok`, a 409 returns None."""
+        With `missing_ok`, a 404 returns None; with `conflict_ok`, a 409 returns None. `not_found_hint` is the
+        first thing to check on a 404 (e.g. whether a CRD is installed)."""
         from kubernetes.client.exceptions import ApiException
         from pydantic import ValidationError
         from urllib3.exceptions import HTTPError
@@ -117,7 +119,8 @@ class KubeApi:
             elif status == 403:
                 hint = f"you (or the service account) lack {verb} on {resource}; apply {RBAC} and bind its Role"
             elif status == 404:
-                hint = f"not found (404): {message}; does namespace {self.namespace!r} exist (apply manifests/)?"
+                first = f"{not_found_hint}, and does" if not_found_hint else "does"
+                hint = f"not found (404): {message}; {first} namespace {self.namespace!r} exist (apply manifests/)?"
             elif status == 409:
                 hint = f"already exists (409); delete it (kubectl -n {self.namespace} delete {resource} {name}) first"
             elif status == 422:

@@ -1,15 +1,19 @@
-"""The Kubernetes backend: one headless Service and one Indexed Job per attempt (`render.py` renders them).
+"""The Kubernetes backend: one workload per attempt, of the profile's `kubernetes.workload` kind (`render.py`
+renders it): a headless Service and an Indexed Job, a JobSet, or a Kubeflow Trainer TrainJob.
 
 `launch` writes the attempt's launch record on the PVC (the trainer reads its strategy there), then creates the
-Service and the Job. `poll` reads the Job's conditions and its pods (container exit codes, scheduling messages,
-waiting reasons, disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1
-whatever protocol code a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read,
-as on the other backends. A disrupted pod ends the attempt as DISRUPTED (not a failure); a Pending pod is reported
-with its reason, and whether waiting can help (`Outcome.stuck`), to the scheduler, which applies
-`kubernetes.pending_timeout_s`. `cancel` deletes the Job (foreground: its pods go first) and the Service.
+objects. `poll` reads the workload's conditions and its pods (container exit codes, scheduling messages, waiting
+reasons, disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1 whatever
+protocol code a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read, as on the
+other backends. A disrupted pod ends the attempt as DISRUPTED (not a failure); a Pending pod is reported with its
+reason, and whether waiting can help (`Outcome.stuck`), to the scheduler, which applies
+`kubernetes.pending_timeout_s`. `cancel` deletes the workload (foreground: its Jobs and pods go first) and the
+Service. What differs per kind (API, condition types, the trainer container's name, the pods' label) is in
+`workloads.py`.
 
-Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, create/delete on
-services, list on pods. An API error becomes a one-line `BackendError` naming the object and what to do.
+Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, jobsets or trainjobs,
+create/delete on services (Indexed Jobs only), list on pods. An API error becomes a one-line `BackendError` naming
+the object and what to do.
 
 The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light,
 and the API configuration is loaded on the first API call, so `cona render kubernetes` needs no cluster. It comes
@@ -28,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
-from cona.orchestrator.backends.kubernetes.render import CONTAINER, render_attempt, render_text
+from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
+from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
 from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
@@ -37,8 +42,6 @@ if TYPE_CHECKING:
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
-JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", "app.kubernetes.io/instance")
-"""Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
 _one_line = one_line
 IMAGE_WAITING_REASONS = frozenset({
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "ImageInspectError",
@@ -54,16 +57,17 @@ else, above all an unschedulable pod (`0/4 nodes are available: 4 Insufficient n
 cluster's queue may still give."""
 
 
-def _condition(conditions: list[Any] | None, kind: str) -> Any | None:
-    """The condition of type `kind` whose status is True, or None."""
-    for condition in conditions or []:
-        if condition.type == kind and condition.status == "True":
-            return condition
+def _pod_condition(pod: Any, kind: str) -> Any | None:
+    """The pod's condition of type `kind` whose status is True, or None."""
+    for item in (pod.status.conditions if pod.status else None) or []:
+        if item.type == kind and item.status == "True":
+            return item
     return None
 
 
 class KubernetesBackend(Backend):
-    """Runs each attempt as an Indexed Job with one pod per node, plus the headless Service of its rendezvous.
+    """Runs each attempt as a workload with one pod per node: an Indexed Job plus the headless Service of its
+    rendezvous, a JobSet, or a TrainJob (`kubernetes.workload`).
 
     A pod disrupted by the cluster (eviction, preemption, node drain: a `DisruptionTarget` condition) ends the
     attempt as DISRUPTED, naming the pod, its node and the reason, unless the trainer recorded an exit; the
@@ -102,10 +106,23 @@ class KubernetesBackend(Backend):
     def _apis(self) -> tuple[Any, Any]:
         return self.api.core(), self.api.batch()
 
+    def _kind(self, attempt: Attempt | None = None) -> WorkloadKind:
+        """The workload kind of `attempt` (as launched), else the profile's (immutable for a run)."""
+        workload = (attempt.extra.get("workload") if attempt is not None else None) or self.spec.workload
+        return kind_of(str(workload))
+
+    def _workload(self, kind: WorkloadKind) -> WorkloadApi:
+        return WorkloadApi(kind, self.api_client, self.namespace, self._call)
+
     def _call(self, verb: str, resource: str, name: str, fn: Callable[..., Any], *args: Any,
               missing_ok: bool = False, **kwargs: Any) -> Any:  # fmt: skip
-        """`fn(*args, **kwargs)`; an API error as one-line BackendError (`KubeApi.call`)."""
-        return self.api.call(verb, resource, name, fn, *args, missing_ok=missing_ok, **kwargs)
+        """`fn(*args, **kwargs)`; an API error as one-line BackendError (`KubeApi.call`); a JobSet or TrainJob that
+        cannot be created for lack of its CRD says what to install."""
+        not_found = None
+        if verb == "create" and resource in ("jobsets", "trainjobs"):
+            kind = next(k for k in (kind_of("jobset"), kind_of("trainjob")) if k.plural == resource)
+            not_found = f"is {kind.api_version} installed ({kind.requires})"
+        return self.api.call(verb, resource, name, fn, *args, missing_ok=missing_ok, not_found_hint=not_found, **kwargs)
 
     # --- the interface ---------------------------------------------------------------------------------------
 
@@ -142,44 +159,53 @@ class KubernetesBackend(Backend):
 
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         # Rendered first (pure): a profile value that cannot be rendered leaves no launch record behind.
-        service, job = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
-                                      run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
-        job_name, service_name = job["metadata"]["name"], service["metadata"]["name"]
+        objects = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
+                                 run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
+        kind = self._kind()
+        *services, main = objects  # an Indexed Job comes after its Service; a JobSet or TrainJob alone
+        name = main["metadata"]["name"]
         owner = self._owner()
         if owner is not None:  # deleting the orchestrator Job deletes the workloads too
-            for obj in (service, job):
+            for obj in objects:
                 obj["metadata"]["ownerReferences"] = [owner]
-        core, batch = self._apis()  # loads the API configuration: a missing kubeconfig leaves no record either
-        self.write_launch(attempt, strategy, namespace=self.namespace, job_name=job_name, service=service_name)
-        self._call("create", "services", service_name, core.create_namespaced_service, self.namespace, service)
-        try:
-            self._call("create", "jobs", job_name, batch.create_namespaced_job, self.namespace, job)
-        except BackendError:
-            # Leave nothing behind for an attempt that did not start.
-            self._call("delete", "services", service_name, core.delete_namespaced_service, service_name,
-                       self.namespace, missing_ok=True)  # fmt: skip
-            raise
-        return Attempt(number=attempt, strategy=strategy, backend_id=job_name, started_at=time.time(),
-                       extra={"namespace": self.namespace, "service": service_name})  # fmt: skip
+        core, _ = self._apis()  # loads the API configuration: a missing kubeconfig leaves no record either
+        workload = self._workload(kind)
+        if kind.workload == "indexed-job":
+            (service,) = services
+            service_name = service["metadata"]["name"]
+            self.write_launch(attempt, strategy, namespace=self.namespace, job_name=name, service=service_name)
+            self._call("create", "services", service_name, core.create_namespaced_service, self.namespace, service)
+            try:
+                workload.create(main)
+            except BackendError:
+                # Leave nothing behind for an attempt that did not start.
+                self._call("delete", "services", service_name, core.delete_namespaced_service, service_name,
+                           self.namespace, missing_ok=True)  # fmt: skip
+                raise
+            return Attempt(number=attempt, strategy=strategy, backend_id=name, started_at=time.time(),
+                           extra={"namespace": self.namespace, "service": service_name})  # fmt: skip
+        assert not services, [obj["kind"] for obj in objects]  # JobSet (and TrainJob's JobSet) make their Service
+        # `job_name` names the workload whatever its kind (the launch record's field predates the other kinds).
+        self.write_launch(attempt, strategy, namespace=self.namespace, job_name=name, workload=kind.workload)
+        workload.create(main)
+        return Attempt(number=attempt, strategy=strategy, backend_id=name, started_at=time.time(),
+                       extra={"namespace": self.namespace, "workload": kind.workload})  # fmt: skip
 
-    def _pods(self, job_name: str) -> list[Any]:
+    def _pods(self, workload: WorkloadApi, name: str) -> list[Any]:
         core, _ = self._apis()
-        pods = self._call("list", "pods", f"of job {job_name}", core.list_namespaced_pod, self.namespace,
-                          label_selector=f"app.kubernetes.io/instance={job_name}")  # fmt: skip
+        pods = self._call("list", "pods", f"of {workload.kind.kind} {name}", core.list_namespaced_pod,
+                          self.namespace, label_selector=f"{workload.kind.selector_label}={name}")  # fmt: skip
         # Filtered here as well: a selector the server ignored must not mix in another attempt's pods.
-        return [
-            pod for pod in pods.items
-            if any(((pod.metadata.labels or {}).get(label)) == job_name for label in JOB_NAME_LABELS)
-        ]  # fmt: skip
+        return [pod for pod in pods.items if workload.owns(pod, name)]
 
     @staticmethod
-    def _exit_codes(pods: list[Any]) -> list[int]:
+    def _exit_codes(pods: list[Any], container: str) -> list[int]:
         """The trainer containers' exit codes of the pods that terminated, by completion index order."""
         codes = []
         for pod in pods:
             for status in (pod.status.container_statuses or []) if pod.status else []:
                 terminated = status.state.terminated if status.state else None
-                if status.name == CONTAINER and terminated is not None and terminated.exit_code is not None:
+                if status.name == container and terminated is not None and terminated.exit_code is not None:
                     codes.append(int(terminated.exit_code))
         return codes
 
@@ -212,7 +238,7 @@ class KubernetesBackend(Backend):
         """The first disrupted pod (a `DisruptionTarget` condition) as one line naming it, its node and the
         cluster's reason, or None."""
         for pod in pods:
-            condition = _condition(pod.status.conditions if pod.status else None, "DisruptionTarget")
+            condition = _pod_condition(pod, "DisruptionTarget")
             if condition is None:
                 continue
             node = pod.spec.node_name if pod.spec else None
@@ -222,29 +248,34 @@ class KubernetesBackend(Backend):
         return None
 
     def poll(self, attempt: Attempt) -> Outcome:
-        """Where the attempt stands, from the Job's conditions, its pods and the trainer's exit record.
+        """Where the attempt stands, from the workload's conditions, its pods and the trainer's exit record.
 
-        Job gone → the trainer's record if it wrote one, else CRASHED (`the Job is gone`). A pod with a
-        `DisruptionTarget` condition → DISRUPTED naming the pod, its node and the reason (the Job is deleted first
-        if still active; a pod that failed because its peer went away does not make it a crash). Job Complete →
-        DONE; Job Failed → the protocol code of the exit record or of a pod's trainer container
-        (`AttemptStatus.from_exit_code`), else CRASHED with the Job's reason. Otherwise a Pending pod (or none
-        yet) → PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting
-        cannot help (`STUCK_WAITING_REASONS`), else RUNNING.
+        Workload gone → the trainer's record if it wrote one, else CRASHED (`the Job is gone`, or JobSet,
+        TrainJob). A pod with a `DisruptionTarget` condition → DISRUPTED naming the pod, its node and the reason
+        (the workload is deleted first if still active; a pod that failed because its peer went away does not make
+        it a crash). Succeeded (Job and TrainJob `Complete`, JobSet `Completed`) → DONE; `Failed` → the protocol
+        code of the exit record or of a pod's trainer container (`AttemptStatus.from_exit_code`), else CRASHED with
+        the workload's reason. A TrainJob whose trainer wrote its exit record and one of whose pods failed has ended
+        too, before its runtime's Job replaces the pod: it is deleted. Otherwise a Pending pod (or none yet) →
+        PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
+        (`STUCK_WAITING_REASONS`), else RUNNING.
         """
-        _, batch = self._apis()
+        kind = self._kind(attempt)
+        workload = self._workload(kind)
         name = attempt.backend_id
         recorded = self.run_dir.read_exit(attempt.number)
-        job = self._call("get", "jobs", name, batch.read_namespaced_job, name, self.namespace, missing_ok=True)
-        if job is None:
+        conditions = workload.conditions(name)
+        if conditions is None:
             if recorded is not None:
                 return Outcome.of_exit(recorded.exit_code, who="trainer")
-            return Outcome(AttemptStatus.CRASHED, None, "the Job is gone")
-        conditions = job.status.conditions if job.status else None
-        complete, failed = _condition(conditions, "Complete"), _condition(conditions, "Failed")
-        pods = self._pods(name)
+            return Outcome(AttemptStatus.CRASHED, None, f"the {kind.kind} is gone")
+        complete, failed = true_condition(conditions, kind.succeeded), true_condition(conditions, kind.failed)
+        pods = self._pods(workload, name)
         disrupted = self._disruption(pods)
         if recorded is not None and (complete or failed or disrupted):
+            return Outcome.of_exit(recorded.exit_code, who="trainer")
+        if recorded is not None and kind.retries_pods and any(pod.status and pod.status.phase == "Failed" for pod in pods):
+            self.cancel(attempt)
             return Outcome.of_exit(recorded.exit_code, who="trainer")
         if disrupted is not None:
             if not (complete or failed):
@@ -253,7 +284,7 @@ class KubernetesBackend(Backend):
         if complete:
             return Outcome(AttemptStatus.DONE, 0)
         if failed:
-            codes = self._exit_codes(pods)
+            codes = self._exit_codes(pods, kind.container)
             nonzero = [c for c in codes if c != 0]
             protocol = [c for c in nonzero if AttemptStatus.from_exit_code(c) is not AttemptStatus.CRASHED]
             code = protocol[0] if protocol else (nonzero[0] if nonzero else None)
@@ -262,7 +293,7 @@ class KubernetesBackend(Backend):
                 return Outcome(status, code)
             why = _one_line(f"{failed.reason or 'Failed'}: {failed.message or ''}".rstrip(": "))
             shown = f"exit code {code}" if code is not None else "no exit code"
-            return Outcome(AttemptStatus.CRASHED, code, f"the Job failed ({why}); trainer {shown}")
+            return Outcome(AttemptStatus.CRASHED, code, f"the {kind.kind} failed ({why}); trainer {shown}")
         pending = [pod for pod in pods if pod.status is None or pod.status.phase in (None, "Pending")]
         if pending:
             detail, stuck = self._pending(pending)
@@ -272,14 +303,13 @@ class KubernetesBackend(Backend):
         return Outcome(AttemptStatus.RUNNING)
 
     def cancel(self, attempt: Attempt) -> None:
-        """Delete the attempt's Job (foreground: its pods first) and Service; a missing one is fine."""
-        from kubernetes import client
-
-        core, batch = self._apis()
-        job_name = attempt.backend_id
-        service = str(attempt.extra.get("service") or job_name)  # render.py gives both the same name
-        options = client.V1DeleteOptions(propagation_policy="Foreground")
-        self._call("delete", "jobs", job_name, batch.delete_namespaced_job, job_name, self.namespace,
-                   body=options, missing_ok=True)  # fmt: skip
-        self._call("delete", "services", service, core.delete_namespaced_service, service, self.namespace,
-                   missing_ok=True)  # fmt: skip
+        """Delete the attempt's workload (foreground: its Jobs and pods first) and, for an Indexed Job, its Service
+        (a JobSet's belongs to the JobSet and goes with it); a missing one is fine."""
+        core, _ = self._apis()
+        kind = self._kind(attempt)
+        name = attempt.backend_id
+        self._workload(kind).delete(name)
+        if kind.workload == "indexed-job":
+            service = str(attempt.extra.get("service") or name)  # render.py gives both the same name
+            self._call("delete", "services", service, core.delete_namespaced_service, service, self.namespace,
+                       missing_ok=True)  # fmt: skip

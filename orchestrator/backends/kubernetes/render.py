@@ -1,12 +1,25 @@
 """Render one attempt's training workload as Kubernetes objects (plain dicts), and as YAML for `cona render kubernetes`.
 
-Pure functions: no API calls, no torch, no files read. The default workload (`kubernetes.workload: indexed-job`)
-is an Indexed Job with one pod per node the strategy is placed on (`cona.protocol.feasibility.placement`) and a
-headless Service whose name is the pods' `subdomain`, so pod 0 answers at `<job>-0.<service>` and serves torchrun's
-c10d rendezvous there. Each pod runs torchrun directly from an argv list (no shell):
+Pure functions: no API calls, no torch, no files read. Every kind runs one pod per node the strategy is placed on
+(`cona.protocol.feasibility.placement`), each pod torchrun from an argv list (no shell), the run directory on the
+PVC. `kubernetes.workload` picks the kind:
+
+- `indexed-job` (default; plain Kubernetes): an Indexed Job and a headless Service whose name is the pods'
+  `subdomain`, so pod 0 answers at `<job>-0.<service>` and serves torchrun's c10d rendezvous there.
+- `jobset` (needs the JobSet controller): a JobSet whose one replicatedJob `node` (replicas 1) is that same
+  Indexed Job; JobSet creates the headless Service itself (`network.enableDNSHostnames`), pod 0 answers at
+  `<jobset>-node-0-0.<jobset>`. `failurePolicy.maxRestarts: 0`: a failed Job fails the JobSet.
+- `trainjob` (needs Kubeflow Trainer v2): a TrainJob on the `kubernetes.trainer_runtime` ClusterTrainingRuntime
+  (`torch-distributed`), which sets torchrun's `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
+  `PET_MASTER_ADDR` (`<trainjob>-node-0-0.<trainjob>`) and `PET_MASTER_PORT` (29500): torchrun reads them as its
+  defaults, so the command names neither nodes nor rendezvous (static rendezvous on pod 0). The PVC, `/dev/shm`,
+  security contexts, service account, node selector and tolerations go through `spec.runtimePatches` (the only
+  pod-level override the v1alpha1 CRD offers).
+
+The command of the first two kinds:
 
     python -m torch.distributed.run --nnodes=N --nproc-per-node=G --node-rank=$(JOB_COMPLETION_INDEX)
-        --rdzv-backend=c10d --rdzv-id=<job> --rdzv-endpoint=<job>-0.<service>:<port> --max-restarts=0
+        --rdzv-backend=c10d --rdzv-id=<name> --rdzv-endpoint=<pod 0's hostname>:<port> --max-restarts=0
         -m cona.trainer --run-dir <run dir on the PVC> --attempt <n>
 
 Kubernetes expands `$(VAR)` in `command`, `args` and `env` values; the only reference cona writes on purpose is
@@ -16,13 +29,16 @@ Kubernetes expands `$(VAR)` in `command`, `args` and `env` values; the only refe
 torchrun picks the c10d store's host by resolving the endpoint and comparing the addresses with its own, so pod 0
 hosts the store only if its own DNS record (published before readiness) already resolves when torchrun starts; if
 not, no pod hosts it and the attempt fails at rendezvous. Not seen yet (nothing runs on a cluster so far); the
-launch step should watch for it and, if needed, move to torchrun's static rendezvous (`--master-addr`).
+launch step should watch for it and, if needed, move to torchrun's static rendezvous (`--master-addr`), as the
+TrainJob's runtime already does.
 
-The Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world does
-not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such an
-exit does not count against `backoffLimit`; the orchestrator, which sees the condition, deletes the Job and
-relaunches the attempt as disrupted (torchrun's rendezvous cannot take in a replacement pod). `backoffLimit: 0`: any other failure ends the attempt,
-and the orchestrator decides what follows.
+The (Indexed) Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world
+does not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such
+an exit does not count against `backoffLimit`; the orchestrator, which sees the condition, deletes the workload
+and relaunches the attempt as disrupted (torchrun's rendezvous cannot take in a replacement pod). `backoffLimit:
+0`: any other failure ends the attempt, and the orchestrator decides what follows. A TrainJob's Jobs come from its
+runtime, which cona cannot patch there: the stock `torch-distributed` leaves `backoffLimit` at Kubernetes' default
+of 6, so the backend ends such an attempt itself once a pod failed (`workloads.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +65,15 @@ PYTHON = "python"
 """The interpreter in the image (the root Dockerfile installs cona into it)."""
 MAX_NAME = 52
 """Longest Job/Service name: an Indexed Job's pod hostname is `<job>-<index>` and must stay a 63-character label."""
+REPLICATED_JOB = "node"
+"""The JobSet's one replicatedJob; also the name Trainer's torch runtimes give theirs."""
+MAX_JOBSET_NAME = 63 - len(f"-{REPLICATED_JOB}-0-") - 3 - len("-abcde")
+"""Longest JobSet/TrainJob name (46): JobSet's webhook wants every generated pod name
+`<name>-node-0-<index>-<5 characters>` to be a 63-character label; 3 digits of index is 1000 nodes."""
+TRAINJOB_CONTAINER = "node"
+"""The trainer container of Trainer's torch runtimes: the TrainJob's `trainer` section applies to it."""
+TRAINJOB_PATCH_MANAGER = "cona.dev/orchestrator"
+"""Owner of the TrainJob's runtime patch (`spec.runtimePatches` is a list keyed by manager)."""
 MAX_LABEL = 63
 RUN_UID = 1000
 """The non-root user of the image (Dockerfile `USER 1000`); also the group that owns files on the PVC."""
@@ -91,10 +116,11 @@ def label_value(value: str) -> str:
     return text
 
 
-def workload_names(run_name: str, attempt: int) -> tuple[str, str]:
-    """(Job name, Service name) of a run's attempt; the same DNS-1035 label ≤ 52 characters for both."""
+def workload_names(run_name: str, attempt: int, limit: int = MAX_NAME) -> tuple[str, str]:
+    """(workload name, Service or subdomain name) of a run's attempt; the same DNS-1035 label ≤ `limit` characters
+    for both (`MAX_NAME` for an Indexed Job, `MAX_JOBSET_NAME` for a JobSet or TrainJob)."""
     suffix = f"-a{int(attempt)}"
-    base = dns_name(run_name, MAX_NAME - len(suffix))
+    base = dns_name(run_name, limit - len(suffix))
     name = f"{base}{suffix}"
     return name, name
 
@@ -115,6 +141,7 @@ def check_spec(spec: KubernetesSpec) -> None:
     if not spec.image or _BAD_IMAGE.search(spec.image):
         shown = spec.image.encode("unicode_escape").decode()
         raise ConfigError(f"kubernetes.image: {shown!r} is empty or contains whitespace or a control character")
+    _check("kubernetes.trainer_runtime", spec.trainer_runtime, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
     if spec.shm_size is not None:
         _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
     if not spec.mount_path.startswith("/"):
@@ -162,7 +189,51 @@ def trainer_argv(
     ]  # fmt: skip
 
 
-def _pod_spec(spec: KubernetesSpec, *, service: str, argv: list[str], gpus: int, attempt: int) -> dict[str, Any]:
+def _volumes(spec: KubernetesSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts): the PVC of the run directories and an in-memory /dev/shm."""
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size is not None:
+        shm["sizeLimit"] = spec.shm_size
+    volumes = [
+        {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
+        {"name": "dshm", "emptyDir": shm},
+    ]
+    mounts = [{"name": "runs", "mountPath": spec.mount_path}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    return volumes, mounts
+
+
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_UID,
+    "runAsGroup": RUN_UID,
+    "fsGroup": RUN_UID,
+    # Change ownership only when the volume's root does not match: a large PVC is not walked per pod.
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _placement_fields(spec: KubernetesSpec) -> dict[str, Any]:
+    """The pod's node selector and tolerations from the profile (absent when empty)."""
+    fields: dict[str, Any] = {}
+    if spec.node_selector:
+        fields["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        fields["tolerations"] = [dict(t) for t in spec.tolerations]
+    return fields
+
+
+def _pod_spec(
+    spec: KubernetesSpec, *, subdomain: str | None, argv: list[str], gpus: int, attempt: int
+) -> dict[str, Any]:
+    """The pod of an Indexed Job (also inside a JobSet, whose controller sets the subdomain itself: None)."""
+    volumes, mounts = _volumes(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -183,44 +254,51 @@ def _pod_spec(spec: KubernetesSpec, *, service: str, argv: list[str], gpus: int,
         "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
         # A quantity is a string in the API (the official client refuses an int here).
         "resources": {"limits": {spec.gpu_resource: str(int(gpus))}},
-        "volumeMounts": [
-            {"name": "runs", "mountPath": spec.mount_path},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "volumeMounts": mounts,
+        "securityContext": dict(CONTAINER_SECURITY),
     }
-    shm: dict[str, Any] = {"medium": "Memory"}
-    if spec.shm_size is not None:
-        shm["sizeLimit"] = spec.shm_size
-    pod: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "subdomain": service,
+    pod: dict[str, Any] = {"restartPolicy": "Never"}
+    if subdomain is not None:
+        pod["subdomain"] = subdomain
+    pod.update({
         "serviceAccountName": spec.service_account,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_UID,
-            "runAsGroup": RUN_UID,
-            "fsGroup": RUN_UID,
-            # Change ownership only when the volume's root does not match: a large PVC is not walked per pod.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(POD_SECURITY),
         "containers": [container],
-        "volumes": [
-            {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
-            {"name": "dshm", "emptyDir": shm},
-        ],
-    }
-    if spec.node_selector:
-        pod["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+        "volumes": volumes,
+        **_placement_fields(spec),
+    })  # fmt: skip
     return pod
+
+
+def _indexed_job_spec(
+    spec: KubernetesSpec, *, nnodes: int, subdomain: str | None, argv: list[str], gpus: int, attempt: int,
+    meta_labels: dict[str, str], annotations: dict[str, str],
+) -> dict[str, Any]:  # fmt: skip
+    """The Indexed Job of an attempt: on its own (`indexed-job`) or as the JobSet's replicatedJob template."""
+    return {
+        "completionMode": "Indexed",
+        "completions": nnodes,
+        "parallelism": nnodes,
+        "backoffLimit": 0,
+        # A replacement pod starts only once the one it replaces is gone (no two pods of one index).
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": {
+            "rules": [
+                # The trainer ended on purpose (switch, stop, world does not fit, bad input): end the Job
+                # now; the orchestrator reads exit.json and launches the next attempt.
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": PROTOCOL_EXIT_CODES},
+                },
+                # Eviction, preemption, node drain: replace the pod without counting it against backoffLimit.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        },
+        "template": {
+            "metadata": {"labels": meta_labels, "annotations": annotations},
+            "spec": _pod_spec(spec, subdomain=subdomain, argv=argv, gpus=gpus, attempt=attempt),
+        },
+    }
 
 
 def render_attempt(
@@ -232,31 +310,42 @@ def render_attempt(
     run_name: str | None = None,
     job: Job | None = None,
 ) -> list[dict[str, Any]]:
-    """The objects of one attempt, Service first: [headless Service, Indexed Job].
+    """The objects of one attempt, by `kubernetes.workload`: [headless Service, Indexed Job], [JobSet] or [TrainJob].
 
     `run_dir` is the run directory as the pods see it (under `kubernetes.mount_path`); `run_name` defaults to its
     last component. `job` is accepted for the other backends' signature and not needed (the trainer reads the job
     from run.yaml). Raises ConfigError for profile values that cannot be rendered, ValueError for a strategy that
-    does not fit the profile's nodes or a workload kind that does not render yet.
+    does not fit the profile's nodes.
     """
     del job
     spec = profile.kubernetes
     if spec is None:
         raise ConfigError(f"profile {profile.name!r} has no kubernetes: section (backend is {profile.backend!r})")
-    if spec.workload != "indexed-job":
-        raise ValueError(f"workload {spec.workload!r} is not supported yet; use indexed-job")
     check_spec(spec)
     run_dir = _run_dir_on_pvc(str(run_dir), spec.mount_path)
     run_name = run_name if run_name is not None else PurePosixPath(run_dir).name
     nnodes, per_node = placement(strategy, profile.gpus_per_node, profile.nodes)
-    name, service = workload_names(run_name, attempt)
+    limit = MAX_NAME if spec.workload == "indexed-job" else MAX_JOBSET_NAME
+    name, service = workload_names(run_name, attempt, limit)
     meta_labels = labels(run_name=run_name, name=name, attempt=attempt)
-    selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
+    annotations = {"cona.dev/strategy": str(strategy), "cona.dev/run-dir": run_dir}
+    metadata = {"name": name, "namespace": spec.namespace, "labels": meta_labels, "annotations": annotations}
+    if spec.workload == "trainjob":
+        return [_trainjob(spec, metadata=metadata, nnodes=nnodes, per_node=per_node, run_dir=run_dir, attempt=attempt)]
+    # The pod hostname of index 0: `<job>-0` in an Indexed Job, `<jobset>-<replicatedJob>-<job index>-0` in a JobSet.
+    host = f"{name}-0" if spec.workload == "indexed-job" else f"{name}-{REPLICATED_JOB}-0-0"
     argv = trainer_argv(
         nnodes=nnodes, nproc_per_node=per_node, rdzv_id=name,
-        endpoint=f"{name}-0.{service}:{spec.rendezvous_port}", run_dir=run_dir, attempt=attempt,
+        endpoint=f"{host}.{service}:{spec.rendezvous_port}", run_dir=run_dir, attempt=attempt,
     )  # fmt: skip
-    annotations = {"cona.dev/strategy": str(strategy), "cona.dev/run-dir": run_dir}
+    job_spec = _indexed_job_spec(
+        spec, nnodes=nnodes, subdomain=service if spec.workload == "indexed-job" else None, argv=argv, gpus=per_node,
+        attempt=attempt, meta_labels=meta_labels, annotations=annotations,
+    )  # fmt: skip
+    if spec.workload == "jobset":
+        return [_jobset(metadata=metadata, subdomain=service, job_spec=job_spec)]
+    assert spec.workload == "indexed-job", spec.workload  # the profile's Literal admits nothing else
+    selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
     service_obj = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -269,36 +358,98 @@ def render_attempt(
             "ports": [{"name": "rdzv", "port": spec.rendezvous_port, "targetPort": "rdzv", "protocol": "TCP"}],
         },
     }
-    job_obj = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": spec.namespace, "labels": meta_labels, "annotations": annotations},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": nnodes,
-            "parallelism": nnodes,
-            "backoffLimit": 0,
-            # A replacement pod starts only once the one it replaces is gone (no two pods of one index).
-            "podReplacementPolicy": "Failed",
-            "podFailurePolicy": {
-                "rules": [
-                    # The trainer ended on purpose (switch, stop, world does not fit, bad input): end the Job
-                    # now; the orchestrator reads exit.json and launches the next attempt.
-                    {
-                        "action": "FailJob",
-                        "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": PROTOCOL_EXIT_CODES},
-                    },
-                    # Eviction, preemption, node drain: replace the pod without counting it against backoffLimit.
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                ]
-            },
-            "template": {
-                "metadata": {"labels": meta_labels, "annotations": annotations},
-                "spec": _pod_spec(spec, service=service, argv=argv, gpus=per_node, attempt=attempt),
-            },
-        },
-    }
+    job_obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}
     return [service_obj, job_obj]
+
+
+def _jobset(*, metadata: dict[str, Any], subdomain: str, job_spec: dict[str, Any]) -> dict[str, Any]:
+    """A JobSet of one replicatedJob (one Job) whose template is the attempt's Indexed Job."""
+    template = job_spec["template"]["metadata"]
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": metadata,
+        "spec": {
+            # JobSet creates the headless Service named `subdomain`; pod 0 must resolve before it is ready (it is
+            # the rendezvous host), as the Indexed Job's own Service does.
+            "network": {"enableDNSHostnames": True, "subdomain": subdomain, "publishNotReadyAddresses": True},
+            # A failed Job fails the JobSet at once: the orchestrator, not JobSet, decides what follows.
+            "failurePolicy": {"maxRestarts": 0},
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": {"metadata": {"labels": template["labels"], "annotations": template["annotations"]},
+                                 "spec": job_spec},
+                }
+            ],
+        },
+    }  # fmt: skip
+
+
+def _trainjob(
+    spec: KubernetesSpec, *, metadata: dict[str, Any], nnodes: int, per_node: int, run_dir: str, attempt: int
+) -> dict[str, Any]:
+    """A Kubeflow Trainer v2 TrainJob on the profile's torch runtime (see the module docstring)."""
+    volumes, mounts = _volumes(spec)
+    # torchrun takes --nnodes, --nproc-per-node, --node-rank and the static rendezvous on pod 0 from the PET_*
+    # variables the runtime sets (PET_NNODES = numNodes, PET_NPROC_PER_NODE = numProcPerNode).
+    command = [
+        PYTHON, "-m", "torch.distributed.run", "--max-restarts=0",
+        "-m", "cona.trainer", "--run-dir", escape(run_dir), "--attempt", str(int(attempt)),
+    ]  # fmt: skip
+    pod_metadata = {"labels": metadata["labels"], "annotations": metadata["annotations"]}
+    pod_patch = {
+        "serviceAccountName": spec.service_account,
+        "securityContext": dict(POD_SECURITY),
+        "containers": [
+            {"name": TRAINJOB_CONTAINER, "volumeMounts": mounts, "securityContext": dict(CONTAINER_SECURITY)}
+        ],
+        "volumes": volumes,
+        **_placement_fields(spec),
+    }
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": metadata,
+        "spec": {
+            "runtimeRef": {"name": spec.trainer_runtime, "apiGroup": "trainer.kubeflow.org",
+                           "kind": "ClusterTrainingRuntime"},
+            "trainer": {
+                "image": spec.image,
+                "command": command,
+                "numNodes": nnodes,
+                "numProcPerNode": per_node,
+                # A quantity is a string in the API, as in the Indexed Job's pods.
+                "resourcesPerNode": {"limits": {spec.gpu_resource: str(int(per_node))}},
+                "env": [
+                    {"name": "PYTHONUNBUFFERED", "value": "1"},
+                    {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
+                ],
+            },
+            "runtimePatches": [
+                {
+                    "manager": TRAINJOB_PATCH_MANAGER,
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "metadata": {"labels": metadata["labels"]},
+                            "spec": {
+                                "replicatedJobs": [
+                                    {
+                                        "name": REPLICATED_JOB,
+                                        "template": {
+                                            "metadata": {"labels": metadata["labels"]},
+                                            "spec": {"template": {"metadata": pod_metadata, "spec": pod_patch}},
+                                        },
+                                    }
+                                ]
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }  # fmt: skip
 
 
 class _Dumper(yaml.SafeDumper):

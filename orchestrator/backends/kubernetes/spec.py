@@ -28,12 +28,18 @@ class KubernetesSpec(StrictModel):
     """Node labels the trainer pods must match (e.g. the GPU product)."""
     tolerations: list[dict[str, str | int]] = Field(default_factory=list)
     """Tolerations of the trainer pods, as in a pod spec (key, operator, value, effect, tolerationSeconds)."""
-    workload: Literal["indexed-job", "jobset", "pytorchjob"] = "indexed-job"
-    """The training workload kind. Only `indexed-job` renders so far (an Indexed Job plus a headless Service)."""
+    workload: Literal["indexed-job", "jobset", "trainjob"] = "indexed-job"
+    """The training workload of an attempt: `indexed-job` (an Indexed Job plus a headless Service; nothing to install),
+    `jobset` (a JobSet, `jobset.x-k8s.io/v1alpha2`; needs the JobSet controller), `trainjob` (a Kubeflow Trainer v2
+    TrainJob, `trainer.kubeflow.org/v1alpha1`; needs Kubeflow Trainer and its `trainer_runtime`)."""
+    trainer_runtime: str = "torch-distributed"
+    """`workload: trainjob` only: the ClusterTrainingRuntime the TrainJob refers to. It must be a torch runtime (it
+    sets torchrun's `PET_*` variables) whose trainer container is named `node`, as Trainer's `torch-distributed`."""
     gpu_resource: str = "nvidia.com/gpu"
     """Extended resource name requested per pod."""
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
-    """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`)."""
+    """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`, `<jobset>-node-0-0.<jobset>:<port>`);
+    a TrainJob's runtime picks its own (`PET_MASTER_PORT`, 29500 in Trainer's torch runtimes)."""
     pending_timeout_s: float = Field(default=600.0, gt=0)
     """How long an attempt's pods may stay Pending before the orchestrator acts (`Scheduler._note_pending` decides;
     the clock starts at the first poll that finds the attempt pending and survives an orchestrator restart). Past
