@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,7 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if _remote(args):
         from cona.orchestrator.backends.kubernetes.remote import remote_status
 
-        summary = remote_status(args.run_dir, namespace=_namespace(args))
+        with _no_cluster_is_no_run(args):
+            summary = remote_status(args.run_dir, namespace=_namespace(args))
     else:
         summary = status_summary(RunDir(Path(args.run_dir)))
     if args.json:
@@ -177,7 +179,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if _remote(args):
         from cona.orchestrator.backends.kubernetes.remote import remote_stop
 
-        print(remote_stop(args.run_dir, namespace=_namespace(args)))
+        with _no_cluster_is_no_run(args):
+            print(remote_stop(args.run_dir, namespace=_namespace(args)))
         return 0
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)  # a clear error when this is not a run directory
@@ -197,7 +200,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         from cona.orchestrator.backends.kubernetes.remote import remote_report
 
         out = Path(args.out or f"{args.run_dir}-report")
-        md, fetched = remote_report(args.run_dir, namespace=_namespace(args), out_dir=out)
+        with _no_cluster_is_no_run(args):
+            md, fetched = remote_report(args.run_dir, namespace=_namespace(args), out_dir=out)
         print(f"wrote {md}" + (f" and {fetched}" if fetched else ""))
         return 0
     run_dir = RunDir(Path(args.run_dir))
@@ -291,6 +295,18 @@ def _remote(args: argparse.Namespace) -> bool:
     it is a bare name (a run's Kubernetes name has no `/`), or a namespace was given."""
     path = Path(args.run_dir)
     return not path.exists() and ("/" not in args.run_dir or args.namespace is not None)
+
+
+@contextlib.contextmanager
+def _no_cluster_is_no_run(args: argparse.Namespace) -> Iterator[None]:
+    """RUN is no directory here and no Kubernetes API can be reached: most likely a mistyped run directory."""
+    try:
+        yield
+    except BackendError as e:
+        if "cannot load the API configuration" not in str(e):
+            raise
+        raise UserError(f"{args.run_dir}: no such run directory, nor a Kubernetes API to look for a run of that name "
+                        f"({e})") from None  # fmt: skip
 
 
 def _namespace(args: argparse.Namespace) -> str:

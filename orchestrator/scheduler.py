@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
@@ -50,14 +50,14 @@ class Scheduler:
         profile: ClusterProfile,
         job: Job,
         backend: Backend,
-        poll_interval_s: float = 0.5,
+        poll_interval_s: float | None = None,
         on_update: Callable[[LiveStatus], None] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.profile = profile
         self.job = job
         self.backend = backend
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s = poll_interval_s if poll_interval_s is not None else backend.poll_interval_s
         self.on_update = on_update or (lambda status: None)
         self.candidates: list[Candidate] = [
             c
@@ -266,6 +266,10 @@ class Scheduler:
             if outcome.status.finished:
                 # Read the heartbeats written just before the exit.
                 self._absorb(attempt, self._tail_heartbeats(attempt))
+                try:
+                    self.backend.release(attempt)
+                except BackendError as e:  # what is left behind is logged; the run goes on
+                    log_event(self.run_dir, "release-failed", attempt=attempt.number, detail=str(e))
                 next_attempt = self._handle_end(attempt, outcome.status, outcome.exit_code, outcome.detail)
                 if next_attempt is None:
                     return self.state

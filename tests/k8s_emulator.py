@@ -97,10 +97,31 @@ class Emulator:
             await self._stop.wait()
 
     def start(self) -> Emulator:
+        import kmock
+
         self._thread.start()
         if not self._ready.wait(30) or self._error is not None:
             raise RuntimeError(f"the Kubernetes emulator did not start: {self._error!r}")
+
+        async def serve_logs() -> None:
+            # kmock answers a pod's log with the pod itself: answer with what the emulated container printed.
+            self.kmock["get", kmock.resource("", "v1", "pods"), kmock.subresource("log")] << kmock.headers(
+                {"Content-Type": "text/plain"}
+            ) << self._pod_log  # fmt: skip
+
+        asyncio.run_coroutine_threadsafe(serve_logs(), self._loop).result(10)
         return self
+
+    def _pod_log(self, request: Any) -> bytes:
+        """The last `tailLines` lines of an emulated pod's output (empty for a pod no process ran for)."""
+        pod = request.url.path.rstrip("/").split("/")[-2]
+        controller = self._controller
+        found = [p for j in (controller.jobs.values() if controller else []) for p in j.pods if p.name == pod]
+        if not found or not found[0].log.exists():
+            return b""
+        lines = found[0].log.read_bytes().splitlines(keepends=True)
+        tail = request.url.query.get("tailLines")
+        return b"".join(lines[-int(tail) :] if tail else lines)
 
     def stop(self) -> None:
         if self._controller is not None:
@@ -368,7 +389,10 @@ class RunningJob:
     backoff_limit: int = 0
     pods: list[PodProcess] = field(default_factory=list)
     finished: bool = False
+    deleted: bool = False
     workload: str = "indexed-job"
+    owners: list[tuple[str, str, str]] = field(default_factory=list)
+    """(kind, name, uid) of the Job's ownerReferences when it was created."""
 
 
 class JobController:
@@ -430,12 +454,13 @@ class JobController:
                     self.jobs[key] = self._start_job(core, key[1], key[0], workload)
             for key, running in self.jobs.items():
                 if key not in listed:
-                    if not running.finished or any(p.proc.poll() is None for p in running.pods):
+                    if not running.deleted:
+                        # Deleted (foreground): its processes are killed and its pods go, finished or not.
                         self._kill(running)
                         for pod in running.pods:
                             with contextlib.suppress(Exception):
                                 core.delete_namespaced_pod(pod.name, running.namespace)
-                    running.finished = True
+                    running.finished = running.deleted = True
                     continue
                 self._update(core, batch, running)
 
@@ -447,13 +472,15 @@ class JobController:
         count, template, added = self.emulator.pod_template(workload, name, namespace)
         spec = template["spec"]
         # kmock fills in no uid: the controller gives the workload one (its pods carry it, as the real ones do).
-        uid, backoff_limit = str(uuid.uuid4()), 0
+        uid, backoff_limit, owners = str(uuid.uuid4()), 0, []
         if workload == "indexed-job":
             job = client.BatchV1Api(core.api_client).read_namespaced_job(name, namespace)
             uid = (job.metadata.uid if job.metadata else None) or uid
             backoff_limit = job.spec.backoff_limit if job.spec.backoff_limit is not None else 6
+            owners = [(o.kind, o.name, o.uid) for o in (job.metadata.owner_references or [])]
         running = RunningJob(name=name, namespace=namespace, port=_free_port(), workload=workload, uid=uid,
-                             restart_policy=spec.get("restartPolicy") or "Never", backoff_limit=backoff_limit)  # fmt: skip
+                             restart_policy=spec.get("restartPolicy") or "Never", backoff_limit=backoff_limit,
+                             owners=owners)  # fmt: skip
         if workload == "jobset":
             job_name = f"{name}-{REPLICATED_JOB}-0"
             spec = {**spec, "subdomain": name}  # the JobSet's network.subdomain, which render.py sets to its name

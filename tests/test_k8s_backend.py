@@ -292,7 +292,12 @@ def test_an_unschedulable_pod_past_the_pending_timeout_is_reported_once_and_wait
     assert [(e["detail"], e["action"]) for e in timeouts] == [(INSUFFICIENT, "wait")]
     assert after[0]["pending"]["detail"] == INSUFFICIENT and after[0]["pending"]["timed_out"]
     assert after[0]["pending"]["for_s"] >= 0.3
-    assert not [r for r in k8s.backend_requests() if r[0] == "DELETE"]  # waited: nothing cancelled
+    # Waited: nothing cancelled while pending; the attempt's objects are deleted once, when it has ended (released).
+    requests = k8s.backend_requests()
+    deletes = [i for i, (method, _) in enumerate(requests) if method == "DELETE"]
+    assert [requests[i][1] for i in deletes] == [f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1",
+                                                 f"/api/v1/namespaces/{NS}/services/exp1-a1"]  # fmt: skip
+    assert ("GET", f"/api/v1/namespaces/{NS}/pods/exp1-a1-0-abcde/log") in requests[: deletes[0]]
 
 
 def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):
@@ -379,7 +384,7 @@ def _verb(method: str, path: str) -> tuple[str, str, str]:
     parts = path.strip("/").split("/")
     group = "" if parts[0] == "api" else parts[1]
     rest = parts[parts.index("namespaces") + 2 :]
-    resource, named = rest[0], len(rest) > 1
+    resource, named = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else ""), len(rest) > 1  # pods/log: a subresource
     verb = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}.get(method)
     verb = verb or ("get" if named else "list")
     return group, resource, verb

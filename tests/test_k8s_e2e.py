@@ -139,6 +139,15 @@ def test_cona_run_switches_through_kubernetes_jobs(k8s_run):
         assert all(f"--nnodes={nnodes}" in argv and "--nproc-per-node=2" in argv for argv in argvs), argvs
         assert all(f"--rdzv-endpoint=127.0.0.1:{jobs[name].port}" in argv for argv in argvs), argvs
     assert jobs[first["job_name"]].port != jobs[second["job_name"]].port
+    # Each ended attempt was released: its pods' output kept in its directory, its Job and Service deleted.
+    from kubernetes import client
+
+    batch, core = client.BatchV1Api(k8s_run.k8s.api_client()), client.CoreV1Api(k8s_run.k8s.api_client())
+    for attempt, launch in ((1, first), (2, second)):
+        logs = sorted(k8s_run.run.attempt_dir(attempt).glob("pod-*.log"))
+        assert len(logs) == len(jobs[launch["job_name"]].pods) and all(log.read_text() for log in logs), logs
+        assert launch["job_name"] not in [j.metadata.name for j in batch.list_namespaced_job(NAMESPACE).items]
+        assert launch["service"] not in [v.metadata.name for v in core.list_namespaced_service(NAMESPACE).items]
     assert state.live["samples"] >= 1600
     assert_samples(k8s_run, state.live["samples"])
 
@@ -158,14 +167,17 @@ def test_cona_run_switches_through_jobsets(jobset_run):
         pods = running[name].pods
         assert [pod.name.rsplit("-", 1)[0] for pod in pods] == [f"{name}-node-0-{i}" for i in range(nnodes)]
         assert all(f"--rdzv-endpoint=127.0.0.1:{running[name].port}" in pod.proc.args for pod in pods)
-    # The backend read the JobSets' own conditions: the switched attempt's JobSet Failed (torchrun exits 1), the
-    # last one Completed; cona created no Service (JobSet makes its own).
+    # Each ended attempt was released: its JobSet deleted, its pods' output kept in its directory. cona created
+    # no Service (JobSet makes its own).
     api = jobset_run.k8s.api_client("reader")
     jobsets = client.CustomObjectsApi(api).list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE,
                                                                          "jobsets")["items"]  # fmt: skip
-    final = {obj["metadata"]["name"]: [c["type"] for c in obj["status"]["conditions"]] for obj in jobsets}
-    assert final[first["job_name"]] == ["Failed"] and final[jobset_run.launch(len(final))["job_name"]] == ["Completed"]
-    assert jobset_run.events("attempt-end")[-1]["status"] == "done"
+    assert jobsets == []
+    for attempt, launch in ((1, first), (2, second)):
+        logs = sorted(jobset_run.run.attempt_dir(attempt).glob("pod-*.log"))
+        assert len(logs) == len(running[launch["job_name"]].pods) and all(log.read_text() for log in logs), logs
+    ends = jobset_run.events("attempt-end")
+    assert ends[0]["status"] == "switched" and ends[-1]["status"] == "done", ends
     assert client.CoreV1Api(api).list_namespaced_service(NAMESPACE).items == []
     assert state.live["samples"] >= 1600
     assert_samples(jobset_run, state.live["samples"])

@@ -181,11 +181,11 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
                 for resource in rule["resources"]:
                     granted.setdefault(name, {}).setdefault((group, resource), set()).update(rule["verbs"])
     assert granted["cona"] == {
-        ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
+        ("batch", "jobs"): {"create", "get", "delete"},
         ("jobset.x-k8s.io", "jobsets"): {"create", "get", "delete"},
         ("trainer.kubeflow.org", "trainjobs"): {"create", "get", "delete"},
-        ("", "services"): {"create", "get", "delete"},
-        ("", "pods"): {"get", "list", "watch"},
+        ("", "services"): {"create", "delete"},
+        ("", "pods"): {"list"},
         ("", "pods/log"): {"get"},
         ("", "configmaps"): {"create", "get", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "patch"},
@@ -286,9 +286,10 @@ def test_pod_security_and_profile_settings():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["securityContext"] == {
-        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
     }  # fmt: skip
+    assert {"name": "HOME", "value": "/tmp"} in container["env"]
     assert pod["serviceAccountName"] == "cona"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -296,7 +297,7 @@ def test_pod_security_and_profile_settings():
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "cona-runs"}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
-    assert mounts == {"runs": "/runs", "dshm": "/dev/shm"}
+    assert mounts == {"runs": "/runs", "dshm": "/dev/shm", "tmp": "/tmp"}  # the root filesystem is read-only
     assert _flag(container["command"], "--rdzv-endpoint").endswith(":29500")
 
 
@@ -484,7 +485,8 @@ def test_trainjob_on_the_torch_runtime():
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     (container,) = pod_spec["containers"]
     assert container["name"] == "node"
-    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]} == {"runs": "/runs", "dshm": "/dev/shm"}
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]} == {"runs": "/runs", "dshm": "/dev/shm",
+                                                                               "tmp": "/tmp"}  # fmt: skip
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod_spec["securityContext"]["runAsUser"] == 1000 and pod_spec["serviceAccountName"] == "cona"
     assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}

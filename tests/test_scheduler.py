@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.job import load_job
 from cona.orchestrator.live import print_status, status_summary
 from cona.orchestrator.profile import load_profile
@@ -45,6 +45,9 @@ class ScriptedBackend(Backend):
         self.exit_codes: dict[int, int] = {}
         self.outcomes: dict[int, Outcome] = {}
         self.cancelled: list[int] = []
+        self.calls: list[tuple[str, int]] = []
+        """("launch" | "release", attempt) in order."""
+        self.release_error: str | None = None
         self.timeout: float | None = None
         self.checkpoint_per_attempt = False
 
@@ -58,6 +61,7 @@ class ScriptedBackend(Backend):
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         self.write_launch(attempt, strategy)
         self.launched.append((attempt, strategy))
+        self.calls.append(("launch", attempt))
         if self.checkpoint_per_attempt:
             checkpoint = self.run_dir.checkpoint_dir(10 * attempt)
             checkpoint.mkdir(parents=True)
@@ -78,6 +82,11 @@ class ScriptedBackend(Backend):
 
     def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
         return dataclasses.replace(attempt, number=number, strategy=strategy)
+
+    def release(self, attempt: Attempt) -> None:
+        self.calls.append(("release", attempt.number))
+        if self.release_error:
+            raise BackendError(self.release_error)
 
 
 def make_scheduler(root, *overrides: str, on_update: Callable | None = None) -> tuple[Scheduler, ScriptedBackend]:
@@ -156,6 +165,22 @@ DONE = Outcome(AttemptStatus.DONE, 0)
 
 def _events(sched: Scheduler, kind: str) -> list[dict]:
     return [e for e in read_events(sched.run_dir) if e["event"] == kind]
+
+
+def test_every_ended_attempt_is_released_before_the_next_launch(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=2")
+    backend.outcomes = {1: CRASHED, 2: DISRUPTED, 3: DONE}
+    assert sched.run().status == "done"
+    assert backend.calls == [("launch", 1), ("release", 1), ("launch", 2), ("release", 2), ("launch", 3),
+                             ("release", 3)]  # fmt: skip
+
+
+def test_a_release_that_fails_is_logged_and_the_run_goes_on(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=2")
+    backend.outcomes = {1: CRASHED, 2: DONE}
+    backend.release_error = "kubernetes: delete jobs 'x': cannot reach the API server"
+    assert sched.run().status == "done"
+    assert [e["attempt"] for e in _events(sched, "release-failed")] == [1, 2]
 
 
 def test_disruptions_in_a_row_finish_with_max_restarts_0(tmp_path):

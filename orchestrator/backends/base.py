@@ -153,6 +153,10 @@ class Backend(abc.ABC):
     def cancel(self, attempt: Attempt) -> None:
         """Kill the attempt (used for hangs and `cona stop --now`); idempotent."""
 
+    poll_interval_s: float = 0.5
+    """How often the scheduler's loop polls an attempt (and tails its heartbeats): cheap for local processes and
+    files; a cluster API answers every poll, so the Kubernetes backend polls less often."""
+
     supports_in_place_switch: bool = False
     """Whether `offer_in_place`/`continued` work: the backend can watch processes that go on as the next attempt."""
 
@@ -202,6 +206,13 @@ class Backend(abc.ABC):
     def adopt(self, attempt: Attempt) -> bool:
         """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""
         return not self.poll(attempt).status.finished
+
+    def release(self, attempt: Attempt) -> None:
+        """After `attempt` ended, before the next one is launched: free what it still holds and keep what only it
+        has (Kubernetes: save the pods' logs into the attempt's directory, delete the workload and wait until its
+        pods are gone, so the next attempt's pods find the GPUs free). Default: nothing (local processes are gone;
+        a Slurm step ends with its processes)."""
+        return None
 
     def exclusion(self) -> Any:
         """What keeps a second orchestrator off this run while this one drives it: a context manager whose value

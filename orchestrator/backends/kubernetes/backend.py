@@ -24,7 +24,6 @@ emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cl
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
 from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
 from cona.protocol.yamlconfig import ConfigError
@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     from cona.protocol.strategy import Strategy
 
 _one_line = one_line
+LOG_TAIL_LINES = 500
+"""Lines of each pod's log kept in the attempt's directory when the attempt ends."""
+RELEASE_WAIT_S = 120.0
+"""How long the end of an attempt waits for its pods to be gone (their GPUs free) before the next is created."""
 IMAGE_WAITING_REASONS = frozenset({
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "ImageInspectError",
     "RegistryUnavailable", "SignatureValidationFailed",
@@ -77,6 +81,8 @@ class KubernetesBackend(Backend):
     """
 
     name = "kubernetes"
+    # Each poll is two API calls (the workload, its pods): once a second is plenty against minutes-long attempts.
+    poll_interval_s = 1.0
     # A new Job per attempt: pods are scheduled, the (cached) image started, torchrun meets at the rendezvous.
     relaunch_overhead_s = 60.0
 
@@ -131,18 +137,6 @@ class KubernetesBackend(Backend):
         root = Path(self.run_dir.root)
         return str(root if root.is_absolute() else root.resolve())
 
-    @staticmethod
-    def _owner() -> dict[str, Any] | None:
-        """The ownerReference to the orchestrator Job this process runs in (`cona submit`), else None."""
-        from cona.orchestrator.backends.kubernetes.runobjects import (
-            OWNER_JOB_ENV,
-            OWNER_UID_ENV,
-            owner_reference,
-        )
-
-        name, uid = os.environ.get(OWNER_JOB_ENV, ""), os.environ.get(OWNER_UID_ENV, "")
-        return owner_reference(name, uid) if name and uid else None
-
     def exclusion(self) -> Any:
         """The run's Lease (`lease.py`): flock on a ReadWriteMany volume is not reliable across nodes."""
         from cona.orchestrator.backends.kubernetes.lease import KubeLease
@@ -164,7 +158,7 @@ class KubernetesBackend(Backend):
         kind = self._kind()
         *services, main = objects  # an Indexed Job comes after its Service; a JobSet or TrainJob alone
         name = main["metadata"]["name"]
-        owner = self._owner()
+        owner = orchestrator_owner()
         if owner is not None:  # deleting the orchestrator Job deletes the workloads too
             for obj in objects:
                 obj["metadata"]["ownerReferences"] = [owner]
@@ -301,6 +295,26 @@ class KubernetesBackend(Backend):
         if not pods:
             return Outcome(AttemptStatus.PENDING, None, "no pods yet")
         return Outcome(AttemptStatus.RUNNING)
+
+    def release(self, attempt: Attempt) -> None:
+        """Save each pod's log tail into the attempt's directory (the pods' output lives nowhere else), delete the
+        workload and wait up to `RELEASE_WAIT_S` until it is gone."""
+        kind = self._kind(attempt)
+        workload = self._workload(kind)
+        name = attempt.backend_id
+        pods = self._pods(workload, name)
+        core, _ = self._apis()
+        directory = self.run_dir.attempt_dir(attempt.number)
+        for pod in pods:
+            log = self._call("get", "pods/log", pod.metadata.name, core.read_namespaced_pod_log, pod.metadata.name,
+                             self.namespace, container=kind.container, tail_lines=LOG_TAIL_LINES, missing_ok=True)  # fmt: skip
+            if isinstance(log, str) and log:
+                (directory / f"pod-{pod.metadata.name}.log").write_text(log)
+        self.cancel(attempt)
+        # Foreground deletion keeps the workload until its pods are deleted: once it is gone, so are they.
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while workload.conditions(name) is not None and time.monotonic() < deadline:
+            time.sleep(1.0)
 
     def cancel(self, attempt: Attempt) -> None:
         """Delete the attempt's workload (foreground: its Jobs and pods first) and, for an Indexed Job, its Service

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.runobjects import (
     JOB_KEY,
+    OWNER_JOB_ENV,
+    OWNER_UID_ENV,
     PROFILE_KEY,
     REPORT_DONE_KEY,
     REPORT_MD,
@@ -31,6 +34,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     RUN_DIR_KEY,
     STATUS_KEY,
     STOP_KEY,
+    owner_reference,
     report_configmap_name,
     run_labels,
 )
@@ -41,6 +45,13 @@ if TYPE_CHECKING:
 
 MAX_CONFIGMAP_BYTES = 1_000_000
 """What the API server stores in one ConfigMap (1 MiB), less room for its metadata."""
+
+
+def orchestrator_owner() -> dict[str, Any] | None:
+    """The ownerReference to the orchestrator Job this process runs in (`cona submit`'s, through the downward
+    API), else None (`cona run` from a pod of one's own)."""
+    name, uid = os.environ.get(OWNER_JOB_ENV, ""), os.environ.get(OWNER_UID_ENV, "")
+    return owner_reference(name, uid) if name and uid else None
 
 
 def read_run_configmap(api: KubeApi, run: str) -> dict[str, str]:
@@ -70,9 +81,11 @@ def store_report(api: KubeApi, run: str, run_dir: RunDir) -> str:
         note = f"report.md only (report.png is {len(png_bytes):,} bytes, over a ConfigMap's 1 MiB; it is at {png})"
         data[REPORT_MD] += f"\n\n_{note}_\n"
     name = report_configmap_name(run)
-    body = {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": api.namespace, "labels": run_labels(run, "report")},
-            "data": data, "binaryData": binary}  # fmt: skip
+    metadata: dict[str, Any] = {"name": name, "namespace": api.namespace, "labels": run_labels(run, "report")}
+    owner = orchestrator_owner()
+    if owner is not None:  # deleted with the run's orchestrator Job, like everything else the run created
+        metadata["ownerReferences"] = [owner]
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, "binaryData": binary}
     core = api.core()
     created = api.call("create", "configmaps", name, core.create_namespaced_config_map, api.namespace, body,
                        conflict_ok=True)  # fmt: skip

@@ -197,14 +197,21 @@ def _volumes(spec: KubernetesSpec) -> tuple[list[dict[str, Any]], list[dict[str,
     volumes = [
         {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
         {"name": "dshm", "emptyDir": shm},
+        # The root filesystem is read-only: torchrun's error files and torch's caches go to /tmp (HOME=/tmp).
+        {"name": "tmp", "emptyDir": {}},
     ]
-    mounts = [{"name": "runs", "mountPath": spec.mount_path}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts = [
+        {"name": "runs", "mountPath": spec.mount_path},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     return volumes, mounts
 
 
 CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
     "runAsNonRoot": True,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
@@ -249,6 +256,7 @@ def _pod_spec(
                 },
             },
             {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "HOME", "value": "/tmp"},
             {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
         ],
         "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
@@ -424,6 +432,7 @@ def _trainjob(
                 "resourcesPerNode": {"limits": {spec.gpu_resource: str(int(per_node))}},
                 "env": [
                     {"name": "PYTHONUNBUFFERED", "value": "1"},
+                    {"name": "HOME", "value": "/tmp"},
                     {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
                 ],
             },
