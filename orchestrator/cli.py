@@ -27,7 +27,7 @@ class UserError(Exception):
     """Any error the user can fix; printed as `cona: error: <message>` with exit code 2."""
 
 
-def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool = True) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool = True, job_required: bool = True) -> None:
     parser.add_argument(
         "--profile", required=profile_required, metavar="PROFILE.yaml",
         help="cluster profile: nodes, devices, network, storage and backend settings",
@@ -36,7 +36,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
         "--profile-set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a profile field by its dotted path, e.g. --profile-set kubernetes.image=reg/cona:1 (repeatable)",
     )  # fmt: skip
-    parser.add_argument("--job", required=True, metavar="JOB.yaml", help="job spec: model, data, batch bounds, target, policy")
+    parser.add_argument("--job", required=job_required, metavar="JOB.yaml", help="job spec: model, data, batch bounds, target, policy")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a job field by its dotted path, e.g. --set optimizer.lr=3e-4 (repeatable)",
@@ -258,6 +258,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
     from cona.orchestrator.profile import load_profile
 
+    if args.resume:
+        if args.profile or args.job or args.overrides or args.profile_overrides or args.name or args.policy:
+            raise UserError("--resume takes the profile and job from the run; drop --profile/--job/--set/--name/--policy")
+        from cona.orchestrator.backends.kubernetes.remote import resume
+
+        with _no_cluster_is_no_run(args, run=args.resume):
+            print(resume(args.resume, namespace=_namespace(args)))
+        return 0
+    if not args.profile or not args.job:
+        raise UserError("give --profile and --job (or --resume RUN)")
     profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
     if profile.backend != "kubernetes":
@@ -298,14 +308,15 @@ def _remote(args: argparse.Namespace) -> bool:
 
 
 @contextlib.contextmanager
-def _no_cluster_is_no_run(args: argparse.Namespace) -> Iterator[None]:
+def _no_cluster_is_no_run(args: argparse.Namespace, run: str | None = None) -> Iterator[None]:
     """RUN is no directory here and no Kubernetes API can be reached: most likely a mistyped run directory."""
     try:
         yield
     except BackendError as e:
         if "cannot load the API configuration" not in str(e):
             raise
-        raise UserError(f"{args.run_dir}: no such run directory, nor a Kubernetes API to look for a run of that name "
+        name = run or args.run_dir
+        raise UserError(f"{name}: no such run directory, nor a Kubernetes API to look for a run of that name "
                         f"({e})") from None  # fmt: skip
 
 
@@ -374,8 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
         "orchestrator Job that drives the run next to its PVC, through the kubeconfig (or in-cluster config). "
         "Follow it with `cona status RUN`, stop it with `cona stop RUN`, fetch its report with `cona report RUN`.",
     )
-    _add_config_args(submit)
+    _add_config_args(submit, profile_required=False, job_required=False)
     submit.add_argument("--name", metavar="RUN", help="the run's name (default: <job name>-<time>), a DNS label")
+    submit.add_argument("--resume", metavar="RUN", help="resume a stopped or failed submitted run (its own profile and "
+                        "job) with a new orchestrator Job")  # fmt: skip
+    submit.add_argument("-n", "--namespace", help="with --resume: the run's namespace (default: the kubeconfig's)")
     submit.add_argument("--policy", metavar="POLICY", help="as for cona run")
     submit.add_argument("--dry-run", action="store_true", help="print the objects (for kubectl apply -f -) instead")
     submit.set_defaults(func=cmd_submit)

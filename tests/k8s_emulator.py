@@ -338,6 +338,8 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+STARTED = "emulator.cona.dev/started"
+"""Annotation the emulated Job controller puts on a workload it has started (the uid it gave it)."""
 POD_MARKER = "CONA_EMULATED_POD"
 """Environment variable that names the pod in each of its processes (and every process they start)."""
 
@@ -442,15 +444,26 @@ class JobController:
         from kubernetes import client
 
         # Keyed by (namespace, name) whatever the kind: a run uses one kind, so a Job and a JobSet never share it.
-        listed = {(j.metadata.namespace, j.metadata.name): "indexed-job"
+        # (workload kind, the uid this controller gave it when it started it: none yet for a new object).
+        listed = {(j.metadata.namespace, j.metadata.name): ("indexed-job", (j.metadata.annotations or {}).get(STARTED))
                   for j in batch.list_job_for_all_namespaces().items}  # fmt: skip
         group, version, plural = WORKLOADS["jobset"]  # type: ignore[misc]
         custom = client.CustomObjectsApi(batch.api_client)
         for obj in custom.list_cluster_custom_object(group, version, plural)["items"]:
-            listed[(obj["metadata"]["namespace"], obj["metadata"]["name"])] = "jobset"
+            meta = obj["metadata"]
+            listed[(meta["namespace"], meta["name"])] = ("jobset", (meta.get("annotations") or {}).get(STARTED))
         with self._lock:
-            for key, workload in listed.items():
-                if key not in self.jobs:
+            for key, (workload, started) in listed.items():
+                previous = self.jobs.get(key)
+                if previous is not None and not previous.deleted and started != previous.uid:
+                    # Deleted and created again between two ticks (a new object, without our mark): the old one's
+                    # processes and pods go, as its deletion would have done.
+                    self._kill(previous)
+                    for pod in previous.pods:
+                        with contextlib.suppress(Exception):
+                            core.delete_namespaced_pod(pod.name, previous.namespace)
+                    previous.finished = previous.deleted = True
+                if previous is None or previous.deleted:
                     self.jobs[key] = self._start_job(core, key[1], key[0], workload)
             for key, running in self.jobs.items():
                 if key not in listed:
@@ -478,6 +491,14 @@ class JobController:
             uid = (job.metadata.uid if job.metadata else None) or uid
             backoff_limit = job.spec.backoff_limit if job.spec.backoff_limit is not None else 6
             owners = [(o.kind, o.name, o.uid) for o in (job.metadata.owner_references or [])]
+        # Marked as started (kmock keeps no uid): an object deleted and created again is told apart by the mark.
+        mark = {"metadata": {"annotations": {STARTED: uid}}}
+        if workload == "indexed-job":
+            client.BatchV1Api(core.api_client).patch_namespaced_job(name, namespace, mark)
+        else:
+            group, version, plural = WORKLOADS[workload]  # type: ignore[misc]
+            client.CustomObjectsApi(core.api_client).patch_namespaced_custom_object(group, version, namespace,
+                                                                                    plural, name, mark)  # fmt: skip
         running = RunningJob(name=name, namespace=namespace, port=_free_port(), workload=workload, uid=uid,
                              restart_policy=spec.get("restartPolicy") or "Never", backoff_limit=backoff_limit,
                              owners=owners)  # fmt: skip

@@ -193,7 +193,7 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
     # The submitting user's Role is not bound by the base: who may submit is the cluster's decision.
     assert granted["cona-submitter"] == {
         ("", "configmaps"): {"create", "get", "patch", "delete"},
-        ("batch", "jobs"): {"create", "get"},
+        ("batch", "jobs"): {"create", "get", "delete"},
         ("", "pods"): {"list"},
     }
     bindings = [doc for doc in docs if doc["kind"] == "RoleBinding"]

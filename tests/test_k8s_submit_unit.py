@@ -8,6 +8,7 @@ the Lease and `cona status/stop` run against the API emulator with scripted pod 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import KubeApi
 from cona.orchestrator.backends.kubernetes.incluster import StatusMirror, orchestrate
 from cona.orchestrator.backends.kubernetes.lease import KubeLease, LeaseLost
-from cona.orchestrator.backends.kubernetes.remote import remote_status, remote_stop, submit
+from cona.orchestrator.backends.kubernetes.remote import remote_status, remote_stop, resume, submit
 from cona.orchestrator.backends.kubernetes.runobjects import (
     RUN_NAME_MAX,
     dump_objects,
@@ -168,6 +169,40 @@ def test_status_of_a_run_whose_orchestrator_cannot_start(k8s):
     assert status["orchestrator"].endswith("Pending, 0 restart(s): 0/4 nodes are available: 4 Insufficient memory.")
     with pytest.raises(BackendError, match=r"no run 'nope' in namespace 'cona' \(no ConfigMap 'nope'\)"):
         remote_status("nope", namespace=NS, api_client=k8s.api_client())
+
+
+def test_a_run_whose_orchestrator_job_failed_is_failed_whatever_it_mirrored_last(k8s):
+    submit(_objects(), api_client=k8s.api_client())
+    client.CoreV1Api(k8s.api_client()).patch_namespaced_config_map(
+        "tiny-1", NS, {"data": {"status.json": json.dumps({"status": "running", "run_dir": "/runs/tiny-1"})}})
+    k8s.set_job_status("tiny-1-orch", NS, conditions=[{"type": "Failed", "status": "True",
+                       "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}])  # fmt: skip
+    status = remote_status("tiny-1", namespace=NS, api_client=k8s.api_client())
+    assert status["status"] == "failed"
+    assert status["reason"] == ("Job tiny-1-orch failed: BackoffLimitExceeded Job has reached the specified backoff "
+                                "limit; the last status it mirrored was running")  # fmt: skip
+
+
+def _mirrored(k8s, status: str) -> None:
+    client.CoreV1Api(k8s.api_client()).patch_namespaced_config_map(
+        "tiny-1", NS, {"data": {"status.json": json.dumps({"status": status, "run_dir": "/runs/tiny-1"})}})
+
+
+def test_resume_replaces_the_orchestrator_job_of_an_ended_run_and_refuses_otherwise(k8s):
+    submit(_objects(), api_client=k8s.api_client())
+    for status, message in (("running", "is running, not ended; stop it first"), ("done", "has finished (done)")):
+        _mirrored(k8s, status)
+        with pytest.raises(BackendError, match=re.escape(message)):
+            resume("tiny-1", namespace=NS, api_client=k8s.api_client())
+    _mirrored(k8s, "stopped")
+    assert "resuming run tiny-1 (stopped)" in resume("tiny-1", namespace=NS, api_client=k8s.api_client())
+    data = client.CoreV1Api(k8s.api_client()).read_namespaced_config_map("tiny-1", NS).data
+    assert data["resume"].startswith("resume-") and data["profile.yaml"]  # the run's ConfigMap is kept
+    job = client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)
+    assert job.spec.template.spec.containers[0].command[-1] == "tiny-1"
+    methods = [(m, p) for m, p in k8s.backend_requests() if p.endswith("/jobs/tiny-1-orch") or p.endswith("/jobs")]
+    assert ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/tiny-1-orch") in methods
+    assert methods.index(("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/tiny-1-orch")) < len(methods) - 1
 
 
 def test_cona_status_of_an_unknown_name_is_one_line(k8s, tmp_path):

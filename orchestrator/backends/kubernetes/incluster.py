@@ -31,6 +31,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     REPORT_MD,
     REPORT_PNG,
     REPORT_REQUEST_KEY,
+    RESUME_KEY,
     RUN_DIR_KEY,
     STATUS_KEY,
     STOP_KEY,
@@ -157,12 +158,20 @@ class StatusMirror:
         self.publish({"status": "failed", "reason": reason, "run_dir": str(self.run_dir.root)})
 
 
+def _resume_pending(run_dir: RunDir, token: str, finished_at: float | None) -> bool:
+    """Whether `cona submit --resume` asked with `token` and the run has not ended since that resume started."""
+    from cona.orchestrator.runstate import read_events
+
+    started = [e["time"] for e in read_events(run_dir) if e.get("event") == "resume-requested" and e.get("token") == token]
+    return not started or (finished_at is not None and finished_at < max(started))
+
+
 def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quiet: bool = False) -> int:
     """Drive submitted run `run` (see the module docstring); returns the process's exit code."""
     from cona.orchestrator.cli import drive
     from cona.orchestrator.job import job_from_dict
     from cona.orchestrator.profile import ClusterProfile
-    from cona.orchestrator.runstate import create_run, load_run, read_state
+    from cona.orchestrator.runstate import create_run, load_run, log_event, read_state
     from cona.protocol.rundir import RunDir
     from cona.protocol.yamlconfig import validate
 
@@ -186,14 +195,22 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
         mirror.fail(reason)
         print(f"cona: error: {reason}", flush=True)
         return 0  # a restart would fail the same way; the reason is in the ConfigMap
-    if read_state(run_dir).final:
+    state = read_state(run_dir)
+    token = data.get(RESUME_KEY)
+    if state.final and not (token and _resume_pending(run_dir, token, state.finished_at)):
         # The run had ended before this process started (it died after the end, before exiting): just report.
         mirror.handle(mirror.publish())
         return 0
+    if state.final:
+        log_event(run_dir, "resume-requested", token=token)  # `cona submit --resume`: the scheduler resumes it
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet, also=mirror.tick)
-    mirror.tick(force=True)
     if failure is not None:
         print(f"cona: error: {failure}", flush=True)
-    if state.status in ("done", "stopped"):
-        store_report(api, run, run_dir)
+    # The report first, then the final status: a laptop that sees the run ended finds its report stored.
+    try:
+        note = store_report(api, run, run_dir)
+        print(f"cona: stored the report in ConfigMap {report_configmap_name(run)}: {note}", flush=True)
+    except Exception as e:  # a courtesy: it must never turn an ended run into a failed orchestrator (restarted)
+        print(f"cona: no report for run {run} ({state.status}): {one_line(str(e))}", flush=True)
+    mirror.tick(force=True)
     return 0

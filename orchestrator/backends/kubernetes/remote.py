@@ -14,18 +14,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
 from cona.orchestrator.backends.kubernetes.runobjects import (
+    PROFILE_KEY,
     REPORT_DONE_KEY,
     REPORT_MD,
     REPORT_PNG,
     REPORT_REQUEST_KEY,
+    RESUME_KEY,
+    RUN_DIR_KEY,
     STATUS_KEY,
     STOP_KEY,
     orchestrator_job_name,
     owner_reference,
+    render_orchestrator_job,
     report_configmap_name,
 )
 
@@ -103,7 +108,11 @@ def remote_status(run: str, *, namespace: str, api_client: Any | None = None) ->
         summary = {"status": "submitted", "reason": "the orchestrator has not reported yet", "run_dir": data.get("run-dir")}
     summary["run"] = run
     summary["namespace"] = namespace
-    summary["orchestrator"] = _orchestrator_state(api, run)
+    summary["orchestrator"] = orchestrator = _orchestrator_state(api, run)
+    if summary.get("status") not in FINAL and orchestrator.startswith(f"Job {orchestrator_job_name(run)} failed"):
+        # Nobody drives the run any more: what it mirrored last is stale.
+        summary["reason"] = f"{orchestrator}; the last status it mirrored was {summary.get('status')}"
+        summary["status"] = "failed"
     return summary
 
 
@@ -157,3 +166,49 @@ def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 12
         png = out_dir / REPORT_PNG
         png.write_bytes(base64.b64decode(png_data))
     return md, png
+
+
+def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: float = 120.0) -> str:
+    """Resume a stopped or failed submitted run: a new orchestrator Job (the old one deleted, the run's ConfigMaps
+    kept) that goes on from the last complete checkpoint. Returns what to tell the user."""
+    from cona.orchestrator.profile import ClusterProfile
+    from cona.protocol.yamlconfig import ConfigError, validate
+    from kubernetes import client
+
+    api = KubeApi(namespace, api_client)
+    core, batch = api.core(), api.batch()
+    data = read_run_configmap(api, run)
+    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    name = orchestrator_job_name(run)
+    if status == "done":
+        raise BackendError(f"kubernetes: run {run!r} has finished (done); there is nothing to resume")
+    if status not in ("stopped", "failed") and not _orchestrator_state(api, run).startswith(f"Job {name} failed"):
+        raise BackendError(f"kubernetes: run {run!r} is {status or 'submitted'}, not ended; stop it first "
+                           f"(`cona stop {run} --namespace {namespace}`)")  # fmt: skip
+    try:
+        profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"),
+                           source=f"ConfigMap {namespace}/{run} {PROFILE_KEY}")  # fmt: skip
+    except ConfigError as e:
+        raise BackendError(f"kubernetes: run {run!r} cannot be resumed: {e}") from None
+    assert profile.kubernetes is not None
+    # The ConfigMaps are owned by the old orchestrator Job: detach them, or deleting it would delete them too.
+    for configmap in (run, report_configmap_name(run)):
+        api.call("patch", "configmaps", configmap, core.patch_namespaced_config_map, configmap, namespace,
+                 {"metadata": {"ownerReferences": None}}, missing_ok=True)  # fmt: skip
+    api.call("delete", "jobs", name, batch.delete_namespaced_job, name, namespace,
+             body=client.V1DeleteOptions(propagation_policy="Background"), missing_ok=True)  # fmt: skip
+    deadline = time.monotonic() + wait_s
+    while api.call("get", "jobs", name, batch.read_namespaced_job, name, namespace, missing_ok=True) is not None:
+        if time.monotonic() > deadline:
+            raise BackendError(f"kubernetes: the old orchestrator Job {name!r} was not deleted within {wait_s:.0f} s")
+        time.sleep(1.0)
+    token = f"resume-{time.time():.3f}"
+    api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": {RESUME_KEY: token}})
+    job = render_orchestrator_job(spec=profile.kubernetes, run=run, run_dir=data.get(RUN_DIR_KEY, ""))
+    created = api.call("create", "jobs", name, batch.create_namespaced_job, namespace, job)
+    uid = created.metadata.uid if created is not None and created.metadata else None
+    if uid:
+        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
+                 {"metadata": {"ownerReferences": [owner_reference(name, uid)]}})  # fmt: skip
+    return (f"resuming run {run} ({status}) with a new orchestrator Job {name}: it goes on from the last complete "
+            f"checkpoint (follow with `cona status {run} --namespace {namespace}`)")

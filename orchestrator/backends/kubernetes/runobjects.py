@@ -9,7 +9,7 @@ the run directory's name under `storage.run_root`, so the attempts' workloads (`
 
 | object | name | written by |
 |---|---|---|
-| ConfigMap | `R` | `cona submit` (profile.yaml, job.yaml, run-dir), the orchestrator (status.json, report-done), `cona stop` (stop), `cona report` (report-request) |
+| ConfigMap | `R` | `cona submit` (profile.yaml, job.yaml, run-dir), the orchestrator (status.json, report-done), `cona stop` (stop), `cona report` (report-request), `cona submit --resume` (resume) |
 | ConfigMap | `R-report` | the orchestrator (report.md, report.png) |
 | Job | `R-orch` | `cona submit` |
 | Lease | `R` | the orchestrator that drives the run |
@@ -55,6 +55,8 @@ STOP_KEY = "stop"
 REPORT_REQUEST_KEY = "report-request"
 """Set by `cona report`: a token; the orchestrator writes the report, stores it in `R-report` and echoes the token."""
 REPORT_DONE_KEY = "report-done"
+RESUME_KEY = "resume"
+"""Set by `cona submit --resume`: a token; the new orchestrator resumes the ended run once for it."""
 REPORT_MD, REPORT_PNG = "report.md", "report.png"
 
 OWNER_JOB_ENV = "CONA_OWNER_JOB"
