@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,9 +17,6 @@ from cona.protocol.yamlconfig import ConfigError
 if TYPE_CHECKING:
     from cona.orchestrator.job import Job
     from cona.orchestrator.profile import ClusterProfile
-    from cona.orchestrator.runstate import RunState
-    from cona.orchestrator.scheduler import LiveStatus
-    from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
 
@@ -108,6 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
         else:
             create_run(run_dir=run_dir, profile=profile, job=job)
+    from cona.orchestrator.scheduler import drive
+
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
     if failure is not None:
         raise UserError(failure)
@@ -117,37 +116,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         png, md = write_report(run_dir)
         print(f"report: {md} and {png}")
     return 0 if state.status in ("done", "stopped") else 1
-
-
-def drive(
-    *, run_dir: RunDir, profile: ClusterProfile, job: Job, quiet: bool = False, also: Callable[[], None] | None = None
-) -> tuple[RunState, str | None]:
-    """Drive a created run to its end under its backend's exclusion (flock, or a Kubernetes Lease), with the live
-    view; `also` runs on every pass of the loop (the Kubernetes status mirror). Returns the final state and, if the
-    run failed, why (one line)."""
-    from cona.orchestrator.backends import make_backend
-    from cona.orchestrator.live import LiveView
-    from cona.orchestrator.scheduler import RunFailed, Scheduler
-
-    view = LiveView(run_dir=run_dir, job=job, quiet=quiet)
-    backend = make_backend(profile=profile, run_dir=run_dir, job=job)
-    with backend.exclusion() as exclusion:
-
-        def on_update(live: LiveStatus) -> None:
-            exclusion.check()  # another orchestrator took over (a Kubernetes Lease lost): stop here
-            view.update(live)
-            if also is not None:
-                also()
-
-        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
-        view.begin(scheduler)
-        try:
-            state = scheduler.run()
-        except RunFailed as e:
-            view.end(scheduler)
-            return scheduler.state, str(e)
-        view.end(scheduler)
-    return state, None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

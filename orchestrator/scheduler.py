@@ -32,7 +32,7 @@ from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
-__all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts"]
+__all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts", "drive"]
 
 
 class RunFailed(Exception):
@@ -477,3 +477,34 @@ def device_counts(profile: ClusterProfile, job: Job) -> list[int]:
         if world < profile.num_gpus and world % profile.gpus_per_node == 0 and world not in counts:
             counts.append(world)
     return counts
+
+
+def drive(
+    *, run_dir: RunDir, profile: ClusterProfile, job: Job, quiet: bool = False,
+    also: Callable[[LiveStatus], None] | None = None,
+) -> tuple[RunState, str | None]:  # fmt: skip
+    """Drive a created run to its end (`cona run`, and `cona orchestrate` in a submitted run's pod) under its
+    backend's exclusion (flock, or a Kubernetes Lease), with the live view; `also` runs on every pass of the loop
+    (the Kubernetes status mirror). Returns the final state and, if the run failed, why (one line)."""
+    from cona.orchestrator.backends import make_backend
+    from cona.orchestrator.live import LiveView
+
+    view = LiveView(run_dir=run_dir, job=job, quiet=quiet)
+    backend = make_backend(profile=profile, run_dir=run_dir, job=job)
+    with backend.exclusion() as exclusion:
+
+        def on_update(live: LiveStatus) -> None:
+            exclusion.check()  # another orchestrator took over (a Kubernetes Lease lost): stop here
+            view.update(live)
+            if also is not None:
+                also(live)
+
+        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
+        view.begin(scheduler)
+        try:
+            state = scheduler.run()
+        except RunFailed as e:
+            view.end(scheduler)
+            return scheduler.state, str(e)
+        view.end(scheduler)
+    return state, None

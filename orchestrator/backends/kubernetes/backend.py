@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
-_one_line = one_line
 LOG_TAIL_LINES = 500
 """Lines of each pod's log kept in the attempt's directory when the attempt ends."""
 RELEASE_WAIT_S = 120.0
@@ -59,6 +58,23 @@ STUCK_WAITING_REASONS = IMAGE_WAITING_REASONS | {
 runtime refuses): past `kubernetes.pending_timeout_s` the scheduler ends such an attempt (`Outcome.stuck`). Anything
 else, above all an unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`), is capacity the
 cluster's queue may still give."""
+
+
+def waiting_reason(pod: Any) -> tuple[str, bool] | None:
+    """Why a pod waits (the scheduler's message, or its container's waiting reason), and whether it is stuck:
+    waiting for something that waiting does not bring (`STUCK_WAITING_REASONS`); None when nothing says."""
+    status = pod.status
+    for condition in (status.conditions or []) if status else []:
+        if condition.type == "PodScheduled" and condition.status == "False":
+            return one_line(condition.message or condition.reason or "unschedulable"), False
+    for container in (status.container_statuses or []) if status else []:
+        waiting = container.state.waiting if container.state else None
+        if waiting is not None and waiting.reason:
+            why = one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
+            if waiting.reason in IMAGE_WAITING_REASONS:
+                return f"image {container.image} cannot be pulled ({why})", True
+            return why, waiting.reason in STUCK_WAITING_REASONS
+    return None
 
 
 def _pod_condition(pod: Any, kind: str) -> Any | None:
@@ -205,20 +221,8 @@ class KubernetesBackend(Backend):
 
     @staticmethod
     def _pending_reason(pod: Any) -> tuple[str, bool]:
-        """Why a Pending pod waits (the scheduler's message, or its container's waiting reason), and whether it is
-        stuck: waiting for something that waiting does not bring (`STUCK_WAITING_REASONS`)."""
-        status = pod.status
-        for condition in (status.conditions or []) if status else []:
-            if condition.type == "PodScheduled" and condition.status == "False":
-                return _one_line(condition.message or condition.reason or "unschedulable"), False
-        for container in (status.container_statuses or []) if status else []:
-            waiting = container.state.waiting if container.state else None
-            if waiting is not None and waiting.reason:
-                why = _one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
-                if waiting.reason in IMAGE_WAITING_REASONS:
-                    return f"image {container.image} cannot be pulled ({why})", True
-                return why, waiting.reason in STUCK_WAITING_REASONS
-        return f"pod {pod.metadata.name} is pending", False
+        """Why a Pending pod waits (`waiting_reason`), and whether it is stuck."""
+        return waiting_reason(pod) or (f"pod {pod.metadata.name} is pending", False)
 
     @classmethod
     def _pending(cls, pods: list[Any]) -> tuple[str, bool]:
@@ -238,7 +242,7 @@ class KubernetesBackend(Backend):
             node = pod.spec.node_name if pod.spec else None
             where = f"pod {pod.metadata.name}" + (f" on node {node}" if node else "")
             why = condition.reason or "DisruptionTarget"
-            return _one_line(f"{where}: {why}" + (f" ({condition.message})" if condition.message else ""))
+            return one_line(f"{where}: {why}" + (f" ({condition.message})" if condition.message else ""))
         return None
 
     def poll(self, attempt: Attempt) -> Outcome:
@@ -285,7 +289,7 @@ class KubernetesBackend(Backend):
             status = AttemptStatus.from_exit_code(code)
             if status is not AttemptStatus.CRASHED:
                 return Outcome(status, code)
-            why = _one_line(f"{failed.reason or 'Failed'}: {failed.message or ''}".rstrip(": "))
+            why = one_line(f"{failed.reason or 'Failed'}: {failed.message or ''}".rstrip(": "))
             shown = f"exit code {code}" if code is not None else "no exit code"
             return Outcome(AttemptStatus.CRASHED, code, f"the {kind.kind} failed ({why}); trainer {shown}")
         pending = [pod for pod in pods if pod.status is None or pod.status.phase in (None, "Pending")]

@@ -106,7 +106,7 @@ class StatusMirror:
         self.run_dir = run_dir
         self.interval_s = interval_s
         self._last = 0.0
-        self._last_status: str | None = None
+        self._seen: str | None = None
         self._stops_seen: set[str] = set()
 
     def _summary(self) -> dict[str, Any]:
@@ -122,17 +122,18 @@ class StatusMirror:
         patched = self.api.call("patch", "configmaps", self.run, core.patch_namespaced_config_map, self.run,
                                 self.api.namespace, {"data": {STATUS_KEY: json.dumps(summary, sort_keys=True)}})  # fmt: skip
         self._last = time.monotonic()
-        self._last_status = summary.get("status")
         return dict(patched.data or {}) if patched is not None else {}
 
-    def tick(self, *, force: bool = False) -> None:
-        """Called from the scheduler's loop: publish every `interval_s`, or at once when the run's status changed,
-        then act on the requests found."""
-        from cona.orchestrator.runstate import read_state
+    def tick(self, status: str | None = None, *, force: bool = False) -> None:
+        """Called from the scheduler's loop with its live status (else the state.json one): publish every
+        `interval_s`, or at once when the status changed, then act on the requests found."""
+        if status is None:
+            from cona.orchestrator.runstate import read_state
 
-        status = read_state(self.run_dir).status
-        if not force and status == self._last_status and time.monotonic() - self._last < self.interval_s:
+            status = read_state(self.run_dir).status
+        if not force and status == self._seen and time.monotonic() - self._last < self.interval_s:
             return
+        self._seen = status
         self.handle(self.publish())
 
     def handle(self, data: dict[str, str]) -> None:
@@ -168,10 +169,10 @@ def _resume_pending(run_dir: RunDir, token: str, finished_at: float | None) -> b
 
 def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quiet: bool = False) -> int:
     """Drive submitted run `run` (see the module docstring); returns the process's exit code."""
-    from cona.orchestrator.cli import drive
     from cona.orchestrator.job import job_from_dict
     from cona.orchestrator.profile import ClusterProfile
     from cona.orchestrator.runstate import create_run, load_run, log_event, read_state
+    from cona.orchestrator.scheduler import drive
     from cona.protocol.rundir import RunDir
     from cona.protocol.yamlconfig import validate
 
@@ -203,7 +204,8 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
         return 0
     if state.final:
         log_event(run_dir, "resume-requested", token=token)  # `cona submit --resume`: the scheduler resumes it
-    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet, also=mirror.tick)
+    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet,
+                           also=lambda live: mirror.tick(live.status))  # fmt: skip
     if failure is not None:
         print(f"cona: error: {failure}", flush=True)
     # The report first, then the final status: a laptop that sees the run ended finds its report stored.

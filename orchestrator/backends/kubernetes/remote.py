@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.backend import waiting_reason
 from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
 from cona.orchestrator.backends.kubernetes.runobjects import (
     PROFILE_KEY,
@@ -35,6 +36,24 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
 )
 
 FINAL = ("done", "stopped", "failed")
+
+
+def _mirrored(data: dict[str, str]) -> dict[str, Any] | None:
+    """The status summary the orchestrator mirrored into the run's ConfigMap, or None (none yet, or unreadable)."""
+    try:
+        summary = json.loads(data[STATUS_KEY]) if STATUS_KEY in data else None
+    except ValueError:
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _own_configmap(api: KubeApi, run: str, job: Any) -> None:
+    """Make the run's ConfigMap a dependent of the orchestrator Job `job` just created (the API server's uid)."""
+    uid = job.metadata.uid if job is not None and job.metadata else None
+    if uid:
+        core = api.core()
+        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, api.namespace,
+                 {"metadata": {"ownerReferences": [owner_reference(orchestrator_job_name(run), uid)]}})  # fmt: skip
 
 
 def submit(objects: list[dict[str, Any]], *, api_client: Any | None = None) -> tuple[str, str]:
@@ -58,10 +77,7 @@ def submit(objects: list[dict[str, Any]], *, api_client: Any | None = None) -> t
     except BackendError:
         api.call("delete", "configmaps", run, core.delete_namespaced_config_map, run, namespace, missing_ok=True)
         raise
-    uid = created.metadata.uid if created is not None and created.metadata else None
-    if uid:
-        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
-                 {"metadata": {"ownerReferences": [owner_reference(job_name, uid)]}})  # fmt: skip
+    _own_configmap(api, run, created)
     return run, namespace
 
 
@@ -85,14 +101,7 @@ def _orchestrator_state(api: KubeApi, run: str) -> str:
     status = pod.status
     phase = (status.phase if status else None) or "Pending"
     restarts = sum(c.restart_count or 0 for c in (status.container_statuses or [])) if status else 0
-    why = ""
-    for condition in (status.conditions or []) if status else []:
-        if condition.type == "PodScheduled" and condition.status == "False":
-            why = one_line(condition.message or condition.reason or "")
-    for container in (status.container_statuses or []) if status else []:
-        waiting = container.state.waiting if container.state else None
-        if waiting is not None and waiting.reason:
-            why = one_line(f"{waiting.reason}: {waiting.message or ''}".rstrip(": "))
+    why = (waiting_reason(pod) or ("", False))[0]
     return f"pod {pod.metadata.name} {phase}, {restarts} restart(s)" + (f": {why}" if why else "")
 
 
@@ -100,11 +109,8 @@ def remote_status(run: str, *, namespace: str, api_client: Any | None = None) ->
     """`cona status`'s summary of a run on Kubernetes, with `orchestrator` (its pod) added."""
     api = KubeApi(namespace, api_client)
     data = read_run_configmap(api, run)
-    try:
-        summary = json.loads(data[STATUS_KEY]) if STATUS_KEY in data else None
-    except ValueError:
-        summary = None
-    if not isinstance(summary, dict):
+    summary = _mirrored(data)
+    if summary is None:
         summary = {"status": "submitted", "reason": "the orchestrator has not reported yet", "run_dir": data.get("run-dir")}
     summary["run"] = run
     summary["namespace"] = namespace
@@ -120,7 +126,7 @@ def remote_stop(run: str, *, namespace: str, api_client: Any | None = None) -> s
     """Leave a stop request in the run's ConfigMap; returns what to tell the user."""
     api = KubeApi(namespace, api_client)
     data = read_run_configmap(api, run)
-    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    status = (_mirrored(data) or {}).get("status")
     if status in FINAL:
         return f"run {run} has already ended ({status}); nothing to stop"
     core = api.core()
@@ -137,7 +143,7 @@ def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 12
     api = KubeApi(namespace, api_client)
     core = api.core()
     data = read_run_configmap(api, run)
-    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    status = (_mirrored(data) or {}).get("status")
     name = report_configmap_name(run)
     if status not in FINAL:
         token = f"report-{time.time():.3f}"
@@ -178,7 +184,7 @@ def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: f
     api = KubeApi(namespace, api_client)
     core, batch = api.core(), api.batch()
     data = read_run_configmap(api, run)
-    status = (json.loads(data[STATUS_KEY]) if STATUS_KEY in data else {}).get("status")
+    status = (_mirrored(data) or {}).get("status")
     name = orchestrator_job_name(run)
     if status == "done":
         raise BackendError(f"kubernetes: run {run!r} has finished (done); there is nothing to resume")
@@ -205,10 +211,6 @@ def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: f
     token = f"resume-{time.time():.3f}"
     api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": {RESUME_KEY: token}})
     job = render_orchestrator_job(spec=profile.kubernetes, run=run, run_dir=data.get(RUN_DIR_KEY, ""))
-    created = api.call("create", "jobs", name, batch.create_namespaced_job, namespace, job)
-    uid = created.metadata.uid if created is not None and created.metadata else None
-    if uid:
-        api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
-                 {"metadata": {"ownerReferences": [owner_reference(name, uid)]}})  # fmt: skip
+    _own_configmap(api, run, api.call("create", "jobs", name, batch.create_namespaced_job, namespace, job))
     return (f"resuming run {run} ({status}) with a new orchestrator Job {name}: it goes on from the last complete "
             f"checkpoint (follow with `cona status {run} --namespace {namespace}`)")

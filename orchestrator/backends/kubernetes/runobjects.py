@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from cona.orchestrator.backends.kubernetes.render import (
+    CONTAINER_SECURITY,
+    POD_SECURITY,
     PYTHON,
-    RUN_UID,
     check_spec,
     dns_name,
     escape,
@@ -154,16 +155,6 @@ def render_configmap(*, profile: ClusterProfile, job: Job, run: str, run_dir: st
     }
 
 
-def _security(read_only_root: bool) -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "readOnlyRootFilesystem": read_only_root,
-        "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
 def orchestrator_argv(run: str, namespace: str) -> list[str]:
     """What the orchestrator pod runs: `cona orchestrate`, as an argv list (no shell), `$` doubled."""
     return [PYTHON, "-m", "cona.orchestrator.cli", "orchestrate", "--namespace", escape(namespace), escape(run)]
@@ -196,19 +187,12 @@ def render_orchestrator_job(*, spec: KubernetesSpec, run: str, run_dir: str) -> 
             "limits": {"memory": spec.orchestrator_memory},
         },
         "volumeMounts": [{"name": "runs", "mountPath": spec.mount_path}, {"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": _security(read_only_root=True),
+        "securityContext": dict(CONTAINER_SECURITY),
     }
     pod: dict[str, Any] = {
         "restartPolicy": "OnFailure",
         "serviceAccountName": spec.service_account,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_UID,
-            "runAsGroup": RUN_UID,
-            "fsGroup": RUN_UID,
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(POD_SECURITY),
         "containers": [container],
         "volumes": [
             {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
