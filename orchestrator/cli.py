@@ -42,7 +42,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time
+    from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time, ties_with_best
     from cona.orchestrator.profile import load_profile
 
     profile = load_profile(args.profile, args.profile_overrides)
@@ -52,12 +52,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_by_iter_time(candidates)
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
+    ties = ties_with_best(ranked)
     if args.json:
-        print(json.dumps([c.to_dict() for c in shown + rejected], indent=1))
+        rows = [{**c.to_dict(), "within_model_error_of_best": c.strategy in ties} for c in shown + rejected]
+        print(json.dumps(rows, indent=1))
         return 0
     from cona.orchestrator.tables import print_plan
 
-    print_plan(profile=profile, job=job, shown=shown, rejected=rejected, num_feasible=len(ranked), num_total=len(candidates))
+    print_plan(profile=profile, job=job, shown=shown, rejected=rejected, num_feasible=len(ranked),
+               num_total=len(candidates), ties=ties)  # fmt: skip
     return 0
 
 

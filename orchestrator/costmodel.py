@@ -1,21 +1,55 @@
-"""Analytical iteration time and memory of a strategy on a cluster (docs/architecture.md).
+"""Analytical iteration time and memory of a strategy on a cluster (docs/costmodel.md).
 
-The formulas follow the 3-D cost models of Megatron, AMP, Galvatron and Metis: compute from FLOPs at a fraction
-of peak, tensor-parallel all-reduces on the link the TP group sits on, the pipeline's fill/drain bubble and
-point-to-point activations, the part of the data-parallel gradient reduction not hidden behind backward, and the
-optimizer step. They are meant to rank strategies, then be calibrated online by measured step times.
+One optimizer step of (dp, tp, pp, mbs, gbs) is costed as what the trainer does on each device:
+
+- **matmuls** — the FLOPs of every linear layer, the attention kernel and the output head, forward, backward and
+  the recomputed forward, at a fraction of the device's peak that grows with the tokens of one micro-batch
+  (`AcceleratorSpec.matmul_efficiency`, `matmul_half_tokens`): small GEMMs do not fill the device;
+- **memory-bound kernels** — norms, residual adds, activations, RoPE, layout copies and, when attention is not
+  fused, the softmax over the s×s scores: bytes moved at the device's memory bandwidth. They cost a fixed share of
+  the per-token work of width h, so their weight against the matmuls (width h²/t) grows as h/t shrinks: this, not
+  one efficiency constant, is why small models and wide tensor parallelism reach a lower fraction of peak;
+- **tensor parallelism** — all-reduces of the activations, two per layer per pass, on the slowest link of the tp
+  group (NVLink inside a node, the node's NICs shared by its devices across nodes);
+- **pipeline** — (m + (p − 1)/v) slots of the slowest stage: the p − 1 fill/drain slots (divided by the v virtual
+  stages of the interleaved schedule) are the bubble, whatever the ratio of micro-batches m to stages p;
+  point-to-point sends of the activations and their gradients;
+- **data parallelism** — FSDP2's all-gathers (per micro-batch when parameters are resharded after forward, once
+  per step otherwise) and the gradient reduce-scatter, in the parameters' dtype, partly hidden behind compute;
+- **optimizer** — AdamW streaming its fp32 states through memory.
+
+Collectives run at `NetworkSpec.bandwidth_efficiency` of the nominal link bandwidth plus a latency per ring step.
+The memory of the strategy comes from `cona.orchestrator.memorymodel`. The constants below are counted from the
+trainer's kernels; the efficiencies in the profiles are fitted to published measurements (docs/costmodel.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.feasibility import virtual_stages
+from cona.protocol.job import ModelSpec
 
-BYTES_PER_PARAM_STATE = 16  # bf16 param + fp32 master + bf16 grad... (Megatron/ZeRO's 16 bytes per parameter)
-BYTES_PER_ELEMENT = 2  # bf16 activations and gradients on the wire
-USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, workspace, CUDA context
+Attention = Literal["sdpa", "materialized"]
+"""How attention runs: `sdpa` is the trainer's (a fused kernel that never stores the s×s scores, and skips the
+masked half of a causal product); `materialized` writes the scores and the softmax to memory (unfused attention, as
+in Megatron-LM's published runs of 2021)."""
+
+MEMORY_BANDWIDTH_EFFICIENCY = 0.8
+"""Fraction of the device's nominal memory bandwidth that elementwise kernels reach (streaming reads and writes)."""
+DP_OVERLAP = 0.7
+"""Fraction of the compute during which FSDP2's prefetched all-gathers and reduce-scatters run that actually hides
+them: the collectives share the device's memory bandwidth and SMs with the compute they overlap."""
+MODEL_ERROR = 0.05
+"""Relative error of a predicted iteration time: the RMS of log(predicted/published) over Megatron-LM's runs of
+Tables 1 and 2 (`python -m benchmarks.published`; a test keeps it at least that; DeepSpeed's ZeRO-3 rows are
+another system, docs/costmodel.md). Strategies whose predictions differ by
+less than this are ties as far as the model can tell."""
+OPTIMIZER_BYTES_PER_PARAM = 28
+"""AdamW (foreach) per parameter: reads fp32 param, grad, exp_avg, exp_avg_sq (16 bytes), writes three (12)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +74,18 @@ class Prediction:
     """Predicted seconds per optimizer step, by part, and bytes of memory per device."""
 
     compute_s: float
+    """Matmuls and memory-bound kernels of the m micro-batches on the slowest stage."""
     tp_comm_s: float
     pipeline_bubble_s: float
     p2p_s: float
     dp_comm_s: float
-    """Exposed data-parallel communication (the part not hidden behind backward)."""
+    """Exposed data-parallel communication (the part not hidden behind compute)."""
     optimizer_s: float
     memory_bytes: float
     model_state_bytes: float
     activation_bytes: float
+    model_flops: float = 0.0
+    """Training FLOPs of one step on one device as counted by `model_flops_per_token` (no recomputation)."""
 
     @property
     def iter_time_s(self) -> float:
@@ -61,93 +98,174 @@ class Prediction:
         return self.memory_bytes / 1e9
 
 
-def predict(*, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Prediction:
-    """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`."""
-    model = job.model
-    num_params = model.num_params
-    num_layers, hidden, seq, heads, vocab = (
-        model.num_layers,
-        model.hidden_size,
-        model.seq_len,
-        model.num_heads,
-        model.vocab_size,
-    )
+# ------------------------------------------------------------------------------------------------- the model's work
+
+
+def matmul_params_per_layer(model: ModelSpec) -> int:
+    """Weights of one block that take part in matmuls (q, k, v, o and the MLP), as `trainer.model` builds it."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = model.num_kv_heads * model.head_dim
+    mlp = 3 * h * f if model.family == "llama" else 2 * h * f
+    return 2 * h * h + 2 * h * kv + mlp
+
+
+def head_params(model: ModelSpec) -> int:
+    """Weights of the output head's matmuls (BERT adds its MLM transform)."""
+    h, v = model.hidden_size, model.vocab_size
+    return h * v + (h * h if model.family == "bert" else 0)
+
+
+def attention_flops_per_token(model: ModelSpec, attention: Attention) -> float:
+    """Forward FLOPs per token of one layer's score and value products (QKᵀ and PV), before any tp split."""
+    full = 4 * model.seq_len * model.hidden_size
+    causal = model.family != "bert"
+    # A fused causal kernel skips the blocks above the diagonal; a materialised product computes them all.
+    return full / 2 if causal and attention == "sdpa" else full
+
+
+def elementwise_elements_per_token(model: ModelSpec, tp: int, attention: Attention) -> float:
+    """Elements read plus written per token by one layer's memory-bound forward kernels on one tp rank.
+
+    Counted from `trainer.model`: norms (read and write h; RMSNorm runs as four unfused passes) and residual adds
+    (read 2h, write h) are replicated on every tp rank; the MLP activation (GELU: read and write f; SwiGLU: SiLU
+    then a product, 5f), RoPE on q and k, and the copies around the attention kernel are split over tp. Unfused
+    attention also writes the scores, reads them into the softmax, writes the probabilities and reads them again:
+    four passes over the a·s scores per token.
+    """
+    h, f, a, s = model.hidden_size, model.ffn_hidden_size, model.num_heads, model.seq_len
+    kv = model.num_kv_heads * model.head_dim
+    if model.family == "llama":
+        replicated = 2 * 8 * h + 2 * 3 * h  # two RMSNorms, two residual adds
+        split = 5 * f + 6 * (h + kv) + 2 * (h + 2 * kv) + 2 * h  # SwiGLU, RoPE, attention in/out copies
+    else:
+        replicated = 2 * 2 * h + 2 * 3 * h  # two LayerNorms, two residual adds
+        split = 2 * f + 2 * (h + 2 * kv) + 2 * h  # GELU, attention in/out copies
+    elements = replicated + split / tp
+    if attention == "materialized":
+        elements += 4 * a * s / tp
+    return elements
+
+
+def model_flops_per_token(model: ModelSpec, attention: Attention = "sdpa") -> float:
+    """Training FLOPs per token of the whole model (forward and backward, no recomputation)."""
+    per_layer = 2 * matmul_params_per_layer(model) + attention_flops_per_token(model, attention)
+    return 3 * (model.num_layers * per_layer + 2 * head_params(model))
+
+
+# ------------------------------------------------------------------------------------------------- the prediction
+
+
+def collective_time(
+    *, nbytes: float, ranks: int, per_node: int, kind: str, intra: tuple[float, float], inter: tuple[float, float]
+) -> float:
+    """Seconds of one ring collective of `nbytes` over `ranks` devices, `per_node` of them on each node.
+
+    All-gather and reduce-scatter move (n−1)/n of the buffer through every device, all-reduce twice that. A group
+    inside one node runs at NVLink speed; a group that spans nodes runs at each device's share of its node's NICs,
+    because every device of the node is in some group communicating at the same time. (A hierarchical collective
+    could do better when several of the group's devices share a node; measured large-scale sharded data
+    parallelism does not: docs/costmodel.md.) `intra`/`inter` are (bytes/s per device, latency per step)."""
+    if ranks <= 1:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    k = max(1, min(per_node, ranks))
+    nodes = -(-ranks // k)
+    (intra_bw, intra_lat), (inter_bw, inter_lat) = intra, inter
+    if nodes == 1:
+        return factor * (ranks - 1) * (nbytes / ranks / intra_bw + intra_lat)
+    return factor * ((ranks - 1) / ranks * nbytes / inter_bw + (k - 1) * intra_lat + (nodes - 1) * inter_lat)
+
+
+def predict(
+    *, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int, attention: Attention = "sdpa"
+) -> Prediction:
+    """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`.
+
+    `attention` is the trainer's fused kernel unless a caller costs another system's run (docs/costmodel.md)."""
+    from cona.orchestrator.memorymodel import estimate_memory
+
+    model, par = job.model, job.parallel
     acc, net = profile.accelerator, profile.network
-    layout = layout_of(dp=dp, tp=tp, pp=pp, gpus_per_node=profile.gpus_per_node)
-    intra_bw, inter_bw = net.intra_node_bytes_per_s, net.inter_node_bytes_per_s
-    intra_lat, inter_lat = net.intra_node_latency_us * 1e-6, net.inter_node_latency_us * 1e-6
-    # Cross-node collectives of all devices on a node share its NICs.
-    inter_bw_per_device = inter_bw / profile.gpus_per_node
+    h, s, num_layers = model.hidden_size, model.seq_len, model.num_layers
+    gpus = profile.gpus_per_node
+    layout = layout_of(dp=dp, tp=tp, pp=pp, gpus_per_node=gpus)
+    eff = net.bandwidth_efficiency
+    intra = (net.intra_node_bytes_per_s * eff, net.intra_node_latency_us * 1e-6)
+    # Cross-node collectives of all devices of a node share its NICs.
+    inter = (net.inter_node_bytes_per_s * eff / gpus, net.inter_node_latency_us * 1e-6)
+    act_bytes = acc.activation_bytes
     num_micro = max(1, gbs // (dp * mbs))
+    chunks = virtual_stages(job, pp)
     layers_per_stage = num_layers / pp
+    tokens = mbs * s
+    recompute = getattr(par, "recompute", None) or ("full" if par.activation_checkpointing else "none")
 
-    # Compute of one micro-batch on one stage (forward + backward = 3 forward passes of 2 FLOPs per param·token).
-    flops = mbs * seq * (6 * num_params + 12 * num_layers * hidden * seq) / pp
-    if job.parallel.activation_checkpointing:
-        flops *= 4 / 3  # one more forward
-    compute_per_micro = flops / (tp * acc.peak_tflops * 1e12 * acc.mfu) + acc.microbatch_overhead_ms * 1e-3
-
-    # Tensor parallelism: 4 all-reduces of b·s·h per layer (2 forward, 2 backward), ring factor 2(t−1)/t.
-    tp_per_micro = 0.0
+    # Matmuls: 3 passes (forward, and backward's two products), 4 when full recompute runs the forward again.
+    matmul_eff = acc.matmul_efficiency * tokens / (tokens + acc.matmul_half_tokens)
+    flop_rate = acc.peak_tflops * 1e12 * matmul_eff
+    passes = 4 if recompute == "full" else 3
+    layer_flops = tokens * (2 * matmul_params_per_layer(model) + attention_flops_per_token(model, attention)) / tp
+    layer_time = passes * layer_flops / flop_rate
+    # Memory-bound kernels: backward moves about twice the forward's bytes; any recompute repeats the forward's.
+    mem_passes = 4 if recompute in ("full", "selective") else 3
+    layer_time += (
+        mem_passes * tokens * elementwise_elements_per_token(model, tp, attention) * act_bytes
+        / (acc.memory_bandwidth_bytes * MEMORY_BANDWIDTH_EFFICIENCY)
+    )  # fmt: skip
+    # Tensor parallelism: one all-reduce after attention and one after the MLP, in forward and again in backward
+    # (and in the recomputed forward).
+    tp_layer = 0.0
     if tp > 1:
-        bw, lat = (inter_bw_per_device, inter_lat) if layout.tp_crosses_nodes else (intra_bw, intra_lat)
-        volume = 4 * 2 * (tp - 1) / tp * BYTES_PER_ELEMENT * mbs * seq * hidden
-        tp_per_micro = layers_per_stage * (volume / bw + 4 * 2 * (tp - 1) * lat)
+        all_reduces = 6 if recompute == "full" else 4
+        tp_layer = all_reduces * collective_time(nbytes=act_bytes * tokens * h, ranks=tp, kind="all_reduce",
+                                                 per_node=min(tp, gpus), intra=intra, inter=inter)  # fmt: skip
+    # The output head (and the loss) on the last stage: 3 passes of its matmul, never recomputed.
+    head_time = 3 * tokens * 2 * head_params(model) / tp / flop_rate
+    overhead = acc.microbatch_overhead_ms * 1e-3
+    compute_stage = layers_per_stage * layer_time + overhead
+    comm_stage = layers_per_stage * tp_layer
+    last_compute = compute_stage + head_time  # the slowest stage sets the pipeline's pace
+    average_stage = compute_stage + comm_stage + head_time / pp
 
-    # Pipeline: (m + p − 1) slots of one micro-batch's stage time; the p − 1 extra are the bubble.
-    bubble_slots = pp - 1
-    if job.parallel.pipeline_schedule == "interleaved" and pp > 1:
-        bubble_slots = (pp - 1) / 2  # two virtual stages per device halve the bubble
-    stage_time = compute_per_micro + tp_per_micro
-    compute_s = num_micro * compute_per_micro
-    tp_comm_s = num_micro * tp_per_micro
-    bubble_s = bubble_slots * stage_time
+    # Pipeline: m slots of the slowest stage, plus (p − 1)/v fill/drain slots of an average one.
+    compute_s = num_micro * last_compute
+    tp_comm_s = num_micro * comm_stage
+    bubble_s = (pp - 1) / chunks * average_stage if pp > 1 else 0.0
     p2p_s = 0.0
     if pp > 1:
-        bw, lat = (inter_bw_per_device, inter_lat) if layout.pp_crosses_nodes else (intra_bw, intra_lat)
-        activation = BYTES_PER_ELEMENT * mbs * seq * hidden / tp
-        p2p_s = (num_micro + pp - 1) * 2 * (activation / bw + lat)
+        bw, lat = inter if layout.pp_crosses_nodes else intra
+        message = act_bytes * tokens * h  # every tp rank sends its (replicated) activation to its peer
+        # Each micro-batch crosses every chunk boundary forward and backward; a rank waits for its own sends.
+        p2p_s = (num_micro + pp - 1) * chunks * 2 * (message / bw + lat)
 
-    # Data parallelism: gradient reduction of this device's 1/(t·p) of the model; sharded DP also all-gathers
-    # parameters (reduce-scatter + all-gather = all-reduce volume, plus one extra gather for backward).
-    dp_comm = 0.0
+    # Data parallelism (FSDP2): parameters are all-gathered in their fp32 dtype (the trainer casts under autocast,
+    # after the gather) and gradients reduce-scattered in fp32 once per step. Resharded after forward
+    # (pp = 1 with sharded_dp), each micro-batch gathers twice (forward, backward); otherwise once per step.
+    dp_comm_s = 0.0
     if dp > 1:
-        bw, lat = (inter_bw_per_device, inter_lat) if layout.dp_crosses_nodes else (intra_bw, intra_lat)
-        shard_bytes = BYTES_PER_ELEMENT * num_params / (tp * pp)
-        factor = 3.0 if job.parallel.sharded_dp else 2.0
-        dp_comm = factor * (dp - 1) / dp * shard_bytes / bw
-        # Sharded DP gathers each layer's parameters again for every micro-batch (forward and backward);
-        # on slow-latency links (gloo on CPU) these per-layer collectives dominate small models.
-        units = layers_per_stage + 1  # one FSDP unit per block, plus the embedding or head of the stage
-        num_collectives = 3 * num_micro * units if job.parallel.sharded_dp else units
-        dp_comm += num_collectives * (dp - 1) * lat
-    hidden_behind_backward = (2 / 3) * compute_per_micro  # overlap with the last micro-batch's backward
-    dp_comm_s = max(0.0, dp_comm - hidden_behind_backward)
+        stage_params = (model.num_params / pp) / tp
+        units = layers_per_stage * chunks + 1  # one FSDP unit per block, plus the stage's root
+        gathers = 2 * num_micro if (pp == 1 and par.sharded_dp) else 1
+        dp_per_node = max(1, gpus // tp) if tp < gpus else 1  # dp peers are tp ranks apart
 
-    # Optimizer: AdamW streams the model states of its shard through memory about three times.
-    state_bytes = BYTES_PER_PARAM_STATE * num_params / (tp * pp)
-    if job.parallel.sharded_dp:
-        state_bytes /= dp
-    optimizer_s = 3 * state_bytes / acc.memory_bandwidth_bytes
+        def collective(nbytes: float) -> float:
+            return collective_time(nbytes=nbytes, ranks=dp, per_node=dp_per_node, kind="gather", intra=intra,
+                                   inter=inter)  # fmt: skip
 
-    # Memory: model states, plus one gathered layer under sharded DP, plus activations in flight.
-    gathered_layer = (
-        BYTES_PER_ELEMENT * 2 * num_params / num_layers / tp if job.parallel.sharded_dp and dp > 1 else 0.0
-    )
-    per_layer_act = seq * mbs * hidden * (34 + 5 * heads * seq / hidden) / tp
-    if job.parallel.activation_checkpointing:
-        stage_act = BYTES_PER_ELEMENT * seq * mbs * hidden * layers_per_stage + per_layer_act
-    else:
-        stage_act = per_layer_act * layers_per_stage
-    if pp == 1:
-        in_flight = 1
-    elif job.parallel.pipeline_schedule == "gpipe":
-        in_flight = num_micro
-    else:
-        in_flight = min(pp, num_micro)
-    logits = 4 * mbs * seq * vocab / tp  # fp32 logits on the last stage
-    activation_bytes = stage_act * in_flight + logits
-    memory = state_bytes + gathered_layer + activation_bytes
+        # The latency of every unit's collective; the bandwidth term is the same however the buffer is split.
+        latency = (gathers + 1) * (units - 1) * collective(0.0)
+        comm = (gathers + 1) * collective(4 * stage_params) + latency
+        # Hidden behind the compute it runs alongside: every micro-batch when gathering per micro-batch, else the
+        # first forward (the gather) and the last backward (the reduce-scatter).
+        window = compute_s if gathers > 1 else last_compute
+        dp_comm_s = max(comm - DP_OVERLAP * min(comm, window), comm / units)  # one unit is never hidden
+
+    # Optimizer: AdamW over this device's shard of the fp32 states.
+    shard = model.num_params / (tp * pp) / (dp if dp > 1 else 1)
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard / acc.memory_bandwidth_bytes
+
+    memory = estimate_memory(model=model, parallel=par, dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=num_micro,
+                             chunks=chunks, device=acc.device, attention=attention)  # fmt: skip
     return Prediction(
         compute_s=compute_s,
         tp_comm_s=tp_comm_s,
@@ -155,11 +273,13 @@ def predict(*, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs
         p2p_s=p2p_s,
         dp_comm_s=dp_comm_s,
         optimizer_s=optimizer_s,
-        memory_bytes=memory,
-        model_state_bytes=state_bytes,
-        activation_bytes=activation_bytes,
+        memory_bytes=memory.total,
+        model_state_bytes=memory.params + memory.grads + memory.optimizer,
+        activation_bytes=memory.activations + memory.working + memory.logits,
+        model_flops=gbs * s * model_flops_per_token(model, attention) / (dp * tp * pp),
     )
 
 
 def usable_memory_bytes(profile: ClusterProfile) -> float:
-    return profile.accelerator.memory_bytes * USABLE_MEMORY_FRACTION
+    """Device memory a strategy may fill: the memory model already counts the allocator's overhead."""
+    return profile.accelerator.memory_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cona.orchestrator.costmodel import Prediction, predict, usable_memory_bytes
+from cona.orchestrator.costmodel import MODEL_ERROR, Attention, Prediction, predict, usable_memory_bytes
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.feasibility import batch_problem, layout_problem, virtual_stages
@@ -95,9 +95,10 @@ def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: in
 
 
 def evaluate(
-    *, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int, layout_problem: str = ""
+    *, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int, layout_problem: str = "",
+    attention: Attention = "sdpa",
 ) -> Candidate:
-    """One candidate: checks every constraint, then predicts its cost."""
+    """One candidate: checks every constraint, then predicts its cost (`attention` as in `costmodel.predict`)."""
 
     strategy = Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
 
@@ -111,7 +112,7 @@ def evaluate(
         return rejected(problem)
     if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
         return rejected(f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]")
-    prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
+    prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs, attention=attention)
     usable = usable_memory_bytes(profile)
     if prediction.memory_bytes > usable:
         return rejected(
@@ -145,6 +146,17 @@ def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:
     """Feasible candidates, fastest iteration first (ties: more samples/s, then fewer pipeline stages)."""
     feasible = [c for c in candidates if c.feasible]
     return sorted(feasible, key=lambda c: (c.iter_time_s, -c.samples_per_s, c.pp, c.tp, c.dp, c.mbs, c.gbs))
+
+
+def ties_with_best(ranked: list[Candidate], *, error: float = MODEL_ERROR) -> set[Strategy]:
+    """The feasible strategies whose predicted time is within the model's own error of the fastest at their gbs.
+
+    Candidates of one global batch train the same samples per step, so only they compete; among them, the
+    model cannot tell apart predictions closer than its error (`costmodel.MODEL_ERROR`)."""
+    best: dict[int, float] = {}
+    for c in ranked:
+        best[c.gbs] = min(best.get(c.gbs, float("inf")), c.iter_time_s)
+    return {c.strategy for c in ranked if c.iter_time_s <= best[c.gbs] * (1 + error)}
 
 
 def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None = None) -> Candidate:

@@ -23,10 +23,28 @@ class AcceleratorSpec(StrictModel):
     """Device memory with its unit, e.g. `80 GB` or `80 GiB`."""
     memory_bandwidth: str = "2 TB/s"
     """Device memory bandwidth with its unit, e.g. `2039 GB/s`."""
-    mfu: float = Field(0.45, gt=0, le=1)
-    """Fraction of peak that the model's matmuls achieve (the cost model's efficiency)."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """What the trainer runs on: `cuda` trains under bf16 autocast (bf16 activations, fp32 states), `cpu` in fp32."""
+    matmul_efficiency: float = Field(0.75, gt=0, le=1)
+    """Fraction of peak that large matmuls reach (the asymptote of the cost model's matmul efficiency). The default
+    is fitted to Megatron-LM's published A100 runs (docs/costmodel.md); cona corrects it online from measured step
+    times."""
+    matmul_half_tokens: float = Field(128.0, ge=0)
+    """Tokens per micro-batch (mbs × seq_len) at which matmuls reach half of `matmul_efficiency`: smaller GEMMs
+    do not fill the device."""
     microbatch_overhead_ms: float = Field(0.5, ge=0)
     """Fixed cost of one micro-batch on one stage (kernel launches, Python), milliseconds."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "mfu" in data:
+            raise ValueError(
+                "accelerator.mfu was replaced by accelerator.matmul_efficiency (the efficiency of large matmuls; "
+                "the cost model now derives the whole step's efficiency from the shapes): remove mfu, and set "
+                "matmul_efficiency only if you measured it (docs/costmodel.md)"
+            )
+        return data
 
     @pydantic.field_validator("memory")
     @classmethod
@@ -48,6 +66,11 @@ class AcceleratorSpec(StrictModel):
     def memory_bandwidth_bytes(self) -> float:
         return parse_bytes(self.memory_bandwidth, per_second=True)
 
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element as the trainer computes: bf16 under CUDA autocast, fp32 on CPU."""
+        return 2 if self.device == "cuda" else 4
+
 
 class NetworkSpec(StrictModel):
     """Link bandwidths, each with its unit so bits and bytes are never confused (`200 Gbit/s`, `600 GB/s`)."""
@@ -60,6 +83,9 @@ class NetworkSpec(StrictModel):
     """Latency of one intra-node collective step, microseconds."""
     inter_node_latency_us: float = Field(10.0, ge=0)
     """Latency of one inter-node message, microseconds."""
+    bandwidth_efficiency: float = Field(0.8, gt=0, le=1)
+    """Fraction of the nominal bandwidths that collectives reach (protocol overheads, imperfect rings, contention).
+    The default is fitted to Megatron-LM's published A100 runs (docs/costmodel.md)."""
 
     @pydantic.field_validator("intra_node_bandwidth", "inter_node_bandwidth")
     @classmethod

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from cona.orchestrator.costmodel import MODEL_ERROR
 from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate
 from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.strategy import Strategy
 from rich.console import Console
 from rich.table import Table
 
@@ -18,8 +20,9 @@ def _fmt_time(seconds: float) -> str:
 
 
 def print_plan(
-    *, profile: ClusterProfile, job: Job, shown: list[Candidate], rejected: list[Candidate], num_feasible: int, num_total: int
-) -> None:
+    *, profile: ClusterProfile, job: Job, shown: list[Candidate], rejected: list[Candidate], num_feasible: int,
+    num_total: int, ties: set[Strategy] = frozenset(),
+) -> None:  # fmt: skip
     console = Console(width=160)
     model = job.model
     console.print(
@@ -29,7 +32,8 @@ def print_plan(
     )
     console.print(f"{num_feasible} feasible of {num_total} candidates; fastest iteration first")
     table = Table(show_lines=False)
-    for column in ("#", "dp", "tp", "pp", "mbs", "gbs", "iter time", "samples/s", "mem/device", "compute", "bubble", "comm"):
+    for column in ("#", "dp", "tp", "pp", "mbs", "gbs", "iter time", "samples/s", "≈best", "mem/device", "compute",
+                   "bubble", "comm"):  # fmt: skip
         table.add_column(column, justify="right")
     for i, c in enumerate(shown, 1):
         p = c.prediction
@@ -37,10 +41,22 @@ def print_plan(
         comm = p.tp_comm_s + p.p2p_s + p.dp_comm_s
         table.add_row(
             str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), _fmt_time(c.iter_time_s),
-            f"{c.samples_per_s:,.1f}", f"{c.memory_gb:.2f} GB", _fmt_time(p.compute_s),
+            f"{c.samples_per_s:,.1f}", "≈" if c.strategy in ties else "", f"{c.memory_gb:.2f} GB",
+            _fmt_time(p.compute_s),
             _fmt_time(p.pipeline_bubble_s), _fmt_time(comm),
         )  # fmt: skip
     console.print(table)
+    by_gbs: dict[int, int] = {}
+    for c in shown:
+        if c.strategy in ties:
+            by_gbs[c.gbs] = by_gbs.get(c.gbs, 0) + 1
+    close = {gbs: n for gbs, n in by_gbs.items() if n > 1}
+    if close:
+        listed = ", ".join(f"{n} at gbs {gbs}" for gbs, n in sorted(close.items()))
+        console.print(
+            f"≈best: within the cost model's error ({MODEL_ERROR:.0%}, docs/costmodel.md) of the fastest strategy of "
+            f"its global batch ({listed}); the model cannot rank these, `cona run` measures them."
+        )
     if rejected:
         rej = Table(title=f"{len(rejected)} rejected")
         for column in ("dp", "tp", "pp", "mbs", "gbs", "reason"):
