@@ -41,7 +41,7 @@ class MemoryBreakdown:
     """AdamW's exp_avg and exp_avg_sq (fp32, the dp shard)."""
     gathered: float
     """Unsharded parameters FSDP2 holds at the peak (two blocks when it reshards after forward, the whole stage
-    otherwise), plus autocast's bf16 copies of the weights on GPUs."""
+    otherwise; bf16 on GPUs); without FSDP on GPUs, autocast's bf16 copies of the weights."""
     activations: float
     """Saved for backward by every micro-batch in flight."""
     working: float
@@ -128,10 +128,11 @@ def estimate_memory(
     optimizer = 8 * shard
     reshard = pp == 1 and parallel.sharded_dp
     gathered = 0.0
+    param_bytes = 2 if device == "cuda" else 4  # FSDP2 gathers bf16 on GPUs (trainer.fsdp), fp32 on CPU
     if fsdp:
-        gathered = 4 * (2 * layer_params / tp if reshard else stage_params)
-    if device == "cuda":
-        gathered += 2 * stage_params  # autocast caches a bf16 copy of each weight for the step's forward
+        gathered = param_bytes * (2 * layer_params / tp if reshard else stage_params)
+    elif device == "cuda":
+        gathered = 2 * stage_params  # without FSDP, autocast's bf16 copies of the weights are saved for backward
 
     per_layer = tokens * layer_activation_bytes_per_token(model, tp=tp, device=device, attention=attention)
     in_flight = _in_flight(parallel, pp=pp, num_microbatches=num_microbatches, chunks=chunks)
