@@ -48,17 +48,9 @@ def a100_cluster(gpus: int, record: dict[str, Any] | None = None) -> ClusterProf
 
 def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False) -> Job:
     """A cona job for one published run: a GPT of the run's shape, full recompute, its batch and schedule."""
-    from cona.protocol.job import ParallelSpec  # TEMP until merge
-
-    parallel: dict[str, Any] = {"sharded_dp": sharded_dp}
-    if "recompute" in ParallelSpec.model_fields:
-        parallel["recompute"] = "full"
-    else:
-        parallel["activation_checkpointing"] = True
+    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "activation_checkpointing": True}
     if v > 1:
-        parallel.update(pipeline_schedule="interleaved")
-        if "virtual_stages" in ParallelSpec.model_fields:
-            parallel["virtual_stages"] = v
+        parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
     return job_from_dict({
         "name": f"megatron-{model['name']}",
         "model": {"family": "gpt", "num_layers": model["layers"], "hidden_size": model["hidden"],

@@ -181,7 +181,7 @@ def predict(
     """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`.
 
     `attention` is the trainer's fused kernel unless a caller costs another system's run (docs/costmodel.md)."""
-    from cona.orchestrator.memorymodel import estimate_memory
+    from cona.orchestrator.memorymodel import estimate_memory, recompute_mode
 
     model, par = job.model, job.parallel
     acc, net = profile.accelerator, profile.network
@@ -197,7 +197,7 @@ def predict(
     chunks = virtual_stages(job, pp)
     layers_per_stage = num_layers / pp
     tokens = mbs * s
-    recompute = getattr(par, "recompute", None) or ("full" if par.activation_checkpointing else "none")
+    recompute = recompute_mode(par)
 
     # Matmuls: 3 passes (forward, and backward's two products), 4 when full recompute runs the forward again.
     matmul_eff = acc.matmul_efficiency * tokens / (tokens + acc.matmul_half_tokens)
