@@ -8,10 +8,12 @@ line that names the value at fault and says what to change.
 What can run:
 - tensor parallelism splits attention heads, key/value heads and the MLP: tp divides each of them, and on a
   cluster it stays inside a node (tp divides the devices per node);
-- each pipeline stage (each virtual stage of the interleaved schedule) holds at least one layer;
+- each pipeline stage (each of the `parallel.virtual_stages` chunks per rank of the interleaved schedule) holds at
+  least one layer;
 - the global batch splits into whole micro-batches on every replica: gbs is a multiple of dp·mbs;
-- 1F1B and interleaved 1F1B need at least pp micro-batches per replica, and the interleaved schedule needs their
-  number to be a multiple of its rounds (micro-batches // pp);
+- the interleaved schedule (torch's `ScheduleInterleaved1F1B`) runs its m = gbs/(dp·mbs) micro-batches in
+  max(1, m // pp) rounds and needs m to be a multiple of them. Fewer micro-batches than stages run under every
+  schedule, with the larger bubble the cost model charges (1F1B then runs as GPipe: `trainer.pipeline`);
 - dp·tp·pp processes: exactly the world's size (checked last, so a strategy that only needs another world size can be
   told apart from one that cannot run at all).
 """
@@ -23,8 +25,8 @@ from cona.protocol.strategy import Strategy
 
 
 def virtual_stages(job: JobSpec, pp: int) -> int:
-    """Model chunks per pipeline rank: 2 under the interleaved schedule, else 1."""
-    return 2 if job.parallel.pipeline_schedule == "interleaved" and pp > 1 else 1
+    """Model chunks per pipeline rank: `parallel.virtual_stages` under the interleaved schedule with pp > 1, else 1."""
+    return job.parallel.virtual_stages if job.parallel.pipeline_schedule == "interleaved" and pp > 1 else 1
 
 
 def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None = None) -> str:
@@ -43,10 +45,12 @@ def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None 
                     f"node")  # fmt: skip
         if gpus_per_node % tp:
             return f"tp={tp} does not divide gpus_per_node={gpus_per_node}"
-    stages = pp * virtual_stages(job, pp)
+    virtual = virtual_stages(job, pp)
+    stages = pp * virtual
     if stages > model.num_layers:
+        smaller = "a smaller pp or parallel.virtual_stages" if virtual > 1 else "a smaller pp"
         return (f"{stages} pipeline stages need at least {stages} layers but model.num_layers={model.num_layers}; "
-                f"choose a smaller pp")  # fmt: skip
+                f"choose {smaller}")  # fmt: skip
     return ""
 
 
@@ -56,14 +60,12 @@ def batch_problem(job: JobSpec, strategy: Strategy) -> str:
     if gbs % (dp * mbs):
         return f"gbs={gbs} is not a multiple of dp·mbs={dp * mbs}; choose gbs, dp and mbs so that it is"
     micro = gbs // (dp * mbs)
-    schedule = job.parallel.pipeline_schedule
-    if pp > 1 and schedule in ("1f1b", "interleaved") and micro < pp:
-        return (f"{schedule} needs micro-batches ≥ pp: gbs/(dp·mbs)={micro} < pp={pp}; raise gbs, lower mbs or dp, "
-                f"or set parallel.pipeline_schedule=gpipe")  # fmt: skip
-    if pp > 1 and schedule == "interleaved" and micro % max(1, micro // pp):
-        return (f"interleaved 1F1B needs gbs/(dp·mbs)={micro} micro-batches to be a multiple of its "
-                f"{micro // pp} rounds (micro-batches // pp={pp}); choose gbs so that gbs/(dp·mbs) is a multiple of "
-                f"pp")  # fmt: skip
+    # No rule for fewer micro-batches than stages: every schedule runs them (trainer.pipeline), paying the bubble.
+    rounds = max(1, micro // pp)
+    if pp > 1 and job.parallel.pipeline_schedule == "interleaved" and micro % rounds:
+        return (f"interleaved 1F1B runs gbs/(dp·mbs)={micro} micro-batches in max(1, {micro}//pp)={rounds} "
+                f"rounds (pp={pp}) and needs a multiple of its {rounds} rounds; choose gbs so that gbs/(dp·mbs) is "
+                f"a multiple of pp={pp} or below 2·pp={2 * pp}")  # fmt: skip
     return ""
 
 

@@ -37,7 +37,6 @@ def test_every_candidate_uses_all_devices_and_obeys_constraints(a100, gpt3):
             assert gpt3.model.num_layers % c.pp == 0
             assert c.gbs % (c.dp * c.mbs) == 0
             assert gpt3.batch.min_gbs <= c.gbs <= gpt3.batch.max_gbs
-            assert c.pp == 1 or c.gbs // (c.dp * c.mbs) >= c.pp  # 1F1B micro-batch rule
             assert c.memory_gb * 1e9 <= a100.accelerator.memory_bytes
         else:
             assert c.reason
@@ -48,8 +47,8 @@ def test_rejections_name_their_reason(a100, gpt3):
     text = " | ".join(reasons)
     assert "would span nodes" in text
     assert "does not divide model.num_layers" in text
-    assert "needs micro-batches ≥ pp" in text
     assert "GB per device" in text
+    assert "micro-batches" not in text  # 1F1B with fewer micro-batches than stages runs: a cost, not a rule
 
 
 def test_a100_gpt3_tp_within_node_and_fits_pure_sharded_dp(a100, gpt3):

@@ -332,7 +332,12 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
         (["optimizer.lrr=1"], "dp=1,mbs=2,gbs=16", ExitCode.CONFIG, "'optimizer.lrr'"),
         ([], "dp=1,tp=3,mbs=2,gbs=16", ExitCode.CONFIG, "tp=3 does not divide model.num_heads=4"),
         ([], "dp=1,pp=8,mbs=2,gbs=16", ExitCode.CONFIG, "model.num_layers=4"),
-        ([], "dp=1,pp=2,mbs=8,gbs=8", ExitCode.CONFIG, "needs micro-batches ≥ pp"),
+        (["parallel.pipeline_schedule=interleaved"], "dp=1,pp=2,mbs=2,gbs=10", ExitCode.CONFIG,
+         "needs a multiple of its 2 rounds; choose gbs so that gbs/(dp·mbs) is a multiple of pp=2 or below 2·pp=4"),
+        (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=3"], "dp=1,pp=2,mbs=8,gbs=16",
+         ExitCode.CONFIG, "6 pipeline stages need at least 6 layers but model.num_layers=4; choose a smaller pp or "
+         "parallel.virtual_stages"),
+        ([], "dp=1,pp=2,mbs=8,gbs=8", ExitCode.BAD_WORLD, "needs dp·tp·pp = 2 processes"),  # 1F1B, 1 micro-batch
         ([], "dp=2,mbs=2,gbs=16", ExitCode.BAD_WORLD, "needs dp·tp·pp = 2 processes but the world has 1"),
         ([], "dp=1,mbs=3,gbs=16", ExitCode.CONFIG, "gbs=16 is not a multiple of dp·mbs=3"),
         ([], "dp=1,mbz=2,gbs=16", ExitCode.CONFIG, "did you mean 'mbs'"),

@@ -65,7 +65,8 @@ def init_distributed() -> DistEnv:
 
 
 def num_virtual_stages(job: JobSpec, strategy: Strategy) -> int:
-    """Pipeline stages per pp rank: 2 under the interleaved schedule, else 1 (`cona.protocol.feasibility`)."""
+    """Pipeline stages per pp rank: `parallel.virtual_stages` under the interleaved schedule, else 1
+    (`cona.protocol.feasibility`)."""
     return virtual_stages(job, strategy.pp)
 
 

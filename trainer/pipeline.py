@@ -1,12 +1,14 @@
 """Pipeline parallelism: which stages a pp rank holds, their `PipelineStage`s and schedule, and BERT's tied weight.
 
-**Split.** `num_stages = pp` (or 2·pp for the interleaved schedule, `trainer.distributed.num_virtual_stages`);
-stage s lives on pp rank s mod pp. Each stage is the full model pruned on the meta device
-(`trainer.model.prune_to_stage`), so parameter names stay those of the full model.
+**Split.** `num_stages = pp` (or pp·`parallel.virtual_stages` for the interleaved schedule,
+`trainer.distributed.num_virtual_stages`); stage s lives on pp rank s mod pp, so rank r holds stages r, r + pp, …
+Each stage is the full model pruned on the meta device (`trainer.model.prune_to_stage`), so parameter names stay
+those of the full model.
 
 **Schedule.** `torch.distributed.pipelining`: `PipelineStage` with static shapes (no shape-inference pass), and
-GPipe, 1F1B or interleaved 1F1B over the replica's micro-batches. The schedule calls `ScaledLoss` on the last
-stage; `scale_grads=False` because the loss scale already normalises the gradients (`trainer.parallel`).
+GPipe, 1F1B (as GPipe when the replica has fewer micro-batches than stages: `one_f_one_b_runs_as_gpipe`) or
+interleaved 1F1B over the replica's micro-batches. The schedule calls `ScaledLoss` on the last stage;
+`scale_grads=False` because the loss scale already normalises the gradients (`trainer.parallel`).
 
 **BERT's tied decoder under pp.** The last stage keeps `tok_embeddings.weight` for its decoder. After backward the
 two partial gradients are summed across the first and last stage (a small all-reduce of the sharded gradient), so
@@ -87,8 +89,21 @@ def build_schedule(
     kind = job.parallel.pipeline_schedule
     if kind == "interleaved":
         return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+    gpipe = kind == "gpipe" or one_f_one_b_runs_as_gpipe(num_microbatches, pp=num_stages)
+    cls = ScheduleGPipe if gpipe else Schedule1F1B
     return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def one_f_one_b_runs_as_gpipe(num_microbatches: int, *, pp: int) -> bool:
+    """Whether a 1F1B step runs as GPipe: with fewer micro-batches than stages, which torch's `Schedule1F1B`
+    refuses ("Number of microbatches (m) must be greater than or equal to the number of stages (pp)").
+
+    Nothing is lost by it. With m < pp the step takes m + pp − 1 slots under either schedule (the same bubble), and
+    1F1B's warm-up of min(pp − rank − 1, m) forwards (Megatron's) already puts every micro-batch's forward in flight
+    before the first backward on the first stage, which holds the most activations: the peak is m micro-batches'
+    activations in both. The gradients are the same sums in the same order per stage.
+    """
+    return num_microbatches < pp
 
 
 def tied_embedding_group(mesh: DeviceMesh, *, num_stages: int, rank: int) -> dist.ProcessGroup | None:
