@@ -40,8 +40,8 @@ def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None 
     ):
         if value % tp:
             return f"tp={tp} does not divide {name}={value}; choose a tp that divides it"
-    # A tp group is tp consecutive ranks; inside a node or on whole nodes it is even, otherwise some groups
-    # straddle a node boundary with a different split each (and no node count places them evenly).
+    # A tp group is tp consecutive ranks: on full nodes it lies inside one or on whole ones only when tp divides
+    # gpus_per_node or is a multiple of it; otherwise groups straddle node boundaries, each split differently.
     if gpus_per_node is not None and gpus_per_node % tp and tp % gpus_per_node:
         return (f"tp={tp} neither divides nor is a multiple of gpus_per_node={gpus_per_node}, so its groups "
                 f"would straddle nodes unevenly; choose a tp that divides {gpus_per_node} or is a multiple of "
