@@ -6,9 +6,9 @@ building a strategy it was given; the backends use `placement` to spread a world
 line that names the value at fault and says what to change.
 
 What can run:
-- tensor parallelism splits attention heads, key/value heads and the MLP: tp divides each of them, and on a
-  cluster a tp group is a slice of one node or whole nodes (tp divides the devices per node or is a multiple of
-  it; across nodes it runs at the NICs' speed, which the cost model charges);
+- tensor parallelism splits attention heads, key/value heads and the MLP: tp divides each of them; on a cluster
+  each tp group (consecutive ranks: the mesh is pp-major, tp-minor) lies inside one node or on whole nodes, so tp
+  divides the devices per node or is a multiple of them (across nodes it runs, slower: the cost model charges it);
 - each pipeline stage (each of the `parallel.virtual_stages` chunks per rank of the interleaved schedule) holds at
   least one layer;
 - the global batch splits into whole micro-batches on every replica: gbs is a multiple of dp·mbs;
@@ -40,10 +40,12 @@ def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None 
     ):
         if value % tp:
             return f"tp={tp} does not divide {name}={value}; choose a tp that divides it"
-    if gpus_per_node is not None and (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
-        # A tp group is tp consecutive ranks: whole nodes, or a slice of one; otherwise groups straddle nodes unevenly.
-        return (f"tp={tp} groups would straddle nodes of gpus_per_node={gpus_per_node}; choose a tp that divides "
-                f"{gpus_per_node} or is a multiple of it")  # fmt: skip
+    # A tp group is tp consecutive ranks: on full nodes it lies inside one or on whole ones only when tp divides
+    # gpus_per_node or is a multiple of it; otherwise groups straddle node boundaries, each split differently.
+    if gpus_per_node is not None and gpus_per_node % tp and tp % gpus_per_node:
+        return (f"tp={tp} neither divides nor is a multiple of gpus_per_node={gpus_per_node}, so its groups "
+                f"would straddle nodes unevenly; choose a tp that divides {gpus_per_node} or is a multiple of "
+                f"it")  # fmt: skip
     virtual = virtual_stages(job, pp)
     stages = pp * virtual
     if stages > model.num_layers:
@@ -84,14 +86,23 @@ def world_problem(strategy: Strategy, world_size: int) -> str:
 
 
 def placement(strategy: Strategy, gpus_per_node: int, max_nodes: int | None = None) -> tuple[int, int]:
-    """(nodes, processes per node) for a strategy: the fewest nodes that hold dp·tp·pp processes evenly.
+    """(nodes, processes per node) for a strategy: the fewest nodes that hold dp·tp·pp processes evenly, with every
+    tensor-parallel group inside one node or on whole nodes.
 
-    Raises ValueError when no such spread exists within `max_nodes`."""
-    world = strategy.world_size
+    Node i holds the consecutive ranks [i·per_node, (i+1)·per_node) (torchrun numbers each node's processes
+    together) and a tp group is tp consecutive ranks (`trainer.distributed.build_mesh`), so a tp group straddles no
+    node boundary when per_node is a multiple of tp or tp a multiple of per_node. Raises ValueError when no such
+    spread exists within `max_nodes`."""
+    world, tp = strategy.world_size, strategy.tp
+
+    def fits(nnodes: int) -> bool:
+        per_node = world // nnodes
+        return not world % nnodes and (not per_node % tp or not tp % per_node)
+
     nnodes = -(-world // gpus_per_node)
-    while nnodes <= world and world % nnodes:
+    while nnodes <= world and not fits(nnodes):
         nnodes += 1
-    if world % nnodes or world // nnodes > gpus_per_node:
+    if nnodes > world or world // nnodes > gpus_per_node:
         raise ValueError(f"strategy {strategy}: {world} processes cannot be spread evenly over nodes of "
                          f"{gpus_per_node} devices")  # fmt: skip
     if max_nodes is not None and nnodes > max_nodes:

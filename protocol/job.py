@@ -197,15 +197,16 @@ class ParallelSpec(StrictModel):
     """Knobs of the parallel layouts the planner may choose."""
 
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """Pipeline schedule. 1F1B with fewer micro-batches per replica than stages runs (as GPipe, whose bubble and peak
-    activations in flight are then the same); the interleaved schedule's micro-batch rule is in
+    """Pipeline schedule. 1F1B with fewer micro-batches per replica than stages runs as GPipe (whose bubble and
+    peak activations in flight are then the same); the interleaved schedule's micro-batch rule is in
     `cona.protocol.feasibility`."""
     virtual_stages: int = Field(2, ge=2)
     """Model chunks per pipeline rank under the interleaved schedule (Megatron's
     --num-layers-per-virtual-pipeline-stage expressed as chunks): pp·virtual_stages stages of at least one layer
     each. Ignored by the other schedules."""
     max_tp: int | None = Field(None, gt=0)
-    """Upper bound on the tensor-parallel degree (default: GPUs per node)."""
+    """Upper bound on the tensor-parallel degree (default: none; a tp above the profile's gpus_per_node must be a
+    multiple of it, and runs across nodes at the cost the cost model charges)."""
     max_pp: int | None = Field(None, gt=0)
     """Upper bound on the pipeline-parallel degree."""
     sharded_dp: bool = True

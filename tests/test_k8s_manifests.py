@@ -241,6 +241,15 @@ def test_job_completions_match_the_placement_for_a_multi_node_strategy():
     assert argv[-6:] == ["-m", "cona.trainer", "--run-dir", "/runs/r", "--attempt", "3"]
 
 
+def test_tensor_parallelism_across_nodes_gets_whole_nodes():
+    # tp=16 over nodes of 8: every tp group is two whole pods' processes (torchrun numbers a pod's ranks together).
+    strategy = Strategy.parse("dp=2,tp=16,pp=1,mbs=1,gbs=8")
+    objects = render_attempt(profile=load_profile(K8S_PROFILE), strategy=strategy, attempt=1, run_dir="/runs/r")
+    assert _job(objects)["spec"]["completions"] == 4
+    argv = _container(objects)["command"]
+    assert "--nnodes=4" in argv and "--nproc-per-node=8" in argv
+
+
 def test_single_node_strategy_uses_one_pod_with_its_processes():
     strategy = Strategy.parse("dp=2,tp=2,pp=1,mbs=1,gbs=8")
     container = _container(render_attempt(profile=load_profile(K8S_PROFILE), strategy=strategy, attempt=1, run_dir="/runs/r"))

@@ -102,6 +102,8 @@ def test_parse_squeue_sacct_sinfo():
         ((1, 1, 1), 8, (1, 1)),
         ((8, 4, 1), 8, (4, 8)),
         ((3, 1, 1), 2, (3, 1)),
+        ((2, 16, 1), 8, (4, 8)),  # tensor parallelism across nodes: each tp group on two whole nodes
+        ((1, 4, 3), 8, (3, 4)),  # not 2 nodes of 6, which would cut a tp group of 4 in two
     ],
 )
 def test_placement(layout, gpn, expected):

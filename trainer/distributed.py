@@ -2,8 +2,8 @@
 
 One process group per process (`init_distributed`, torchrun's environment or a world of one), and per strategy one
 3-D mesh ("pp", "dp", "tp") from `init_device_mesh` (`build_mesh`): tp innermost, so a tensor-parallel group is
-consecutive ranks (inside a node), then dp, then pp outermost. The trainer builds a new mesh for every strategy of an
-in-place switch; the process group stays.
+consecutive ranks (inside a node, or whole nodes when tp is a multiple of the devices per node), then dp, then pp
+outermost. The trainer builds a new mesh for every strategy of an in-place switch; the process group stays.
 
 Whether a strategy fits is decided by `cona.protocol.feasibility`, the single authority the planner uses too:
 `check_layout` only turns its answer into a `LayoutError`, and `num_virtual_stages` reads its stage count.
