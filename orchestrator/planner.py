@@ -90,7 +90,8 @@ def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: in
         return f"pp={pp} exceeds parallel.max_pp={par.max_pp}"
     chunks = pp * virtual_stages(job, pp)
     if chunks > pp and model.num_layers % chunks:
-        return f"interleaved schedule needs model.num_layers={model.num_layers} divisible by 2·pp={chunks}"
+        return (f"interleaved schedule needs model.num_layers={model.num_layers} divisible by pp·virtual_stages={chunks} "
+                f"(the planner keeps chunks equal)")  # fmt: skip
     return ""
 
 
