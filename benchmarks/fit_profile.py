@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, print_table, write_json
+from benchmarks.common import REPO, print_table, write_json
 
 PARAMS = [  # (dotted field, unit suffix or None for a plain number)
     ("accelerator.peak_tflops", None),

@@ -48,7 +48,7 @@ def a100_cluster(gpus: int, record: dict[str, Any] | None = None) -> ClusterProf
 
 def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False) -> Job:
     """A cona job for one published run: a GPT of the run's shape, full recompute, its batch and schedule."""
-    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "activation_checkpointing": True}
+    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": "full"}
     if v > 1:
         parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
     return job_from_dict({

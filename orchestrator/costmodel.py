@@ -43,9 +43,10 @@ MEMORY_BANDWIDTH_EFFICIENCY = 0.8
 DP_OVERLAP = 0.7
 """Fraction of the compute during which FSDP2's prefetched all-gathers and reduce-scatters run that actually hides
 them: the collectives share the device's memory bandwidth and SMs with the compute they overlap."""
-MODEL_ERROR = 0.08
-"""Relative error of a predicted iteration time: the RMS of log(predicted/published) over the published runs of
-Tables 1 and 2 (`python -m benchmarks.published`; a test keeps it at least that). Strategies whose predictions differ by
+MODEL_ERROR = 0.05
+"""Relative error of a predicted iteration time: the RMS of log(predicted/published) over Megatron-LM's published
+runs of Tables 1 and 2 (`python -m benchmarks.published`; a test keeps it at least that). Table 2's ZeRO-3 rows
+ran DeepSpeed, which gathers half the bytes the trainer's FSDP2 gathers (docs/costmodel.md). Strategies whose predictions differ by
 less than this are ties as far as the model can tell."""
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW (foreach) per parameter: reads fp32 param, grad, exp_avg, exp_avg_sq (16 bytes), writes three (12)."""
@@ -181,7 +182,7 @@ def predict(
     """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`.
 
     `attention` is the trainer's fused kernel unless a caller costs another system's run (docs/costmodel.md)."""
-    from cona.orchestrator.memorymodel import estimate_memory, recompute_mode
+    from cona.orchestrator.memorymodel import estimate_memory
 
     model, par = job.model, job.parallel
     acc, net = profile.accelerator, profile.network
@@ -197,7 +198,7 @@ def predict(
     chunks = virtual_stages(job, pp)
     layers_per_stage = num_layers / pp
     tokens = mbs * s
-    recompute = recompute_mode(par)
+    recompute = par.recompute
 
     # Matmuls: 3 passes (forward, and backward's two products), 4 when full recompute runs the forward again.
     matmul_eff = acc.matmul_efficiency * tokens / (tokens + acc.matmul_half_tokens)
@@ -237,8 +238,8 @@ def predict(
         # Each micro-batch crosses every chunk boundary forward and backward; a rank waits for its own sends.
         p2p_s = (num_micro + pp - 1) * chunks * 2 * (message / bw + lat)
 
-    # Data parallelism (FSDP2): parameters are all-gathered in the compute dtype (bf16 on GPUs, FSDP2's
-    # MixedPrecisionPolicy in trainer.fsdp; fp32 on CPU), gradients reduce-scattered in fp32 once per step. Resharded after forward
+    # Data parallelism (FSDP2): parameters are all-gathered in fp32 (autocast casts after the gather) and
+    # gradients reduce-scattered in fp32 once per step. Resharded after forward
     # (pp = 1 with sharded_dp), each micro-batch gathers twice (forward, backward); otherwise once per step.
     dp_comm_s = 0.0
     if dp > 1:
@@ -253,7 +254,7 @@ def predict(
 
         # The latency of every unit's collective; the bandwidth term is the same however the buffer is split.
         latency = (gathers + 1) * (units - 1) * collective(0.0)
-        comm = gathers * collective(act_bytes * stage_params) + collective(4 * stage_params) + latency
+        comm = (gathers + 1) * collective(4 * stage_params) + latency
         # Hidden behind the compute it runs alongside: every micro-batch when gathering per micro-batch, else the
         # first forward (the gather) and the last backward (the reduce-scatter).
         window = compute_s if gathers > 1 else last_compute
@@ -264,7 +265,7 @@ def predict(
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard / acc.memory_bandwidth_bytes
 
     memory = estimate_memory(model=model, parallel=par, dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=num_micro,
-                             chunks=chunks, device=acc.device, attention=attention)  # fmt: skip
+                             device=acc.device, attention=attention)  # fmt: skip
     return Prediction(
         compute_s=compute_s,
         tp_comm_s=tp_comm_s,

@@ -211,8 +211,29 @@ class ParallelSpec(StrictModel):
     """Upper bound on the pipeline-parallel degree."""
     sharded_dp: bool = True
     """Shard parameters, gradients and optimizer state across data-parallel ranks (FSDP2)."""
-    activation_checkpointing: bool = False
-    """Recompute activations in backward; lowers memory, costs one extra forward."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """What backward recomputes instead of keeping from forward (activation checkpointing):
+
+    - `none`: keep every activation autograd saves (the most memory, no extra compute);
+    - `selective`: op-level selective checkpointing (torchtitan's): keep the outputs of the matmuls and of
+      attention, recompute the cheap elementwise ops (norms, GELU/SiLU, RoPE, residual adds) in backward;
+    - `full`: keep only each block's input and recompute the whole block in backward (one extra forward).
+
+    Old files' `activation_checkpointing: true/false` still load, as `full`/`none`."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _legacy_activation_checkpointing(cls, data: Any) -> Any:
+        # run.yaml files of runs made before `recompute` existed carry the boolean; map it so they still load.
+        if isinstance(data, dict) and "activation_checkpointing" in data:
+            data = dict(data)
+            legacy = data.pop("activation_checkpointing")
+            if not isinstance(legacy, bool):
+                raise ValueError(f"activation_checkpointing must be true or false, got {legacy!r}; use recompute")
+            if "recompute" in data and data["recompute"] != ("full" if legacy else "none"):
+                raise ValueError("give recompute or the old activation_checkpointing, not both")
+            data.setdefault("recompute", "full" if legacy else "none")
+        return data
 
 
 class TargetSpec(StrictModel):

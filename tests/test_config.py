@@ -184,3 +184,18 @@ def test_cli_bad_input_is_one_line_exit_2(args, expected):
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("legacy", "mode"), [(True, "full"), (False, "none")])
+def test_old_activation_checkpointing_key_still_loads(tmp_path, legacy, mode):
+    from cona.protocol.job import ParallelSpec, job_from_dict
+
+    # run.yaml files of runs made before `parallel.recompute` existed carry the boolean
+    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "parallel": {"activation_checkpointing": legacy}})
+    assert job.parallel.recompute == mode
+    assert "activation_checkpointing" not in job.model_dump()["parallel"]
+    assert ParallelSpec(recompute="selective").recompute == "selective"
+    with pytest.raises(ValueError, match="not both"):
+        ParallelSpec(activation_checkpointing=legacy, recompute="selective")
+    with pytest.raises(ValueError, match="recompute"):
+        ParallelSpec(recompute="some")

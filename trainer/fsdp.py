@@ -25,16 +25,9 @@ def reshard_after_forward(*, pp: int, sharded_dp: bool) -> bool:
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, pp: int, sharded_dp: bool) -> None:
     """Shard `model` (one pipeline stage) over `dp_mesh` in place: every block, then the stage root."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     reshard = reshard_after_forward(pp=pp, sharded_dp=sharded_dp)
-    # On GPUs, gather the parameters in bf16 and reduce gradients in fp32 (torchtitan's policy): autocast alone
-    # would save a bf16 copy of every weight for backward, the whole model's worth under sharded DP, and would
-    # gather fp32. CPU runs stay fp32.
-    kwargs = {}
-    if dp_mesh.device_type == "cuda":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from cona.protocol.job import ModelSpec
 from cona.trainer.data import IGNORE_INDEX
+from cona.trainer.recompute import Recompute, checkpointed
 from torch import nn
 
 INIT_STD = 0.02
@@ -125,7 +126,8 @@ class Block(nn.Module):
         self.attn = Attention(spec)
         self.mlp_norm = _norm(spec)
         self.mlp = MLP(spec)
-        self.activation_checkpointing = False
+        self.recompute: Recompute = "none"
+        """`parallel.recompute`: what backward recomputes (`trainer.recompute`); set by `trainer.parallel`."""
 
     def _forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         if self.post_norm:
@@ -135,12 +137,8 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            # Recompute inside the block instead of wrapping it, so parameter names do not change.
-            from torch.utils.checkpoint import checkpoint
-
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
-        return self._forward(x, rope)
+        # Recompute inside the block instead of wrapping it, so parameter names do not change.
+        return checkpointed(self._forward, x, rope, mode=self.recompute)
 
 
 TpStyle = Literal["colwise", "rowwise"]

@@ -4,7 +4,7 @@
 (`trainer.pipeline`) from the full model on the meta device (`trainer.model`), in this order:
 
 1. `build_model` on meta → `prune_to_stage` → `materialize` (values depend only on the seed and parameter names,
-   so any layout starts from the same model) → activation checkpointing flags;
+   so any layout starts from the same model) → each block's recompute mode (`trainer.recompute`);
 2. **TP** — `trainer.tp.apply_tp` with the model's own plan (`trainer.model.tp_plan`), when tp > 1;
 3. **FSDP2** — `trainer.fsdp.apply_fsdp` on the dp axis, when dp > 1;
 
@@ -112,7 +112,7 @@ class ParallelModel:
         prune_to_stage(model, stage=stage, num_stages=self.num_stages)
         materialize(model, device=self.device, seed=self.job.seed)
         for block in model.layers.values():
-            block.activation_checkpointing = self.job.parallel.activation_checkpointing
+            block.recompute = self.job.parallel.recompute
         if self.strategy.tp > 1:
             apply_tp(model, self.mesh["tp"])
         if self.strategy.dp > 1:
