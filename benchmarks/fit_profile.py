@@ -9,7 +9,8 @@ heartbeat windows, `state.json`), then fits the profile's accelerator and networ
 `memory_bandwidth`, `microbatch_overhead_ms`, `intra_node_bandwidth`, `intra_node_latency_us` — by least squares
 on log(measured/predicted) (a multiplicative coordinate search). Prints measured against predicted before and after
 and the fitted values; writes benchmarks/results/fit-<profile>.json. `--measured` refits from a saved JSON without
-training again. The shipped local profiles were fitted this way (docs/costmodel.md).
+training again. On the 2-core development machine no constants fit well (docs/decisions.md), so the shipped
+local profiles keep theirs.
 """
 
 from __future__ import annotations

@@ -38,10 +38,13 @@ def paper_flops(*, layers: int, hidden: int, gbs: int, seq: int = SEQ, vocab: in
     return 96 * gbs * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def a100_cluster(gpus: int, record: dict[str, Any] | None = None) -> ClusterProfile:
-    """The record's cluster (a shipped profile with overrides) with as many nodes as the run used."""
-    record = record or load_record()
-    profile = load_profile(REPO / record["profile"], record.get("profile_set", []))
+def record_cluster(record: dict[str, Any]) -> ClusterProfile:
+    """The record's cluster: a shipped profile with the record's overrides."""
+    return load_profile(REPO / record["profile"], record.get("profile_set", []))
+
+
+def a100_cluster(gpus: int, profile: ClusterProfile) -> ClusterProfile:
+    """`profile` with as many nodes as the run used."""
     nodes = max(1, -(-gpus // profile.gpus_per_node))
     return profile.model_copy(update={"nodes": nodes})
 
@@ -100,12 +103,12 @@ class Case:
         }  # fmt: skip
 
 
-def cost(group: str, label: str, model: dict[str, Any], *, gpus: int, t: int, p: int, mbs: int, gbs: int,
-         v: int = 1, sharded_dp: bool = False, published: float | None = None) -> Case:  # fmt: skip
+def cost(group: str, label: str, model: dict[str, Any], *, cluster: ClusterProfile, gpus: int, t: int, p: int,
+         mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False, published: float | None = None) -> Case:  # fmt: skip
     d = gpus // (t * p)
     assert d * t * p == gpus, (label, gpus, t, p)
     job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp)
-    profile = a100_cluster(gpus)
+    profile = a100_cluster(gpus, cluster)
     problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p)
     c = evaluate(profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, layout_problem=problem,
                  attention="materialized")  # fmt: skip
@@ -116,44 +119,44 @@ def cost(group: str, label: str, model: dict[str, Any], *, gpus: int, t: int, p:
                 paper_flops(layers=model["layers"], hidden=model["hidden"], gbs=gbs))  # fmt: skip
 
 
-def table_1(record: dict[str, Any]) -> list[Case]:
+def table_1(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     return [
-        cost("table_1", row["name"], row, gpus=row["gpus"], t=row["t"], p=row["p"], mbs=row["mbs"], gbs=row["gbs"],
+        cost("table_1", row["name"], row, cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"], mbs=row["mbs"], gbs=row["gbs"],
              v=row["v"], published=row["tflops"])
         for row in record["table_1"]
     ]  # fmt: skip
 
 
-def table_2(record: dict[str, Any]) -> list[Case]:
+def table_2(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     spec = record["table_2"]
     return [
-        cost("table_2", f"{row['scheme']} {row['gpus']}", spec["model"], gpus=row["gpus"], t=row["t"], p=row["p"],
+        cost("table_2", f"{row['scheme']} {row['gpus']}", spec["model"], cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"],
              mbs=row["mbs"], gbs=spec["gbs"], sharded_dp=row["scheme"] == "zero-3", published=row["tflops"])
         for row in spec["rows"]
     ]  # fmt: skip
 
 
-def figure_13(record: dict[str, Any]) -> list[Case]:
+def figure_13(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     spec = record["figure_13"]
     return [
-        cost("figure_13", f"t{t} p{p} B{gbs}", spec["model"], gpus=spec["gpus"], t=t, p=p, mbs=spec["mbs"], gbs=gbs)
+        cost("figure_13", f"t{t} p{p} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=t, p=p, mbs=spec["mbs"], gbs=gbs)
         for gbs in spec["gbs"] for t, p in spec["configs"]
     ]  # fmt: skip
 
 
-def figure_14(record: dict[str, Any]) -> list[Case]:
+def figure_14(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     spec = record["figure_14"]
     return [
-        cost("figure_14", f"p{p} d{spec['gpus'] // p} B{gbs}", spec["model"], gpus=spec["gpus"], t=1, p=p,
+        cost("figure_14", f"p{p} d{spec['gpus'] // p} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=1, p=p,
              mbs=spec["mbs"], gbs=gbs)
         for gbs in spec["gbs"] for p in spec["pipeline_sizes"]
     ]  # fmt: skip
 
 
-def figure_16(record: dict[str, Any]) -> list[Case]:
+def figure_16(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     spec = record["figure_16"]
     return [
-        cost("figure_16", f"mbs{mbs} B{gbs}", spec["model"], gpus=spec["gpus"], t=spec["t"], p=spec["p"], mbs=mbs,
+        cost("figure_16", f"mbs{mbs} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=spec["t"], p=spec["p"], mbs=mbs,
              gbs=gbs)
         for gbs in spec["gbs"] for mbs in spec["mbs"]
     ]  # fmt: skip
@@ -161,7 +164,8 @@ def figure_16(record: dict[str, Any]) -> list[Case]:
 
 def all_cases(record: dict[str, Any] | None = None) -> list[Case]:
     record = record or load_record()
-    return table_1(record) + table_2(record) + figure_13(record) + figure_14(record) + figure_16(record)
+    cluster = record_cluster(record)
+    return [c for table in (table_1, table_2, figure_13, figure_14, figure_16) for c in table(record, cluster)]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -200,14 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "published.json")
     args = parser.parse_args(argv)
-    cases = all_cases()
+    record = load_record()
+    cases = all_cases(record)
     print_cases(cases)
     t1 = [c for c in cases if c.group == "table_1"]
     worst = max(t1, key=lambda c: abs(math.log(c.ratio or 1)))
     print(f"\nTable 1: predicted/published from {min(c.ratio for c in t1):.2f} to {max(c.ratio for c in t1):.2f} "
           f"(worst {worst.label}); Table 2 rank correlation "
           f"{spearman([c.predicted_tflops for c in cases if c.group == 'table_2'], [c.published_tflops for c in cases if c.group == 'table_2']):.2f}")  # fmt: skip
-    write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": load_record()["profile"]})
+    write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"]})
     print(f"wrote {args.out}")
     return 0
 

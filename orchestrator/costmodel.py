@@ -29,6 +29,7 @@ import dataclasses
 from typing import Literal
 
 from cona.orchestrator.job import Job
+from cona.orchestrator.memorymodel import estimate_memory
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.feasibility import virtual_stages
 from cona.protocol.job import ModelSpec
@@ -46,27 +47,10 @@ them: the collectives share the device's memory bandwidth and SMs with the compu
 MODEL_ERROR = 0.05
 """Relative error of a predicted iteration time: the RMS of log(predicted/published) over Megatron-LM's published
 runs of Tables 1 and 2 (`python -m benchmarks.published`; a test keeps it at least that). Table 2's ZeRO-3 rows
-ran DeepSpeed, which gathers half the bytes the trainer's FSDP2 gathers (docs/costmodel.md). Strategies whose predictions differ by
-less than this are ties as far as the model can tell."""
+ran DeepSpeed, which gathers half the bytes the trainer's FSDP2 gathers (docs/costmodel.md). Strategies whose
+predictions differ by less than this are ties as far as the model can tell."""
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW (foreach) per parameter: reads fp32 param, grad, exp_avg, exp_avg_sq (16 bytes), writes three (12)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a strategy's process groups sit on the cluster's nodes (ranks laid out pp-major, tp-minor)."""
-
-    tp_crosses_nodes: bool
-    dp_crosses_nodes: bool
-    pp_crosses_nodes: bool
-
-
-def layout_of(*, dp: int, tp: int, pp: int, gpus_per_node: int) -> Layout:
-    return Layout(
-        tp_crosses_nodes=tp > gpus_per_node,
-        dp_crosses_nodes=dp * tp > gpus_per_node,
-        pp_crosses_nodes=pp > 1 and dp * tp * pp > gpus_per_node,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +68,6 @@ class Prediction:
     memory_bytes: float
     model_state_bytes: float
     activation_bytes: float
-    model_flops: float = 0.0
-    """Training FLOPs of one step on one device as counted by `model_flops_per_token` (no recomputation)."""
 
     @property
     def iter_time_s(self) -> float:
@@ -146,17 +128,12 @@ def elementwise_elements_per_token(model: ModelSpec, tp: int, attention: Attenti
     return elements
 
 
-def model_flops_per_token(model: ModelSpec, attention: Attention = "sdpa") -> float:
-    """Training FLOPs per token of the whole model (forward and backward, no recomputation)."""
-    per_layer = 2 * matmul_params_per_layer(model) + attention_flops_per_token(model, attention)
-    return 3 * (model.num_layers * per_layer + 2 * head_params(model))
-
-
 # ------------------------------------------------------------------------------------------------- the prediction
 
 
 def collective_time(
-    *, nbytes: float, ranks: int, per_node: int, kind: str, intra: tuple[float, float], inter: tuple[float, float]
+    *, nbytes: float, ranks: int, per_node: int, kind: Literal["all_reduce", "gather"], intra: tuple[float, float],
+    inter: tuple[float, float],
 ) -> float:
     """Seconds of one ring collective of `nbytes` over `ranks` devices, `per_node` of them on each node.
 
@@ -182,13 +159,10 @@ def predict(
     """Iteration time and per-device memory of (dp, tp, pp, mbs, gbs) for `job` on `profile`.
 
     `attention` is the trainer's fused kernel unless a caller costs another system's run (docs/costmodel.md)."""
-    from cona.orchestrator.memorymodel import estimate_memory
-
     model, par = job.model, job.parallel
     acc, net = profile.accelerator, profile.network
     h, s, num_layers = model.hidden_size, model.seq_len, model.num_layers
     gpus = profile.gpus_per_node
-    layout = layout_of(dp=dp, tp=tp, pp=pp, gpus_per_node=gpus)
     eff = net.bandwidth_efficiency
     intra = (net.intra_node_bytes_per_s * eff, net.intra_node_latency_us * 1e-6)
     # Cross-node collectives of all devices of a node share its NICs.
@@ -233,7 +207,8 @@ def predict(
     bubble_s = (pp - 1) / chunks * average_stage if pp > 1 else 0.0
     p2p_s = 0.0
     if pp > 1:
-        bw, lat = inter if layout.pp_crosses_nodes else intra
+        # Ranks are laid out pp-major: stage boundaries cross nodes once the whole world spans more than one.
+        bw, lat = inter if dp * tp * pp > gpus else intra
         message = act_bytes * tokens * h  # every tp rank sends its (replicated) activation to its peer
         # Each micro-batch crosses every chunk boundary forward and backward; a rank waits for its own sends.
         p2p_s = (num_micro + pp - 1) * chunks * 2 * (message / bw + lat)
@@ -276,10 +251,4 @@ def predict(
         memory_bytes=memory.total,
         model_state_bytes=memory.params + memory.grads + memory.optimizer,
         activation_bytes=memory.activations + memory.working + memory.logits,
-        model_flops=gbs * s * model_flops_per_token(model, attention) / (dp * tp * pp),
     )
-
-
-def usable_memory_bytes(profile: ClusterProfile) -> float:
-    """Device memory a strategy may fill: the memory model already counts the allocator's overhead."""
-    return profile.accelerator.memory_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cona.orchestrator.costmodel import MODEL_ERROR, Attention, Prediction, predict, usable_memory_bytes
+from cona.orchestrator.costmodel import MODEL_ERROR, Attention, Prediction, predict
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.feasibility import batch_problem, layout_problem, virtual_stages
@@ -114,7 +114,7 @@ def evaluate(
     if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
         return rejected(f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]")
     prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs, attention=attention)
-    usable = usable_memory_bytes(profile)
+    usable = profile.accelerator.memory_bytes  # the memory model counts the allocator's overhead itself
     if prediction.memory_bytes > usable:
         return rejected(
             f"needs {prediction.memory_bytes / 1e9:.1f} GB per device > {usable / 1e9:.1f} GB usable", prediction
