@@ -49,6 +49,10 @@ MODEL_ERROR = 0.05
 runs of Tables 1 and 2 (`python -m benchmarks.published`; a test keeps it at least that). Table 2's ZeRO-3 rows
 ran DeepSpeed, which gathers half the bytes the trainer's FSDP2 gathers (docs/costmodel.md). Strategies whose
 predictions differ by less than this are ties as far as the model can tell."""
+SELECTIVE_HOST_FORWARDS = 2.6
+"""Host cost of a block under selective recompute, in forwards: the forward, its replay, and the dispatch mode
+that decides per op what to save (about 1.6 forwards of Python on its own; fitted with `host_layer_ms` to the
+step times `python -m benchmarks.gpu` measured on an H200, docs/benchmarks.md)."""
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW (foreach) per parameter: reads fp32 param, grad, exp_avg, exp_avg_sq (16 bytes), writes three (12)."""
 
@@ -65,6 +69,7 @@ class Prediction:
     dp_comm_s: float
     """Exposed data-parallel communication (the part not hidden behind compute)."""
     optimizer_s: float
+    """AdamW's pass over its fp32 states, plus the step's host overhead (`AcceleratorSpec.step_overhead_ms`)."""
     memory_bytes: float
     model_state_bytes: float
     activation_bytes: float
@@ -193,6 +198,11 @@ def predict(
         all_reduces = 6 if recompute == "full" else 4
         tp_layer = all_reduces * collective_time(nbytes=act_bytes * tokens * h, ranks=tp, kind="all_reduce",
                                                  per_node=min(tp, gpus), intra=intra, inter=inter)  # fmt: skip
+    # The host issues every block's kernels; on a GPU it runs ahead of the device, which hides the larger of the two
+    # behind the other (an eager trainer at small micro-batches is host-bound); on a CPU the two add.
+    host_forwards = {"none": 1.0, "full": 2.0, "selective": SELECTIVE_HOST_FORWARDS}[recompute]
+    host_layer = host_forwards * acc.host_layer_ms * 1e-3
+    layer_time = layer_time + host_layer if acc.device == "cpu" else max(layer_time, host_layer)
     # The output head (and the loss) on the last stage: 3 passes of its matmul, never recomputed.
     head_time = 3 * tokens * 2 * head_params(model) / tp / flop_rate
     overhead = acc.microbatch_overhead_ms * 1e-3
@@ -237,7 +247,7 @@ def predict(
 
     # Optimizer: AdamW over this device's shard of the fp32 states.
     shard = model.num_params / (tp * pp) / (dp if dp > 1 else 1)
-    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard / acc.memory_bandwidth_bytes
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard / acc.memory_bandwidth_bytes + acc.step_overhead_ms * 1e-3
 
     memory = estimate_memory(model=model, parallel=par, dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=num_micro,
                              device=acc.device, attention=attention)  # fmt: skip

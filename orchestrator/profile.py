@@ -34,6 +34,17 @@ class AcceleratorSpec(StrictModel):
     do not fill the device."""
     microbatch_overhead_ms: float = Field(0.5, ge=0)
     """Fixed cost of one micro-batch on one stage (kernel launches, Python), milliseconds."""
+    host_layer_ms: float = Field(0.0, ge=0)
+    """Host time (Python, the dispatcher, kernel launches) to issue one block's forward for one micro-batch in
+    cona's eager trainer, milliseconds. A GPU runs what the host issued asynchronously, so a micro-batch costs the
+    larger of the device's time and the host's; a recomputed forward is issued again (selective recompute's
+    dispatch mode costs more, `costmodel.SELECTIVE_HOST_FORWARDS`). On `cpu` the host is the device: the time adds.
+    0 leaves the host out (fused-kernel systems such as Megatron-LM, whose published runs fit the defaults).
+    `python -m benchmarks.gpu` then `--fit` measure it (3.4 ms on an H200 machine, docs/benchmarks.md)."""
+    step_overhead_ms: float = Field(0.0, ge=0)
+    """Host time per optimizer step that the device does not hide, milliseconds: the gradient statistics, clipping
+    and the optimizer's per-tensor work, the batch's assembly, the step's all-reduce read back. Fitted with
+    `host_layer_ms`; on the H200 machine the per-block term explains it all (docs/benchmarks.md)."""
 
     @pydantic.model_validator(mode="before")
     @classmethod

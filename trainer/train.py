@@ -39,6 +39,7 @@ from cona.trainer.data import Batcher, Corpus
 from cona.trainer.distributed import DistEnv, check_layout
 from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
 from cona.trainer.parallel import ParallelModel
+from torch.profiler import record_function
 
 PROGRESS_INTERVAL_S = 10.0
 
@@ -249,19 +250,24 @@ class Trainer:
         s, strategy, model = self.state, self.strategy, self.model
         started = time.perf_counter()
         start, end = s.samples, s.samples + strategy.gbs
-        batch = self.batcher.samples(start, end)
-        count = batch.num_targets
-        rows = slice(model.dp_rank * strategy.local_batch, (model.dp_rank + 1) * strategy.local_batch)
-        inputs = torch.from_numpy(np.ascontiguousarray(batch.inputs[rows])).to(self.env.device)
-        labels = torch.from_numpy(np.ascontiguousarray(batch.labels[rows])).to(self.env.device)
+        # The named ranges show up in `torch.profiler` traces (benchmarks.gpu profiles a step); they cost nothing
+        # otherwise.
+        with record_function("cona.batch"):
+            batch = self.batcher.samples(start, end)
+            count = batch.num_targets
+            rows = slice(model.dp_rank * strategy.local_batch, (model.dp_rank + 1) * strategy.local_batch)
+            inputs = torch.from_numpy(np.ascontiguousarray(batch.inputs[rows])).to(self.env.device)
+            labels = torch.from_numpy(np.ascontiguousarray(batch.labels[rows])).to(self.env.device)
         lr = job_learning_rate(self.job, samples=start, gbs=strategy.gbs)
 
         model.zero_grad()
         model.stats.begin_step(use_adam=s.step > 0 and self._wants_adam)
-        loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
-        tied_pre, tied_post = model.sync_tied()
-        global_sq, global_adam = model.stats.global_terms(model.parameters())
-        local_sq, local_adam = model.stats.local_terms()
+        with record_function("cona.forward_backward"):
+            loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
+        with record_function("cona.statistics"):
+            tied_pre, tied_post = model.sync_tied()
+            global_sq, global_adam = model.stats.global_terms(model.parameters())
+            local_sq, local_adam = model.stats.local_terms()
         command, budget = Action.NONE, 0.0
         if self.is_rank0:
             command = self.control.poll(self.run_dir)
@@ -276,8 +282,9 @@ class Trainer:
             torch.tensor(1.0 if self.control.signal_name == "SIGUSR1" else 0.0, dtype=torch.float64, device=self.env.device),
             torch.tensor(budget, dtype=torch.float64, device=self.env.device),
         ]).to(torch.float64)  # fmt: skip
-        dist.all_reduce(vector)
-        values = vector.tolist()
+        with record_function("cona.all_reduce"):
+            dist.all_reduce(vector)
+            values = vector.tolist()
         loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, sigterm, sigusr1, budget_v = (
             values
         )
@@ -288,7 +295,8 @@ class Trainer:
         clip_sq = global_sq_v + tied_fix
         if not (math.isfinite(loss) and math.isfinite(clip_sq)):
             raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
-        model.clip_and_step(grad_sqnorm=clip_sq, max_norm=self.job.optimizer.grad_clip, lr=lr)
+        with record_function("cona.optimizer"):
+            model.clip_and_step(grad_sqnorm=clip_sq, max_norm=self.job.optimizer.grad_clip, lr=lr)
         step_time = time.perf_counter() - started
 
         s.step += 1
