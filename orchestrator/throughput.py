@@ -1,15 +1,22 @@
 """Online calibration of the analytical cost model by measured step times (docs/architecture.md).
 
-The cost model ranks strategies well but its absolute times are off by a factor that depends on the machine
-(achieved MFU, collective latencies, Python overheads). Measured step times fix that in three tiers, from the
-most to the least trustworthy:
+The cost model ranks strategies well but its absolute times are off in a way that depends on the machine, and not
+by one factor: a fixed cost per step (Python, kernel launches, collective latencies, the pipeline's per-micro-batch
+overhead) is amortised by a larger batch, a per-sample cost is not. A single factor learnt from one strategy
+scales both and keeps ranking small batches as it did; the calibration is therefore affine,
+
+    measured(s) ≈ F + k · predicted(s)
+
+per layout (dp, tp, pp), from the strategies of that layout that ran:
 
 1. the strategy itself was measured: its own measured time;
-2. a strategy with the same (dp, tp, pp, mbs) was measured at another gbs: its time scaled by the cost model's
-   ratio predicted(c)/predicted(measured). Same layout means the same per-micro-batch cost; only the number of
-   micro-batches changes, which the model predicts well;
-3. otherwise the prediction times a global calibration factor: the geometric mean of measured/predicted over
-   every measured strategy (1.0 when none). A geometric mean because the factors are ratios.
+2. its layout was measured at two or more predicted times (another gbs or micro-batch, cheap to visit with the
+   in-place switch): F and k by least squares (F ≥ 0; k at least a tenth of the mean measured/predicted);
+3. its layout was measured at one predicted time: k from the layouts where it is known (the geometric mean; the
+   cost model's own 1.0 when none is), and the excess over k · predicted as the fixed cost F. Attributing the
+   unexplained time to the fixed cost is the optimistic reading for larger batches: the policy then tries one,
+   and its measurement settles F and k (tier 2). A measured time below k · predicted is scaled instead (F = 0);
+4. the layout never ran: the mean F and the geometric-mean k of the measured layouts (0 and 1 when none).
 
 Each measured time is the median of the last `window` observations: heartbeat step times are already window
 means, but the first windows after a launch (allocation, first collectives, compilation) and checkpoint or
@@ -21,6 +28,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -31,6 +39,51 @@ from cona.protocol.strategy import Strategy
 
 DEFAULT_WINDOW = 9
 Source = Literal["measured", "layout", "degrees", "calibrated", "none"]
+"""Which tier produced an estimate: `measured` (1), `layout` (2: fitted on this layout), `degrees` (3: one
+measured point of this layout), `calibrated` (4: other layouts' calibration), `none` (no prediction)."""
+DISTINCT = 1.05
+"""Predicted times that differ by less than this factor are one point for the affine fit."""
+MIN_SCALE_FRACTION = 0.1
+"""k is kept at least this fraction of the mean measured/predicted of the layout's points (a fit whose time does
+not grow with the work would make every larger batch free)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """measured ≈ fixed_s + scale · predicted for one layout (or for layouts that never ran)."""
+
+    fixed_s: float
+    scale: float
+    determined: bool
+    """Fitted on at least two distinct predicted times (else a prior filled in what one point cannot say)."""
+
+    def time_s(self, predicted_s: float) -> float:
+        return self.fixed_s + self.scale * predicted_s
+
+
+def fit_affine(points: list[tuple[float, float]], *, prior_scale: float) -> Affine:
+    """The affine calibration of (predicted, measured) points of one layout (module docstring, tiers 2 and 3)."""
+    assert points, "fit_affine needs at least one point"
+    predicted = [p for p, _ in points]
+    if len(points) >= 2 and max(predicted) > DISTINCT * min(predicted):
+        n = len(points)
+        mp = sum(predicted) / n
+        mt = sum(t for _, t in points) / n
+        sxx = sum((p - mp) ** 2 for p in predicted)
+        k = sum((p - mp) * (t - mt) for p, t in points) / sxx
+        fixed = mt - k * mp
+        if fixed < 0:  # no fixed cost: the least-squares scale through the origin
+            fixed, k = 0.0, sum(t * p for p, t in points) / sum(p * p for p in predicted)
+        floor = MIN_SCALE_FRACTION * sum(t / p for p, t in points) / n
+        if k < floor:
+            k = floor
+            fixed = max(0.0, sum(t - k * p for p, t in points) / n)
+        return Affine(fixed, k, True)
+    p = sum(predicted) / len(points)
+    t = sum(t for _, t in points) / len(points)
+    if t > prior_scale * p:
+        return Affine(t - prior_scale * p, prior_scale, False)
+    return Affine(0.0, t / p, False)
 
 
 def _key(dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
@@ -67,10 +120,13 @@ class ThroughputModel:
         self.window = int(window)
         self._measured: dict[Strategy, _Measurement] = {}
         self._predicted: dict[Strategy, float] = {}
+        self._cached: tuple[int, Any] | None = None  # (version, calibration()): estimates run per candidate
+        self._version = 0
         self.set_candidates(candidates)
 
     def set_candidates(self, candidates: list[Candidate]) -> None:
         """Replace the candidate list (for example after the device count changed); measurements are kept."""
+        self._version += 1
         for c in candidates:
             if c.prediction is not None and c.iter_time_s > 0 and math.isfinite(c.iter_time_s):
                 self._predicted[_candidate_key(c)] = c.iter_time_s
@@ -94,6 +150,7 @@ class ThroughputModel:
             m = self._measured[key] = _Measurement(window=self.window, predicted_s=self._predicted.get(key))
         m.times.append(float(step_time_s))
         m.count += 1
+        self._version += 1
 
     def measured_time_s(self, strategy: Strategy) -> float | None:
         """The measured step time of exactly this strategy, or None if it never ran."""
@@ -106,7 +163,8 @@ class ThroughputModel:
 
     @property
     def calibration_factor(self) -> float:
-        """Geometric mean of measured/predicted over measured strategies with a known prediction (1.0 if none)."""
+        """Geometric mean of measured/predicted over measured strategies with a known prediction (1.0 if none):
+        how far off the cost model is overall, for reports (the estimates use `calibration`)."""
         logs = [
             math.log(m.time_s / m.predicted_s) for m in self._measured.values() if m.predicted_s is not None
         ]
@@ -114,45 +172,47 @@ class ThroughputModel:
 
     # ------------------------------------------------------------------------------------------ estimating
 
+    def _points(self) -> dict[tuple[int, int, int], list[tuple[float, float]]]:
+        """(predicted, measured) of every measured strategy with a prediction, by layout (dp, tp, pp)."""
+        points: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+        for s, m in self._measured.items():
+            if m.predicted_s is not None and m.predicted_s > 0:
+                points.setdefault(s.layout(), []).append((m.predicted_s, m.time_s))
+        return points
+
+    def calibration(self) -> tuple[dict[tuple[int, int, int], Affine], Affine]:
+        """The affine calibration of every measured layout, and the one for layouts that never ran."""
+        if self._cached is None or self._cached[0] != self._version:
+            self._cached = (self._version, self._calibration())
+        return self._cached[1]
+
+    def _calibration(self) -> tuple[dict[tuple[int, int, int], Affine], Affine]:
+        points = self._points()
+        determined = [fit_affine(p, prior_scale=1.0) for p in points.values()]
+        known = [a.scale for a in determined if a.determined]
+        prior = math.exp(sum(math.log(k) for k in known) / len(known)) if known else 1.0
+        fits = {layout: fit_affine(p, prior_scale=prior) for layout, p in points.items()}
+        if not fits:
+            return fits, Affine(0.0, 1.0, False)
+        scales = [a.scale for a in fits.values()]
+        rest = Affine(sum(a.fixed_s for a in fits.values()) / len(fits),
+                      math.exp(sum(math.log(k) for k in scales) / len(scales)), False)  # fmt: skip
+        return fits, rest
+
     def _calibrate(self, strategy: Strategy, predicted: float | None) -> tuple[float, Source]:
         m = self._measured.get(strategy)
         if m is not None:
             return m.time_s, "measured"
         if predicted is None or not math.isfinite(predicted) or predicted <= 0:
             return math.inf, "none"
-        layout = _layout(strategy)
-        same_layout = [
-            (s, mm) for s, mm in self._measured.items() if _layout(s) == layout and mm.predicted_s is not None
-        ]
-        if same_layout:
-            # The nearest measured gbs (in ratio) extrapolates best; ties go to the better-measured one, then
-            # to the smaller gbs (deterministic).
-            _, nearest = min(
-                same_layout,
-                key=lambda item: (abs(math.log(item[0].gbs / strategy.gbs)), -item[1].count, item[0].gbs),
-            )
-            assert nearest.predicted_s is not None
-            return nearest.time_s * predicted / nearest.predicted_s, "layout"
-        degrees = strategy.layout()
-        same_degrees = [
-            (s, mm) for s, mm in self._measured.items() if s.layout() == degrees and mm.predicted_s is not None
-        ]
-        if same_degrees:
-            # Same process groups, other micro-batch: the measured time carries the layout's communication and
-            # overheads, which a global factor would smear across all layouts.
-            _, nearest = min(
-                same_degrees,
-                key=lambda item: (
-                    abs(math.log(item[0].mbs / strategy.mbs)) + abs(math.log(item[0].gbs / strategy.gbs)),
-                    -item[1].count, item[0].mbs, item[0].gbs,
-                ),
-            )  # fmt: skip
-            assert nearest.predicted_s is not None
-            return nearest.time_s * predicted / nearest.predicted_s, "degrees"
-        return predicted * self.calibration_factor, "calibrated"
+        fits, rest = self.calibration()
+        fit = fits.get(strategy.layout())
+        if fit is None:
+            return rest.time_s(predicted), "calibrated"
+        return fit.time_s(predicted), "layout" if fit.determined else "degrees"
 
     def estimate(self, candidate: Candidate) -> tuple[float, Source]:
-        """(iteration time in seconds, which tier produced it): `measured`, `layout`, `calibrated` or `none`."""
+        """(iteration time in seconds, which tier produced it: `Source`)."""
         if candidate.prediction is None:  # rejected before the cost model ran (its fields may not even agree)
             return math.inf, "none"
         return self._calibrate(_candidate_key(candidate), candidate.iter_time_s)
@@ -189,6 +249,10 @@ class ThroughputModel:
                 for s, m in sorted(self._measured.items())
             ],
             "calibration_factor": self.calibration_factor,
+            "calibration": [  # for people reading state.json: measured ≈ fixed_s + scale · predicted per layout
+                {"layout": dict(zip(("dp", "tp", "pp"), layout, strict=True)), **dataclasses.asdict(fit)}
+                for layout, fit in sorted(self.calibration()[0].items())
+            ],
         }
 
     @classmethod
@@ -208,4 +272,5 @@ class ThroughputModel:
             m.times.extend(times)
             m.count = int(entry.get("count", len(times)))
             model._measured[strategy] = m
+            model._version += 1
         return model
