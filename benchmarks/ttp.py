@@ -1,6 +1,6 @@
 """Time to target validation loss: static vs every fixed strategy vs cona vs the oracle sequence.
 
-    python -m benchmarks.ttp [--quick] [--workloads gpt,llama,bert] [--seeds 0,1]
+    python -m benchmarks.ttp [--quick] [--scenario reference|a100-16x8|h100-8x8] [--workloads gpt,llama,bert] [--seeds 0,1]
                              [--profile slurm/profiles/a100-4x8.yaml] [--preset examples/gpt3-1.3b.yaml]
                              [--policy-set KEY=VALUE ...] [--out NAME.json]
 
@@ -65,6 +65,16 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "bert": {"job": "benchmarks/jobs/bert.yaml", "targets": [3.1, 3.03], "quick_targets": [3.1],
              "quick_max_samples": 16000},
 }  # fmt: skip
+
+
+SCENARIOS: dict[str, tuple[str, str]] = {
+    # name: (profile, preset whose times are charged). The reference workload's throughput grows slowly with the
+    # batch; on the two others a small batch cannot feed the devices, so it needs tensor or pipeline parallelism
+    # and runs far below peak, and the fastest degrees change with the batch.
+    "reference": ("slurm/profiles/a100-4x8.yaml", "examples/gpt3-1.3b.yaml"),
+    "a100-16x8": ("slurm/profiles/a100-16x8.yaml", "examples/gpt3-1.3b.yaml"),
+    "h100-8x8": ("slurm/profiles/h100-8x8.yaml", "examples/llama-3.2-1b.yaml"),
+}
 
 
 @dataclasses.dataclass
@@ -689,8 +699,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="GPT only, higher targets, a smaller budget (< 5 min)")
     parser.add_argument("--workloads", help="comma-separated: gpt, llama, bert (default: all; --quick: gpt)")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    parser.add_argument("--profile", default="slurm/profiles/a100-4x8.yaml")
-    parser.add_argument("--preset", default="examples/gpt3-1.3b.yaml", help="the full-size job whose times are charged")
+    parser.add_argument("--scenario", choices=list(SCENARIOS), default=None,
+                        help="a shipped (profile, preset) pair; results go to ttp[-quick]-<scenario>.json "
+                             "(default: the reference pair, ttp[-quick].json)")
+    parser.add_argument("--profile", default=None, help="cluster profile (default: the scenario's)")
+    parser.add_argument("--preset", default=None, help="the full-size job whose times are charged (default: the scenario's)")
     parser.add_argument("--restart-s", type=float, default=20.0,
                         help="modeled restart part of a switch: process start, rendezvous, model build (s)")
     parser.add_argument("--segment-s", type=float, default=None,
@@ -709,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
         finish(json.loads(path.read_text()), path.name, keep_header=True)
         return 0
 
+    scenario_profile, scenario_preset = SCENARIOS[args.scenario or "reference"]
+    args.profile = args.profile or scenario_profile
+    args.preset = args.preset or scenario_preset
+    if args.out is None and args.scenario not in (None, "reference"):
+        args.out = f"ttp{'-quick' if args.quick else ''}-{args.scenario}.json"
     names = (args.workloads or ("gpt" if args.quick else "gpt,llama,bert")).split(",")
     for name in names:
         if name not in WORKLOADS:
@@ -787,6 +805,11 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     print(f"cluster: {c['preset']} ({c['preset_params'] / 1e6:,.0f}M) on {c['profile']}, {c['num_candidates']} "
           f"candidates, tiny gbs = preset gbs / {c['gbs_scale']}, switch {c['switch_cost_s']:.1f} s modeled; "
           f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")  # fmt: skip
+    rows = [[str(g), f["strategy"], f"{f['samples_per_s']:,.1f}" if f.get("samples_per_s") else "—",
+             f"{f['iter_time_s']:.3f} s", "standard" if int(g) == preset_base else ""]
+            for g, f in sorted(c["fastest_per_gbs"].items(), key=lambda item: int(item[0]))]  # fmt: skip
+    print_table(f"the fastest strategy at each gbs ({c['preset']} on {c['profile']}, cost model)",
+                ["gbs", "strategy", "samples/s", "iteration", ""], rows)  # fmt: skip
     for workload, w in report["workloads"].items():
         print_summary(workload, w["summary"], w["runs"])
     return path
