@@ -64,7 +64,7 @@ def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Pa
     path = RESULTS / name
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"command": command_line(), "machine": machine(), "written": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
-    path.write_text(json.dumps(payload, indent=indent, default=_json_default) + "\n")
+    path.write_text(json.dumps(payload, indent=indent, default=json_default) + "\n")
     return path
 
 
@@ -77,7 +77,7 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if hasattr(value, "to_dict"):

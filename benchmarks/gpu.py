@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
 import os
 import shutil
 import statistics
@@ -52,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, command_line, fmt_s, machine, print_table
+from benchmarks.common import REPO, command_line, fmt_s, json_default, machine, print_table
 
 RESULT_FILE = "gpu-check.json"
 
@@ -92,18 +91,8 @@ class Results:
     def save(self) -> None:
         self.data["written"] = time.strftime("%Y-%m-%d %H:%M:%S")
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(self.data, indent=1, default=json_default) + "\n")
         tmp.replace(self.path)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "to_dict"):
-        return value.to_dict()
-    if dataclasses.is_dataclass(value):
-        return dataclasses.asdict(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 # ------------------------------------------------------------------------------------------------------- the device

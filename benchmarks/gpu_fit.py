@@ -24,20 +24,28 @@ FIELDS = {  # field: (lower, upper) bounds of the search
 }
 
 
-def _predict(profile: Any, row: dict[str, Any], values: dict[str, float]) -> float:
-    from cona.orchestrator.costmodel import predict
-    from cona.orchestrator.job import job_from_dict
-
+def _with_values(profile: Any, values: dict[str, float]) -> Any:
     data = profile.model_dump(mode="json")
     data["accelerator"].update(values)
-    fitted = type(profile).model_validate(data)
-    job = job_from_dict(row["job"], source="gpu-check row")
+    return type(profile).model_validate(data)
+
+
+def _predict(profile: Any, row: dict[str, Any]) -> float:
+    from cona.orchestrator.costmodel import predict
+
     s = row["strategy"]
-    return predict(profile=fitted, job=job, dp=s["dp"], tp=s["tp"], pp=s["pp"], mbs=s["mbs"], gbs=s["gbs"]).iter_time_s
+    return predict(profile=profile, job=row["job_spec"], dp=s["dp"], tp=s["tp"], pp=s["pp"], mbs=s["mbs"],
+                   gbs=s["gbs"]).iter_time_s  # fmt: skip
+
+
+def ratios(profile: Any, rows: list[dict[str, Any]], values: dict[str, float]) -> list[float]:
+    """measured/predicted of every row with the accelerator fields set to `values`."""
+    fitted = _with_values(profile, values)
+    return [r["step_s"] / _predict(fitted, r) for r in rows]
 
 
 def rms_log_error(profile: Any, rows: list[dict[str, Any]], values: dict[str, float]) -> float:
-    errors = [math.log(r["step_s"] / _predict(profile, r, values)) for r in rows]
+    errors = [math.log(x) for x in ratios(profile, rows, values)]
     return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else math.nan
 
 
@@ -75,7 +83,8 @@ def _search(profile: Any, rows: list[dict[str, Any]], values: dict[str, float]) 
 
 
 def _with_jobs(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """The measured rows, each with the job it ran (rebuilt from the preset and recompute mode)."""
+    """The measured rows, each with the job it ran (rebuilt from the preset and recompute mode), as data (`job`)
+    and parsed (`job_spec`)."""
     from cona.orchestrator.job import job_to_dict
 
     from benchmarks.gpu import _job
@@ -85,7 +94,7 @@ def _with_jobs(data: dict[str, Any]) -> list[dict[str, Any]]:
         if "step_s" not in row:
             continue
         job = _job(row["preset"], data=Path("unused.bin"), recompute=row["recompute"])
-        rows.append({**row, "job": job_to_dict(job)})
+        rows.append({**row, "job": job_to_dict(job), "job_spec": job})
     return rows
 
 
@@ -104,14 +113,13 @@ def report_fit(path: Path) -> int:
         values = fit(profile, train)
         held_out[family] = {"values": values, "train_rms_log_error": rms_log_error(profile, train, values),
                             "held_out_rms_log_error": rms_log_error(profile, test, values),
-                            "held_out_ratios": [r["step_s"] / _predict(profile, r, values) for r in test]}  # fmt: skip
+                            "held_out_ratios": ratios(profile, test, values)}  # fmt: skip
     table = []
     out_rows = []
-    for r in rows:
+    columns = zip(ratios(profile, rows, defaults), ratios(profile, rows, everything), strict=True)
+    for r, (before, after) in zip(rows, columns, strict=True):
         s = r["strategy"]
-        before = r["step_s"] / _predict(profile, r, defaults)
-        after = r["step_s"] / _predict(profile, r, everything)
-        unseen = r["step_s"] / _predict(profile, r, held_out[r["preset"]]["values"])
+        unseen = ratios(profile, [r], held_out[r["preset"]]["values"])[0]
         out_rows.append({"preset": r["preset"], "strategy": s, "recompute": r["recompute"], "step_s": r["step_s"],
                          "ratio_defaults": before, "ratio_fitted": after, "ratio_fitted_without_family": unseen})  # fmt: skip
         table.append([f"{r['preset']} mbs={s['mbs']} gbs={s['gbs']} {r['recompute']}", f"{r['step_s'] * 1e3:.0f} ms",

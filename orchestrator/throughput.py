@@ -86,16 +86,16 @@ def fit_affine(points: list[tuple[float, float]], *, prior_scale: float) -> Affi
     return Affine(0.0, t / p, False)
 
 
+def _geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def _key(dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
     return Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
 
 
 def _candidate_key(candidate: Candidate) -> Strategy:
     return candidate.strategy
-
-
-def _layout(s: Strategy) -> tuple[int, int, int, int]:
-    return (s.dp, s.tp, s.pp, s.mbs)
 
 
 class _Measurement:
@@ -187,16 +187,18 @@ class ThroughputModel:
         return self._cached[1]
 
     def _calibration(self) -> tuple[dict[tuple[int, int, int], Affine], Affine]:
+        # A layout fitted on two or more points does not need the prior; the others borrow the fitted ones' scale.
         points = self._points()
-        determined = [fit_affine(p, prior_scale=1.0) for p in points.values()]
-        known = [a.scale for a in determined if a.determined]
-        prior = math.exp(sum(math.log(k) for k in known) / len(known)) if known else 1.0
-        fits = {layout: fit_affine(p, prior_scale=prior) for layout, p in points.items()}
+        fits = {layout: fit_affine(p, prior_scale=1.0) for layout, p in points.items()}
         if not fits:
             return fits, Affine(0.0, 1.0, False)
-        scales = [a.scale for a in fits.values()]
+        known = [a.scale for a in fits.values() if a.determined]
+        if known:
+            prior = _geometric_mean(known)
+            fits = {layout: a if a.determined else fit_affine(points[layout], prior_scale=prior)
+                    for layout, a in fits.items()}  # fmt: skip
         rest = Affine(sum(a.fixed_s for a in fits.values()) / len(fits),
-                      math.exp(sum(math.log(k) for k in scales) / len(scales)), False)  # fmt: skip
+                      _geometric_mean([a.scale for a in fits.values()]), False)  # fmt: skip
         return fits, rest
 
     def _calibrate(self, strategy: Strategy, predicted: float | None) -> tuple[float, Source]:
