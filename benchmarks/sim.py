@@ -14,10 +14,12 @@ over tiny-gpt's [8, 128]). A tiny sample stands for `scale` preset samples: grad
 sizes multiplied by `scale`, so the noise scale the orchestrator sees is in the preset's samples, like everything
 else it ranks.
 
-**Switch cost.** A switch costs checkpoint save + restart + load in modeled time: the preset's checkpoint bytes
-(fp32 parameters and AdamW's two fp32 moments, 12 bytes per parameter, what the trainer's DCP checkpoint holds)
-over the profile's storage write bandwidth, a restart constant (process start, imports, rendezvous, model build,
-first step), and the same bytes over the read bandwidth.
+**Switch cost.** A switch costs what a cluster backend that switches in place pays, in modeled time: the preset's
+checkpoint bytes (fp32 parameters and AdamW's two fp32 moments, 12 bytes per parameter, what the trainer's DCP
+checkpoint holds) over the profile's storage write bandwidth, the same bytes over the read bandwidth, and between
+them the backend's part — in place (`Backend.in_place_overhead_s`: exit record, barrier, release and rebuild) when
+the world size stays, a restart constant (teardown, process start, imports, rendezvous, model build) when it
+changes and the processes must be relaunched. `in_place=False` charges every switch a relaunch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from cona.orchestrator.planner import Candidate, enumerate_candidates, rank_by_iter_time
 from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.strategy import Strategy
@@ -51,6 +54,11 @@ class ModeledCluster:
     preset_job: JobSpec
     tiny_job: JobSpec
     restart_s: float
+    """The backend's part of a relaunch (teardown, process start, imports, rendezvous, model build)."""
+    in_place: bool = True
+    """Switches that keep the world size stay in place; False: every switch is a relaunch."""
+    in_place_s: float = 1.0
+    """The backend's part of an in-place switch (the local backend's `in_place_overhead_s`)."""
 
     def __post_init__(self) -> None:
         self.candidates: list[Candidate] = [
@@ -73,7 +81,22 @@ class ModeledCluster:
         storage = self.profile.storage
         self.save_s = self.checkpoint_bytes / parse_bytes(storage.write_bandwidth, per_second=True)
         self.load_s = self.checkpoint_bytes / parse_bytes(storage.read_bandwidth, per_second=True)
-        self.switch_cost_s = self.save_s + self.restart_s + self.load_s
+        self.switch_cost_s = self.save_s + self.restart_s + self.load_s  # a relaunch
+        self.in_place_cost_s = self.save_s + self.in_place_s + self.load_s
+
+    def switch_kind(self, current: Strategy, target: Strategy) -> SwitchKind:
+        """In place when allowed and the world size stays (as `Backend.switch_kind` decides it), else a relaunch."""
+        if self.in_place and current.world_size == target.world_size:
+            return SwitchKind.IN_PLACE
+        return SwitchKind.RELAUNCH
+
+    def overhead_s(self, kind: SwitchKind) -> float:
+        """The backend's part of a switch of `kind`, beyond checkpoint save and load."""
+        return self.in_place_s if kind is SwitchKind.IN_PLACE else self.restart_s
+
+    def switch_s(self, current: Strategy, target: Strategy) -> float:
+        """Modeled seconds of a switch from `current` to `target`."""
+        return self.save_s + self.overhead_s(self.switch_kind(current, target)) + self.load_s
 
     def iter_time_s(self, strategy: Strategy) -> float:
         return self._time[strategy]
@@ -90,7 +113,9 @@ class ModeledCluster:
             "gbs_scale": self.scale,
             "checkpoint_bytes": self.checkpoint_bytes,
             "switch_cost_s": self.switch_cost_s,
-            "switch_cost_parts_s": {"save": self.save_s, "restart": self.restart_s, "load": self.load_s},
+            "in_place_switch_cost_s": self.in_place_cost_s if self.in_place else None,
+            "switch_cost_parts_s": {"save": self.save_s, "restart": self.restart_s, "in_place": self.in_place_s,
+                                    "load": self.load_s},
             "fastest_per_gbs": {
                 str(g): {"strategy": c.strategy.short(), "iter_time_s": c.iter_time_s,
                          "samples_per_s": c.samples_per_s, "tiny_gbs": g // self.scale}
@@ -170,14 +195,18 @@ class SimTrainer:
         self.model.optimizers[0].load_state_dict(copy.deepcopy(snap.optim))
         self.samples, self.step = snap.samples, snap.step
 
-    def train_step(self) -> StepStats:
-        """One optimizer step over samples [samples, samples + gbs), as `trainer.train.Trainer.step` does it."""
+    def train_step(self, *, lr: float | None = None) -> StepStats:
+        """One optimizer step over samples [samples, samples + gbs), as `trainer.train.Trainer.step` does it.
+
+        `lr` overrides the job's LR rule; 0 keeps the parameters where they are while AdamW's moments still follow
+        the gradients (weight decay is scaled by the LR too), which is how `benchmarks.noise_batch` holds one state.
+        """
         model, gbs, start = self.model, self.gbs, self.samples
         batch = self.batcher.samples(start, start + gbs)
         count = batch.num_targets
         inputs = torch.from_numpy(np.ascontiguousarray(batch.inputs))
         labels = torch.from_numpy(np.ascontiguousarray(batch.labels))
-        lr = job_learning_rate(self.job, samples=start, gbs=gbs)
+        lr = job_learning_rate(self.job, samples=start, gbs=gbs) if lr is None else lr
         model.zero_grad()
         model.stats.begin_step(use_adam=self.stats and self.step > 0)
         loss_sum = model.forward_backward(inputs, labels, scale=1.0 / max(1, count))

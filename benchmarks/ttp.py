@@ -1,6 +1,6 @@
 """Time to target validation loss: static vs every fixed strategy vs cona vs the oracle sequence.
 
-    python -m benchmarks.ttp [--quick] [--scenario reference|a100-16x8|h100-8x8] [--workloads gpt,llama,bert] [--seeds 0,1]
+    python -m benchmarks.ttp [--quick] [--scenario reference|a100-16x8|h100-8x8] [--workloads gpt,llama,bert] [--seeds 0,1,2,3]
                              [--profile slurm/profiles/a100-4x8.yaml] [--preset examples/gpt3-1.3b.yaml]
                              [--policy-set KEY=VALUE ...] [--out NAME.json]
 
@@ -90,6 +90,8 @@ class Settings:
     segment_s: float
     greedy_window_s: float | None
     cap: float
+    in_place: bool = True
+    """Switches at the same world size are charged in place (`--relaunch-only`: every switch a relaunch)."""
     policy_overrides: tuple[str, ...] = ()
     """`KEY=VALUE` settings of the jobs' `policy` section (`--policy-set`)."""
 
@@ -185,7 +187,7 @@ class _Context:
         self.profile = load_profile(REPO / s.profile_path)
         self.preset = load_job(REPO / s.preset_path)
         self.cluster = ModeledCluster(profile=self.profile, preset_job=self.preset, tiny_job=self.job,
-                                      restart_s=s.restart_s)  # fmt: skip
+                                      restart_s=s.restart_s, in_place=s.in_place)  # fmt: skip
         self.env = init_distributed()
         self.batcher = Batcher(self.job, load_corpus(self.job))
         self.lowest = min(s.targets)
@@ -213,15 +215,16 @@ class Rollout:
     stopped: str = ""
 
 
-def rollout(ctx: _Context, sim, *, start=None, t0: float = 0.0, prev: Point | None = None, switching: bool = False,
+def rollout(ctx: _Context, sim, *, start=None, t0: float = 0.0, prev: Point | None = None, switch_from=None,
             gbs: int, deadline: float | None = None, snap_times: tuple[float, ...] = ()) -> Rollout:
-    """Train the fastest layout at `gbs` from `start` (None: from scratch) at modeled time `t0`."""
+    """Train the fastest layout at `gbs` from `start` (None: from scratch) at modeled time `t0`; `switch_from` (a
+    strategy) charges the switch from it first."""
     cluster = ctx.cluster
     dt = cluster.fastest[gbs].iter_time_s
     if start is not None:
         sim.restore(start)
     sim.set_gbs(gbs // cluster.scale)
-    t = t0 + (cluster.switch_cost_s if switching else 0.0)
+    t = t0 + (cluster.switch_s(switch_from, cluster.fastest[gbs].strategy) if switch_from is not None else 0.0)
     points: list[Point] = []
     if start is None:
         points.append(Point(0.0, 0, 0, sim.evaluate(), gbs))
@@ -285,7 +288,8 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
         for g in cluster.gbs_values:
             if g == gbs:
                 continue
-            r = rollout(ctx, sim, start=state, t0=t_now, prev=prev, switching=True, gbs=g, deadline=best.ttp,
+            r = rollout(ctx, sim, start=state, t0=t_now, prev=prev, switch_from=cluster.fastest[gbs].strategy, gbs=g,
+                        deadline=best.ttp,
                         snap_times=tuple((k + j) * segment_s for j in range(1, 64)))
             times[str(g)] = r.ttp
             if r.ttp is not None and (best.ttp is None or r.ttp < best.ttp):
@@ -293,8 +297,9 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
         decisions.append({"t": round(t_now, 2), "ttp_s": times, "chosen_gbs": best.gbs})
         if best.gbs != gbs:
             run.switches += 1
+            cost = cluster.switch_s(cluster.fastest[gbs].strategy, cluster.fastest[best.gbs].strategy)
             gbs = best.gbs
-            run.sequence.append({"t": round(t_now + cluster.switch_cost_s, 2),
+            run.sequence.append({"t": round(t_now + cost, 2),
                                  "strategy": cluster.fastest[gbs].strategy.short(), "gbs": gbs})  # fmt: skip
         chosen = best
         k += 1
@@ -307,11 +312,9 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
 def _run_model(ctx: _Context):
     """The shipped run model (statistics, policy, ETA, switch costs), for the preset job with the tiny job's
     policy/target, driven by simulated heartbeats."""
-    from cona.orchestrator.backends.base import Backend
     from cona.orchestrator.planner import enumerate_candidates
     from cona.orchestrator.runmodel import RunModel
     from cona.orchestrator.scheduler import device_counts
-    from cona.orchestrator.switchcost import SwitchKind
     from cona.protocol.job import TargetSpec
 
     target = TargetSpec(val_perplexity=math.exp(ctx.lowest), max_samples=ctx.job.target.max_samples * ctx.cluster.scale)
@@ -322,9 +325,9 @@ def _run_model(ctx: _Context):
     )
     candidates = [c for devices in device_counts(ctx.profile, job)
                   for c in enumerate_candidates(profile=ctx.profile, job=job, num_devices=devices) if c.feasible]  # fmt: skip
-    # As on a cluster backend without in-place switching (Slurm): every switch is a relaunch.
-    return RunModel(profile=ctx.profile, job=job, candidates=candidates, switch_kind=lambda a, b: SwitchKind.RELAUNCH,
-                    switch_overhead_s=lambda kind: Backend.relaunch_overhead_s)  # fmt: skip
+    # The kinds and overheads the benchmark charges (benchmarks.sim.ModeledCluster): in place at the same world size.
+    return RunModel(profile=ctx.profile, job=job, candidates=candidates, switch_kind=ctx.cluster.switch_kind,
+                    switch_overhead_s=ctx.cluster.overhead_s)  # fmt: skip
 
 
 def run_cona(ctx: _Context) -> Run:
@@ -385,9 +388,10 @@ def run_cona(ctx: _Context) -> Run:
                               "switch_to": plan.target.short() if plan else None})  # fmt: skip
             if plan is None:
                 continue
-            # The trainer checkpoints at the next step boundary, exits, and the new attempt resumes.
-            t += cluster.switch_cost_s
-            model.switch_costs.observe(plan.kind, cluster.switch_cost_s)
+            # The trainer checkpoints at the next step boundary and goes on in place, or exits and is relaunched.
+            cost = cluster.switch_s(strategy, plan.target)
+            t += cost
+            model.switch_costs.observe(plan.kind, cost)
             strategy = plan.target
             sim.set_gbs(cluster.tiny_gbs(strategy))
             since, attempt = t, attempt + 1
@@ -430,7 +434,6 @@ def run_greedy_window(ctx: _Context, horizon_end_s: float, window_s: float) -> R
     immediate loss drop of a larger batch (less gradient noise acts like a lower learning rate) and punish the
     transient rise of a smaller one, so this sequence drifts to ever larger batches (short-horizon bias)."""
     cluster = ctx.cluster
-    cost = cluster.switch_cost_s
     sim = ctx.trainer(cluster.gbs_values[0] // cluster.scale, stats=False)
     run = Run(name="greedy window")
     v0 = sim.evaluate()
@@ -446,7 +449,8 @@ def run_greedy_window(ctx: _Context, horizon_end_s: float, window_s: float) -> R
             sim.restore(start)
             sim.set_gbs(gbs // cluster.scale)
             switching = current is not None and c.strategy != current
-            tb = t + (cost if switching else 0.0)
+            cost = cluster.switch_s(current, c.strategy) if switching else 0.0
+            tb = t + cost
             points: list[Point] = []
             dt = c.iter_time_s
             steps = 0
@@ -459,11 +463,11 @@ def run_greedy_window(ctx: _Context, horizon_end_s: float, window_s: float) -> R
                     points.append(Point(tb, sim.samples, sim.step, sim.evaluate(), gbs))
             if not points or points[-1].step != sim.step:
                 points.append(Point(tb, sim.samples, sim.step, sim.evaluate(), gbs))
-            trained_s = tb - t - (cost if switching else 0.0)
+            trained_s = tb - t - cost
             rate = (v_now - points[-1].val) / trained_s
             # Staying trains the whole remaining time; switching loses `cost` of it.
             score = rate * (1.0 - cost / remaining) if switching else rate
-            branches.append({"gbs": gbs, "score": score, "t_end": tb, "points": points,
+            branches.append({"gbs": gbs, "score": score, "t_end": tb, "points": points, "cost": cost,
                              "state": sim.snapshot(), "switching": switching, "strategy": c.strategy})  # fmt: skip
         best = max(branches, key=lambda b: b["score"])
         windows.append({"t": round(t, 2), "chosen_gbs": best["gbs"], "remaining_s": round(remaining, 1),
@@ -471,7 +475,7 @@ def run_greedy_window(ctx: _Context, horizon_end_s: float, window_s: float) -> R
         if best["strategy"] != current:
             if current is not None:
                 run.switches += 1
-            run.sequence.append({"t": round(t + (cost if best["switching"] else 0.0), 2),
+            run.sequence.append({"t": round(t + best["cost"], 2),
                                  "strategy": best["strategy"].short(), "gbs": best["gbs"]})  # fmt: skip
         current = best["strategy"]
         run.points.extend(best["points"])
@@ -698,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ttp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="GPT only, higher targets, a smaller budget (< 5 min)")
     parser.add_argument("--workloads", help="comma-separated: gpt, llama, bert (default: all; --quick: gpt)")
-    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3; --quick: 0,1)")
     parser.add_argument("--scenario", choices=list(SCENARIOS), default=None,
                         help="a shipped (profile, preset) pair; results go to ttp[-quick]-<scenario>.json "
                              "(default: the reference pair, ttp[-quick].json)")
@@ -706,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default=None, help="the full-size job whose times are charged (default: the scenario's)")
     parser.add_argument("--restart-s", type=float, default=20.0,
                         help="modeled restart part of a switch: process start, rendezvous, model build (s)")
+    parser.add_argument("--relaunch-only", action="store_true",
+                        help="charge every switch a relaunch (default: in place when the world size stays)")
     parser.add_argument("--segment-s", type=float, default=None,
                         help="the oracle decides every this many modeled seconds (default 500; --quick 200)")
     parser.add_argument("--greedy-window-s", type=float, default=None,
@@ -731,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = [int(x) for x in (args.seeds or ("0,1" if args.quick else "0,1,2,3")).split(",")]
     segment_s = args.segment_s or (200.0 if args.quick else 500.0)
     settings = []
     for name in names:
@@ -749,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_samples=w["quick_max_samples"] if args.quick else job.target.max_samples,
                      profile_path=args.profile, preset_path=args.preset, restart_s=args.restart_s,
                      segment_s=segment_s, greedy_window_s=args.greedy_window_s, cap=args.cap,
-                     policy_overrides=tuple(args.policy_set))
+                     in_place=not args.relaunch_only, policy_overrides=tuple(args.policy_set))
             for seed in seeds
         ]  # fmt: skip
     started = time.time()
@@ -769,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "ttp", "quick": args.quick, "wall_s": wall,
         "settings": {"profile": args.profile, "preset": args.preset, "restart_s": args.restart_s,
-                     "oracle_segment_s": segment_s, "greedy_window_s": args.greedy_window_s, "fixed_cap": args.cap,
+                     "in_place": not args.relaunch_only, "oracle_segment_s": segment_s, "greedy_window_s": args.greedy_window_s, "fixed_cap": args.cap,
                      "policy_set": args.policy_set,
                      "seeds": seeds, "jobs": args.jobs},
         "cluster": results[0]["cluster"],
@@ -782,6 +788,12 @@ def main(argv: list[str] | None = None) -> int:
     path = finish(report, args.out or ("ttp-quick.json" if args.quick else "ttp.json"))
     raw.unlink(missing_ok=True)
     return 0 if path else 1
+
+
+def _switch_costs(cluster: dict[str, Any]) -> str:
+    relaunch = f"{cluster['switch_cost_s']:.1f} s by relaunch"
+    in_place = cluster.get("in_place_switch_cost_s")
+    return f"{in_place:.1f} s in place, {relaunch}" if in_place is not None else relaunch
 
 
 def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> Path:
@@ -803,7 +815,7 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
         path = write_json(name, report, indent=None)  # one line: every run's evaluations make it long
     c = report["cluster"]
     print(f"cluster: {c['preset']} ({c['preset_params'] / 1e6:,.0f}M) on {c['profile']}, {c['num_candidates']} "
-          f"candidates, tiny gbs = preset gbs / {c['gbs_scale']}, switch {c['switch_cost_s']:.1f} s modeled; "
+          f"candidates, tiny gbs = preset gbs / {c['gbs_scale']}, switch {_switch_costs(c)} modeled; "
           f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")  # fmt: skip
     rows = [[str(g), f["strategy"], f"{f['samples_per_s']:,.1f}" if f.get("samples_per_s") else "—",
              f"{f['iter_time_s']:.3f} s", "standard" if int(g) == preset_base else ""]

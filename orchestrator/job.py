@@ -37,20 +37,30 @@ class PolicySpec(StrictModel):
     """The strategy of the `fixed` policy."""
     schedule: list[ScheduleEntry] = Field(default_factory=list)
     """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
-    prior_noise_scale: float = Field(64.0, gt=0)
-    """B_noise assumed before the estimate is stable (samples)."""
+    prior_noise_scale: float | None = Field(None, gt=0)
+    """B_noise assumed before the estimate is stable (samples). Unset: `batch.min_gbs` — early in training the
+    noise scale is small, and a batch too small only runs slower while one too large spends samples for nothing."""
     noise_estimator: Literal["plain", "adam"] = "plain"
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
-    estimate depends on the batch being trained (a larger batch makes it larger, which makes a larger batch look
-    better), so it is not the default."""
-    critical_batch_factor: float = Field(1.0, gt=0)
-    """Multiplies the estimated B_noise before ranking. The two-batch estimate can sit below the batch at which
-    larger batches stop paying (the critical batch): about 3× below on the byte-level Shakespeare workload."""
+    estimate depends on the batch being trained (measured from one state: 14 → 59 samples from batch 16 to 256,
+    where `plain` stays within 20%; `python -m benchmarks.noise_batch`), so it is not the default."""
+    critical_batch_factor: float = Field(3.0, gt=0)
+    """Multiplies the estimated B_noise before ranking. The two-batch estimate sits below the batch at which larger
+    batches stop paying (the critical batch fitted from fixed-batch runs): 1.6–5.6×, 3.3× on average, on the
+    benchmark workloads (docs/benchmarks.md)."""
+    noise_growth: bool = False
+    """Rank with the noise scale expected halfway through the horizon instead of today's: B_noise grows as the loss
+    falls, and its growth per sample is fitted on the estimates of past evaluations (at most 2× today's)."""
+    probe_layouts: int = Field(2, ge=0)
+    """Layouts that never ran which cona may try once each (a few heartbeats at the current batch) when the cost
+    model puts them within 0.6× of the current strategy and the two switches cost at most 2% of the horizon (in
+    place): the calibration can only correct what it has measured. 0 turns probing off."""
     lr_aware: bool = False
     """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
     best LR at `batch.base_gbs` (`cona.orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""
-    noise_ema: float = Field(0.9, ge=0, lt=1)
-    """EMA factor per heartbeat for the numerator and denominator of B_noise."""
+    noise_ema: float = Field(0.97, ge=0, lt=1)
+    """EMA factor per heartbeat for the numerator and denominator of B_noise (0.97: about the last 30 heartbeats;
+    a single step's two-batch estimate is noise-dominated)."""
     min_noise_samples: int = Field(8, ge=1)
     """Heartbeats with gradient statistics needed before the estimate replaces the prior."""
     decision_interval_s: float = Field(5.0, gt=0)
@@ -61,7 +71,7 @@ class PolicySpec(StrictModel):
     """k: consecutive evaluations a candidate must win before a switch."""
     min_dwell_s: float = Field(10.0, ge=0)
     """Minimum time on a strategy before switching again."""
-    horizon_intervals: float = Field(12.0, gt=0)
+    horizon_intervals: float = Field(24.0, gt=0)
     """The horizon H is at most this many decision intervals."""
     in_place_switch: bool = True
     """Switch between strategies of the same world size without restarting the trainer processes (the model,

@@ -74,7 +74,10 @@ class LiveView:
             if kind == "launch":
                 print(f"cona: launch attempt {e['attempt']} with {_short(e['strategy'])} ({e.get('reason', '')})", flush=True)
             elif kind == "switch":
-                print(f"cona: switch {_short(e['from'])} → {_short(e['to'])}: {e.get('reason', '')}", flush=True)
+                head = f"{_short(e['from'])} → {_short(e['to'])}"
+                reason = e.get("reason", "")
+                # The policy's reasons already start with "switch A → B:" or "probe A → B:"; others get the pair.
+                print(f"cona: {reason}" if head in reason else f"cona: switch {head}: {reason}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
             elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget",

@@ -30,6 +30,21 @@ from cona.protocol.strategy import Strategy
 
 DEFAULT_BLEND_EVALUATIONS = 3
 """Evaluations with a stable estimate over which cona moves B_noise from the prior to the estimate."""
+GROWTH_HISTORY = 64
+"""Trusted estimates (one per evaluation) the growth of B_noise is fitted on."""
+GROWTH_MIN_POINTS = 6
+"""Trusted estimates needed before a growth is fitted."""
+PROBE_MARGIN = 0.6
+"""A layout that never ran is probed only if the cost model puts it within this factor of the current strategy's R:
+about two RMS log errors of the cost model on a machine it was not fitted to (0.27–0.29 on the 2-core CPU profile,
+docs/decisions.md), so a layout the model ranks lower than it is can still be found."""
+PROBE_BUDGET = 0.02
+"""A probe (a switch there and, if it is slower, one back) may cost at most this fraction of the horizon: an
+insurance premium against a wrong cost model, paid only where switches are cheap (in place)."""
+PROBE_OBSERVATIONS = 3
+"""Heartbeats measured on a probed strategy before the rule judges it."""
+MAX_HORIZON_GROWTH = 2.0
+"""Largest factor by which the expected B_noise over the horizon may exceed today's: an extrapolation, kept short."""
 
 
 @dataclasses.dataclass
@@ -121,6 +136,11 @@ def progress_rate(
     if lr_rule is not None:
         rate *= lr_rule.efficiency(candidate.gbs, noise_scale)
     return rate
+
+
+def prior_noise_scale(spec: PolicySpec, *, min_gbs: int) -> float:
+    """The B_noise cona assumes before it has measured one: `policy.prior_noise_scale`, or the smallest batch."""
+    return float(spec.prior_noise_scale if spec.prior_noise_scale is not None else min_gbs)
 
 
 def _same(candidate: Candidate, strategy: Strategy) -> bool:
@@ -264,6 +284,8 @@ class ConaPolicy(Policy):
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
         critical_batch_factor: float = 1.0,
         lr_rule: LrRule | None = None,
+        noise_growth: bool = False,
+        probe_layouts: int = 0,
     ) -> None:
         if prior_noise_scale <= 0:
             raise ValueError(f"prior_noise_scale must be positive, got {prior_noise_scale}")
@@ -280,6 +302,12 @@ class ConaPolicy(Policy):
         self.blend_evaluations = int(blend_evaluations)
         self.critical_batch_factor = float(critical_batch_factor)
         self.lr_rule = lr_rule
+        self.noise_growth = bool(noise_growth)
+        self.probe_layouts = int(probe_layouts)
+        self._probes_used = 0
+        self._probing: Strategy | None = None  # the strategy being probed, until it has been measured
+        self._waive = False  # a probe was just measured: the next evaluation may leave it at once
+        self._history: list[tuple[int, float]] = []  # (samples, B_noise used) while the estimate is trusted
         self._wins: dict[Strategy, int] = {}
         self._noise_weight = 0.0
         self._last_current: Strategy | None = None
@@ -288,14 +316,16 @@ class ConaPolicy(Policy):
 
     @classmethod
     def from_spec(
-        cls, spec: PolicySpec, *, lr_rule: LrRule | None = None, blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS
+        cls, spec: PolicySpec, *, min_gbs: int, lr_rule: LrRule | None = None,
+        blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
     ) -> ConaPolicy:
-        """The policy `spec` describes; `lr_rule` is used only with `spec.lr_aware`."""
+        """The policy `spec` describes; an unset prior is `min_gbs`; `lr_rule` is used only with `spec.lr_aware`."""
         return cls(
-            prior_noise_scale=spec.prior_noise_scale, min_gain=spec.min_gain, persistence=spec.persistence,
+            prior_noise_scale=prior_noise_scale(spec, min_gbs=min_gbs), min_gain=spec.min_gain, persistence=spec.persistence,
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
             critical_batch_factor=spec.critical_batch_factor, lr_rule=lr_rule if spec.lr_aware else None,
+            noise_growth=spec.noise_growth, probe_layouts=spec.probe_layouts,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -319,6 +349,27 @@ class ConaPolicy(Policy):
         """H: the remaining time, capped at `horizon_intervals` decision intervals."""
         cap = self.horizon_intervals * self.decision_interval_s
         return cap if remaining_time_s is None else max(0.0, min(cap, remaining_time_s))
+
+    def growth_per_sample(self) -> float:
+        """d ln B_noise / d samples, least squares over the trusted estimates of past evaluations; 0 when it shrinks
+        or there are too few (the noise scale grows as the loss falls: McCandlish et al. 2018, section 3)."""
+        points = self._history[-GROWTH_HISTORY:]
+        if len(points) < GROWTH_MIN_POINTS:
+            return 0.0
+        xs = [float(p[0]) for p in points]
+        ys = [math.log(p[1]) for p in points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var <= 0:
+            return 0.0
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        return max(0.0, slope)
+
+    def expected_noise_scale(self, noise: float, *, advance_samples: float) -> float:
+        """B_noise expected halfway through the next `advance_samples` samples (the horizon's mean, to first order),
+        from the fitted growth; at most `MAX_HORIZON_GROWTH` × today's."""
+        growth = math.exp(min(math.log(MAX_HORIZON_GROWTH), self.growth_per_sample() * max(0.0, advance_samples) / 2))
+        return noise * growth
 
     def threshold(self, *, horizon_s: float, switch_cost_s: float) -> float | None:
         """(1 + δ)·H/(H − C_sw), or None when H ≤ C_sw (no switch can pay back)."""
@@ -351,6 +402,63 @@ class ConaPolicy(Policy):
         return ranked[0][1].strategy
 
     def decide(self, ctx: DecisionContext) -> Decision:
+        if self._probing is not None:
+            if ctx.current != self._probing:
+                self._probing = None  # switched away by other means (a restart, a request)
+            elif ctx.throughput.num_observations(ctx.current) < PROBE_OBSERVATIONS:
+                self._evaluations += 1
+                n = ctx.throughput.num_observations(ctx.current)
+                return Decision(None, f"stay on {ctx.current.short()}: probing its layout ({n}/{PROBE_OBSERVATIONS} "
+                                      "measurements)", {"probe": True, "current": ctx.current.to_dict()})  # fmt: skip
+            else:
+                self._probing, self._waive = None, True
+        decision = self._decide(ctx)
+        self._waive = False
+        if decision.switch_to is None:
+            probe = self._probe(ctx, decision)
+            if probe is not None:
+                return probe
+        return decision
+
+    def _probe(self, ctx: DecisionContext, decision: Decision) -> Decision | None:
+        """Try a layout that never ran, when the cost model might be wrong about it and finding out is cheap.
+
+        The calibration can only correct what it has measured: a layout the cost model ranks below the current one
+        is never run, so its error is never seen. A probe runs the best candidate of an unmeasured layout at the
+        current batch for `PROBE_OBSERVATIONS` heartbeats; then the rule decides as usual, without dwell or
+        persistence for that one evaluation (staying if the probe was faster, going back or on if not).
+        """
+        if self._probes_used >= self.probe_layouts or ctx.now - ctx.last_switch_time < self.min_dwell_s:
+            return None
+        current = find_candidate(ctx.candidates, ctx.current)
+        noise = decision.metrics.get("B_noise")
+        if current is None or noise is None:
+            return None
+        r_cur = progress_rate(current, ctx.throughput, noise, lr_rule=self.lr_rule)
+        horizon = self.horizon_s(ctx.remaining_time_s)
+        unmeasured = [c for c in ctx.candidates if c.feasible and c.gbs == current.gbs
+                      and ctx.throughput.estimate(c)[1] == "calibrated"]  # fmt: skip
+        if not unmeasured or r_cur <= 0:
+            return None
+        best = max(unmeasured, key=lambda c: progress_rate(c, ctx.throughput, noise, lr_rule=self.lr_rule))
+        r = progress_rate(best, ctx.throughput, noise, lr_rule=self.lr_rule)
+        cost = ctx.switch_cost_s(best.strategy)
+        if r < PROBE_MARGIN * r_cur or 2 * cost > PROBE_BUDGET * horizon:
+            return None
+        self._probes_used += 1
+        self._probing = best.strategy
+        self._wins = {}
+        self._switches += 1
+        metrics = {**decision.metrics, "probe": True, "R_probe": r, "R_current": r_cur, "switch_cost_s": cost}
+        return Decision(
+            best.strategy,
+            f"probe {ctx.current.short()} → {best.strategy.short()}: its layout never ran and the cost model puts it "
+            f"at {_fmt(r / r_cur, 3)}× current R (probed above {PROBE_MARGIN}×); two switches of {_fmt(cost)}s are "
+            f"within {PROBE_BUDGET:.0%} of H={_fmt(horizon)}s (probe {self._probes_used}/{self.probe_layouts})",
+            metrics,
+        )
+
+    def _decide(self, ctx: DecisionContext) -> Decision:
         self._evaluations += 1
         # A switch happened (or this is the first evaluation): wins are counted against the current strategy.
         if ctx.current != self._last_current:
@@ -365,6 +473,17 @@ class ConaPolicy(Policy):
         else:
             source = "estimate" if self._noise_weight >= 1 else "blend"
 
+        if source == "estimate":
+            self._history.append((int(ctx.samples), noise))
+            del self._history[:-GROWTH_HISTORY]
+        noise_now = noise
+        current_candidate = find_candidate(ctx.candidates, ctx.current)
+        if self.noise_growth and current_candidate is not None:
+            # Rank with the noise scale expected over the horizon, not today's: it grows as the loss falls, so a
+            # batch that is right today is too small for most of the horizon. The samples the horizon covers are
+            # those of the strategy running now.
+            advance = ctx.throughput.samples_per_s(current_candidate) * self.horizon_s(ctx.remaining_time_s)
+            noise = self.expected_noise_scale(noise, advance_samples=advance)
         ranked = self._ranked(ctx.candidates, ctx.throughput, noise, ctx.current)
         if not ranked:
             return Decision(None, "no feasible candidate: staying", {"B_noise": noise})
@@ -372,6 +491,8 @@ class ConaPolicy(Policy):
         rate = {c: r for r, c in ranked}
         metrics: dict[str, Any] = {
             "B_noise": noise,
+            "B_noise_now": noise_now,
+            "B_noise_growth_per_sample": self.growth_per_sample(),
             "B_noise_estimate": estimate,
             "noise_stable": bool(ctx.noise_stable),
             "noise_source": source,
@@ -386,7 +507,7 @@ class ConaPolicy(Policy):
         }
         noise_text = f"B_noise={_fmt(noise)} ({source})"
 
-        current = find_candidate(ctx.candidates, ctx.current)
+        current = current_candidate
         if current is None:
             # The running strategy is not among the feasible candidates (the devices changed, or it was started
             # by hand): no comparison is possible, and staying on it is not an option the planner endorses.
@@ -431,7 +552,8 @@ class ConaPolicy(Policy):
                 if t is not None and r / r_cur >= t:
                     wins[s] = self._wins.get(s, 0) + 1
         self._wins = wins
-        ready = [c for _, c in ranked if wins.get(c.strategy, 0) >= self.persistence]
+        persistence = 1 if self._waive else self.persistence
+        ready = [c for _, c in ranked if wins.get(c.strategy, 0) >= persistence]
         target = ready[0] if ready else None
         metrics["wins"] = wins.get((target or best).strategy, 0)
         metrics["target"] = target.strategy.to_dict() if target else None
@@ -464,7 +586,7 @@ class ConaPolicy(Policy):
                 metrics,
             )
         dwell = ctx.now - ctx.last_switch_time
-        if dwell < self.min_dwell_s:
+        if dwell < self.min_dwell_s and not self._waive:
             return Decision(
                 None,
                 f"stay on {ctx.current.short()}: {target.strategy.short()} is ready ({gain}) but dwell "
@@ -495,6 +617,9 @@ class ConaPolicy(Policy):
             "last_current": self._last_current.to_dict() if self._last_current else None,
             "evaluations": self._evaluations,
             "switches": self._switches,
+            "noise_history": [[n, b] for n, b in self._history],
+            "probes_used": self._probes_used,
+            "probing": self._probing.to_dict() if self._probing else None,
         }
 
     def from_dict(self, data: dict[str, Any]) -> ConaPolicy:
@@ -505,6 +630,10 @@ class ConaPolicy(Policy):
         self._last_current = Strategy.from_dict(last) if last else None
         self._evaluations = int(data.get("evaluations", 0))
         self._switches = int(data.get("switches", 0))
+        self._history = [(int(n), float(b)) for n, b in data.get("noise_history") or [] if float(b) > 0]
+        self._probes_used = int(data.get("probes_used", 0))
+        probing = data.get("probing")
+        self._probing = Strategy.from_dict(probing) if probing else None
         return self
 
 
@@ -612,7 +741,7 @@ def make_policy(job: Job, *, profile: ClusterProfile, candidates: list[Candidate
     """
     spec = job.policy
     if spec.name == "cona":
-        return ConaPolicy.from_spec(spec, lr_rule=LrRule.of(job))
+        return ConaPolicy.from_spec(spec, min_gbs=job.batch.min_gbs, lr_rule=LrRule.of(job))
     if spec.name == "static":
         return StaticPolicy(job=job, profile=profile, candidates=candidates)
     if spec.name == "fixed":

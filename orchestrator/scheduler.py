@@ -17,6 +17,7 @@ from typing import NoReturn
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
+from cona.orchestrator.policy import prior_noise_scale
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
 from cona.orchestrator.runstate import (
@@ -215,7 +216,7 @@ class Scheduler:
             self.state.strategy_since = time.time()
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
-                      prior_noise_scale=self.job.policy.prior_noise_scale)  # fmt: skip
+                      prior_noise_scale=prior_noise_scale(self.job.policy, min_gbs=self.job.batch.min_gbs))  # fmt: skip
             return self._launch(strategy, previous=None, why="initial strategy")
         request = self.state.switch_requested
         control = self.run_dir.read_control()

@@ -343,10 +343,12 @@ def test_make_policy_cona_uses_the_job_settings(setup):
     profile, job, candidates = setup
     policy = make_policy(job, profile=profile, candidates=candidates)
     assert isinstance(policy, ConaPolicy)
-    assert (
-        policy.prior_noise_scale == job.policy.prior_noise_scale
-        and policy.persistence == job.policy.persistence
-    )
+    expected_prior = job.policy.prior_noise_scale or job.batch.min_gbs
+    assert policy.prior_noise_scale == expected_prior and policy.persistence == job.policy.persistence
+    unset = make_policy(with_policy(job, prior_noise_scale=None), profile=profile, candidates=candidates)
+    assert unset.prior_noise_scale == job.batch.min_gbs  # the documented default: the smallest batch
+    pinned = make_policy(with_policy(job, prior_noise_scale=77.0), profile=profile, candidates=candidates)
+    assert pinned.prior_noise_scale == 77.0
     tm = ThroughputModel(candidates=candidates)
     first = policy.initial(candidates=candidates, throughput=tm, samples=0)
     assert first in [c.strategy for c in candidates]
@@ -465,3 +467,87 @@ def test_each_candidate_is_charged_its_own_switch_cost():
     assert switched[0].metrics["switch_cost_target_s"] == 1.0
     assert switched[0].metrics["threshold_target"] == pytest.approx(1.05 * 60 / 59)
     assert "C_sw=1s" in switched[0].reason
+
+
+# ---------------------------------------------------------------------------------------------------- probing
+
+
+def test_probe_finds_a_layout_the_cost_model_ranks_too_low():
+    # The cost model says pp=2 is 1.5× slower at gbs 32; on this machine it is 2× faster.
+    fast_here = candidate(32, dp=2, pp=2, slowdown=1.5)
+    family = [*FAMILY, fast_here]
+    tm = ThroughputModel(candidates=family)
+    cur = G[32].strategy
+    tm.observe(cur, G[32].iter_time_s)
+    policy = cona(probe_layouts=1, horizon_intervals=24.0)
+    # Before the dwell: no probe.
+    assert policy.decide(context(cur, now=5.0, since=0.0, noise=TIE_32_64, throughput=tm, candidates=family,
+                                 cost=1.0, remaining=1e6)).switch_to is None  # fmt: skip
+    d = policy.decide(context(cur, now=20.0, since=0.0, noise=TIE_32_64, throughput=tm, candidates=family, cost=1.0,
+                              remaining=1e6))  # fmt: skip
+    assert d.switch_to == fast_here.strategy and d.metrics["probe"] and d.reason.startswith("probe ")
+    # While it is measured, the policy stays; then the rule sees the measurement and keeps the faster layout.
+    tm.observe(fast_here.strategy, G[32].iter_time_s / 2)
+    d = policy.decide(context(fast_here.strategy, now=25.0, since=21.0, noise=TIE_32_64, throughput=tm,
+                              candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
+    assert d.switch_to is None and "probing" in d.reason
+    for _ in range(2):
+        tm.observe(fast_here.strategy, G[32].iter_time_s / 2)
+    d = policy.decide(context(fast_here.strategy, now=30.0, since=21.0, noise=TIE_32_64, throughput=tm,
+                              candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
+    assert d.switch_to is None and not d.reason.startswith("probe")
+    # One probe per allowance: no second probe of anything.
+    d = policy.decide(context(fast_here.strategy, now=100.0, since=21.0, noise=TIE_32_64, throughput=tm,
+                              candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
+    assert d.switch_to is None
+
+
+def test_a_slower_probe_is_left_at_once_and_dear_switches_are_not_probed():
+    slow_here = candidate(32, dp=2, pp=2, slowdown=1.2)
+    family = [*FAMILY, slow_here]
+    tm = ThroughputModel(candidates=family)
+    cur = G[32].strategy
+    tm.observe(cur, G[32].iter_time_s)
+    # A switch of 1 s against H = 60 s (12 intervals of 5 s): 2 s ≤ 2% of 60 s fails; of H = 120 s passes.
+    assert cona(probe_layouts=1).decide(context(cur, now=20.0, noise=TIE_32_64, throughput=tm, candidates=family,
+                                                cost=1.0, remaining=1e6)).switch_to is None  # fmt: skip
+    policy = cona(probe_layouts=1, horizon_intervals=24.0)
+    d = policy.decide(context(cur, now=20.0, noise=TIE_32_64, throughput=tm, candidates=family, cost=1.0,
+                              remaining=1e6))  # fmt: skip
+    assert d.switch_to == slow_here.strategy
+    for _ in range(3):
+        tm.observe(slow_here.strategy, 2 * G[32].iter_time_s)  # twice slower than where it came from
+    d = policy.decide(context(slow_here.strategy, now=26.0, since=21.0, noise=TIE_32_64, throughput=tm,
+                              candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
+    # Back without dwell or persistence (the best candidate at this noise scale is gbs 32 or 64 on the old layout).
+    assert d.switch_to is not None and d.switch_to.layout() == cur.layout()
+    saved = json.loads(json.dumps(policy.to_dict()))
+    again = cona(probe_layouts=1, horizon_intervals=24.0).from_dict(saved)
+    assert again._probes_used == 1 and again._probing is None
+
+
+# ---------------------------------------------------------------------------------------------------- growth
+
+
+def test_noise_growth_ranks_with_the_noise_scale_expected_over_the_horizon():
+    policy = cona(noise_growth=True, min_dwell_s=0.0)
+    tm = ThroughputModel(candidates=FAMILY)
+    cur = G[32].strategy
+    # A noise scale that doubles every 10,000 samples, seen at ten evaluations.
+    for i in range(10):
+        policy.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=100.0 * 2 ** (i / 10), throughput=tm,
+                              remaining=1e6))  # fmt: skip
+    assert policy.growth_per_sample() == pytest.approx(math.log(2) / 10_000, rel=1e-6)
+    d = policy.decide(context(cur, now=100.0, samples=10_000, noise=200.0, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise_now"] == pytest.approx(200.0)
+    advance = tm.samples_per_s(G[32]) * policy.horizon_s(1e6)
+    assert d.metrics["B_noise"] == pytest.approx(min(2.0, 2 ** (advance / 20_000)) * 200.0)
+    assert d.metrics["B_noise"] > d.metrics["B_noise_now"]
+    # A shrinking estimate is not extrapolated; off, today's value is used.
+    shrinking = cona(noise_growth=True)
+    for i in range(10):
+        shrinking.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=100.0 / (1 + i), throughput=tm))
+    assert shrinking.growth_per_sample() == 0.0
+    off = cona()
+    d = off.decide(context(cur, now=100.0, samples=10_000, noise=200.0, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise"] == pytest.approx(200.0)
