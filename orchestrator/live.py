@@ -47,6 +47,12 @@ def status_line(live: LiveStatus | dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+
+def _switch_line(source: dict, target: dict, reason: str) -> str:
+    """The policy's reasons already start with "switch A → B:" or "probe A → B:"; other reasons get the pair."""
+    head = f"{_short(source)} → {_short(target)}"
+    return reason if head in reason else f"switch {head}: {reason}"
+
 class LiveView:
     """Prints a status line at most every `interval_s` and every decision as it happens."""
 
@@ -74,10 +80,7 @@ class LiveView:
             if kind == "launch":
                 print(f"cona: launch attempt {e['attempt']} with {_short(e['strategy'])} ({e.get('reason', '')})", flush=True)
             elif kind == "switch":
-                head = f"{_short(e['from'])} → {_short(e['to'])}"
-                reason = e.get("reason", "")
-                # The policy's reasons already start with "switch A → B:" or "probe A → B:"; others get the pair.
-                print(f"cona: {reason}" if head in reason else f"cona: switch {head}: {reason}", flush=True)
+                print(f"cona: {_switch_line(e['from'], e['to'], e.get('reason', ''))}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
             elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget",
@@ -188,7 +191,7 @@ def print_status(summary: dict[str, Any]) -> None:
     print(f"noise      B_noise {f'{noise:.1f}' if noise else 'n/a'} ({summary.get('noise_source')})")
     print(f"switches   {len(summary['switches'])}")
     for s in summary["switches"]:
-        print(f"           {_short(s['from'])} → {_short(s['to'])}: {s['reason']}")
+        print(f"           {_switch_line(s['from'], s['to'], s['reason'])}")
     if summary.get("last_decision"):
         print(f"decision   {summary['last_decision']['reason']}")
     print(f"checkpoint {summary.get('latest_checkpoint') or '-'}")
