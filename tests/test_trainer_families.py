@@ -42,6 +42,8 @@ def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule):
     assert single.exit_code == ExitCode.STOPPED, describe(single)
     parallel = launch(tmp_path / "parallel", nproc=4, strategy=strategy, job=job, max_steps=3)
     assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
+    # Stopping at --max-steps is the end the user asked for: torchrun exits 0 and prints no failure dump.
+    assert parallel.returncode == 0 and "ChildFailedError" not in parallel.stderr, describe(parallel)
     want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
     for step in (1, 2, 3):
         assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step

@@ -11,7 +11,9 @@ Per optimizer step (all ranks in lockstep):
    `eval.interval_samples` samples; checkpoint every `checkpoint.interval_steps` steps and on command.
 
 `--max-steps N` is an absolute optimizer step of the run (not a count for this process): the trainer stops once
-`step == N`, after a checkpoint, with ExitCode.STOPPED (reason `max_steps`); a run already at or past N exits at once.
+`step == N`, after a checkpoint, with ExitCode.STOPPED (reason `max_steps`) in its exit record and process status 0
+(`cona.protocol.rundir.process_exit_status`: a stop the user asked for is a normal end); a run already at or past N
+exits at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import torch.distributed as dist
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
-from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir, atomic_write_json
+from cona.protocol.rundir import (
+    COMPLETE_MARKER,
+    MAX_STEPS_REASON,
+    ExitCode,
+    ExitRecord,
+    RunDir,
+    atomic_write_json,
+)
 from cona.protocol.samples_log import log_resume, log_step
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -115,6 +124,8 @@ class Trainer:
         self._last_print = -math.inf
         self._signal_reason = "signal"
         self._signalled_now = False
+        self.exit_reason = ""
+        """Set by `finish`: the exit record's reason (`main` turns code and reason into the process status)."""
         self.next_strategy: Strategy | None = None
         """Set when `run` returns SWITCH for an in-place switch: the strategy to rebuild with in these processes."""
         # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
@@ -240,7 +251,7 @@ class Trainer:
     def _budget_reached(self) -> tuple[ExitCode, str] | None:
         s = self.state
         if self.max_steps is not None and s.step >= self.max_steps:
-            return ExitCode.STOPPED, "max_steps"
+            return ExitCode.STOPPED, MAX_STEPS_REASON
         if s.samples >= self.job.target.max_samples:
             return ExitCode.DONE, "target max_samples reached"
         return None
@@ -392,6 +403,7 @@ class Trainer:
         After an in-place switch (`self.next_strategy`) the exit record says so: the checkpoint is complete before
         the record appears, and the orchestrator then watches the same processes as the next attempt.
         """
+        self.exit_reason = reason
         if self.state.step > 0 and self.state.step != self.loaded_step:
             self.save()
         if self.is_rank0:
