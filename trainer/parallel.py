@@ -9,7 +9,7 @@
 3. **FSDP2** — `trainer.fsdp.apply_fsdp` on the dp axis, when dp > 1;
 
 then one AdamW per stage (`trainer.optim`), the gradient statistics hooks (`trainer.gradstats`), the pipeline
-schedule when pp > 1 and, for BERT under pp, the tied-weight group. Keep this order: every rank must create the
+schedule when pp > 1 and, for a tied head under pp, the tied-weight group. Keep this order: every rank must create the
 mesh's and the tied groups' communicators in the same sequence, parameters are initialised in full before TP and
 FSDP2 shard them (so every layout starts from the same values), and the optimizers must see the parameters in
 their final, sharded form. Gradient accumulation runs gbs/(dp·mbs) micro-batches per replica, through the pipeline
@@ -99,8 +99,9 @@ class ParallelModel:
             )  # fmt: skip
         self._tied_group: dist.ProcessGroup | None = None
         self.tied_params: list[nn.Parameter] = []
-        # BERT's decoder weight lives on the first and the last stage: their gradients are summed after backward.
-        if job.model.family == "bert" and strategy.pp > 1:
+        # A tied head's weight (BERT's decoder, a tied GPT/Llama head) lives on the first and the last stage: their
+        # gradients are summed after backward.
+        if job.model.tie_embeddings and strategy.pp > 1:
             self._tied_group = tied_embedding_group(self.mesh, num_stages=self.num_stages, rank=env.rank)
             self.tied_params = tied_parameters(self.parts, self.stage_ids, num_stages=self.num_stages)
 
@@ -180,7 +181,7 @@ class ParallelModel:
         return total
 
     def sync_tied(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum BERT's tied-weight gradient across first/last stage; returns (this rank's pre, post) weighted |g|²."""
+        """Sum the tied weight's gradient across first/last stage; returns (this rank's pre, post) weighted |g|²."""
         return sync_tied_grads(
             self.tied_params, self._tied_group, dp=self.strategy.dp, tp=self.strategy.tp, device=self.device
         )

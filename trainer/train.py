@@ -276,8 +276,11 @@ class Trainer:
         with record_function("cona.forward_backward"):
             loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
         with record_function("cona.statistics"):
-            tied_pre, tied_post = model.sync_tied()
+            # The global terms count a tied head's two partial gradients as two parameters (`trainer.pipeline`), so
+            # they are taken before the partials are summed; `tied_post - tied_pre` then turns them into the true
+            # norm for clipping.
             global_sq, global_adam = model.stats.global_terms(model.parameters())
+            tied_pre, tied_post = model.sync_tied()
             local_sq, local_adam = model.stats.local_terms()
         command, budget = Action.NONE, 0.0
         if self.is_rank0:
