@@ -102,6 +102,12 @@ class ModelSpec(StrictModel):
     and llama). Training feeds type 0 everywhere, as a single-segment MLM does."""
     mlm_probability: float = Field(0.15, gt=0, lt=1)
     """Fraction of tokens masked for BERT's masked-language-model objective."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json + model.safetensors, as `save_pretrained` or
+    `cona export` writes it) to start from instead of the random initialisation: GPT2LMHeadModel, LlamaForCausalLM
+    or BertForMaskedLM whose config matches this section (a mismatch is one line naming the field or tensor). Read
+    only when the run has no checkpoint yet, under any layout. A relative path is read from the current directory,
+    else next to the job file."""
 
     @pydantic.field_validator("preset")
     @classmethod
@@ -394,6 +400,14 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (base / data_path).exists():
         job.data.path = str(base / data_path)
+    if job.model.init_from is not None:
+        init = Path(job.model.init_from)
+        if not init.is_absolute() and not init.exists() and (base / init).exists():
+            init = base / init
+        if not init.is_dir():
+            raise ConfigError(f"{path}: model.init_from {job.model.init_from!r}: no such directory; give a local "
+                              "Hugging Face model directory (config.json + model.safetensors)")  # fmt: skip
+        job.model.init_from = str(init.resolve())
     return job
 
 

@@ -128,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         check_layout(job, strategy, world_size=world_size)
         corpus = load_corpus(job)
         Batcher(job, corpus)
+        if job.model.init_from is not None and not run_dir.complete_checkpoints():
+            from cona.trainer.hf import check_directory
+
+            try:
+                check_directory(job.model, job.model.init_from)
+            except ValueError as e:
+                raise ConfigError(f"model.init_from: {e}") from None
     except LayoutError as e:
         code = ExitCode.BAD_WORLD if e.bad_world else ExitCode.CONFIG
         if rank == 0 and run_dir.root.is_dir():

@@ -4,7 +4,8 @@
 (`trainer.pipeline`) from the full model on the meta device (`trainer.model`), in this order:
 
 1. `build_model` on meta → `prune_to_stage` → `materialize` (values depend only on the seed and parameter names,
-   so any layout starts from the same model) → each block's recompute mode (`trainer.recompute`);
+   so any layout starts from the same model), or the weights of `model.init_from` (`trainer.hf.load_stage`) on a
+   run without a checkpoint → each block's recompute mode (`trainer.recompute`);
 2. **TP** — `trainer.tp.apply_tp` with the model's own plan (`trainer.model.tp_plan`), when tp > 1;
 3. **FSDP2** — `trainer.fsdp.apply_fsdp` on the dp axis, when dp > 1;
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 from cona.trainer.data import IGNORE_INDEX
 from cona.trainer.distributed import MESH_DIMS, DistEnv, build_mesh, check_layout, num_virtual_stages
 from cona.trainer.fsdp import apply_fsdp
@@ -58,9 +60,19 @@ if TYPE_CHECKING:
 class ParallelModel:
     """This rank's model stages under one strategy, their optimizers, and the forward/backward of one step."""
 
-    def __init__(self, job: JobSpec, strategy: Strategy, env: DistEnv) -> None:
+    def __init__(self, job: JobSpec, strategy: Strategy, env: DistEnv, *, init_from: str | None = None) -> None:
+        """`init_from`: a Hugging Face model directory whose weights replace the random initialisation
+        (`trainer.hf`; the caller passes it only for a run without a checkpoint)."""
         check_layout(job, strategy, world_size=env.world_size)
         self.job, self.strategy, self.env = job, strategy, env
+        self._init_source = None
+        if init_from is not None:
+            from cona.trainer import hf
+
+            try:
+                self._init_source = hf.check_directory(job.model, init_from)
+            except ValueError as e:  # checked before the process group too (trainer.main); a file changed since
+                raise ConfigError(f"model.init_from: {e}") from None
         self.device = env.device
         self.mesh: DeviceMesh = build_mesh(strategy, env.device)
         self.pp_rank = self.mesh.get_local_rank("pp")
@@ -112,6 +124,10 @@ class ParallelModel:
         model = build_model(self.job.model, device="meta")
         prune_to_stage(model, stage=stage, num_stages=self.num_stages)
         materialize(model, device=self.device, seed=self.job.seed)
+        if self._init_source is not None:  # before TP and FSDP2 split it: every layout loads the same full tensors
+            from cona.trainer import hf
+
+            hf.load_stage(model, self.job.model, self._init_source, label=str(self._init_source.directory))
         for block in model.layers.values():
             block.recompute = self.job.parallel.recompute
         if self.strategy.tp > 1:

@@ -83,6 +83,9 @@ class TrainerState:
     last_control_seq: int = -1
     """The newest control.json seq acted on, so a relaunch does not act on it again."""
     rng_state: str = ""
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The model section of the job (`ModelSpec`, resolved): makes the checkpoint self-describing, so `cona export`
+    needs no job file."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -111,9 +114,9 @@ class Trainer:
         self.rank = self.env.rank
         self.is_rank0 = self.rank == 0
         self.batcher = Batcher(self.job, self.corpus)
-        self.model = ParallelModel(self.job, self.strategy, self.env)
+        self.model = ParallelModel(self.job, self.strategy, self.env, init_from=self._init_from())
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
-                                  job_name=self.job.name)  # fmt: skip
+                                  job_name=self.job.name, model=self.job.model.model_dump(mode="json"))  # fmt: skip
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
@@ -133,6 +136,21 @@ class Trainer:
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
+
+    def _init_from(self) -> str | None:
+        """`model.init_from` when the run has no complete checkpoint yet (rank 0 decides for all), else None: a
+        resumed run continues from its own checkpoint."""
+        if self.job.model.init_from is None:
+            return None
+        shared: list[Any] = [None]
+        if self.is_rank0:
+            shared = [not self.run_dir.complete_checkpoints()]
+        dist.broadcast_object_list(shared, src=0)
+        if not shared[0]:
+            return None
+        if self.is_rank0:
+            print(f"cona trainer: starting from the weights in {self.job.model.init_from}", flush=True)
+        return self.job.model.init_from
 
     def _eval_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's contiguous share of the fixed validation windows."""
@@ -169,6 +187,7 @@ class Trainer:
                     ckpt.set_rng_state(self.state.rng_state)
                 self.control.last_seq = self.state.last_control_seq
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
+                self.state.model = self.job.model.model_dump(mode="json")
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
@@ -407,7 +426,8 @@ class Trainer:
         the record appears, and the orchestrator then watches the same processes as the next attempt.
         """
         self.exit_reason = reason
-        if self.state.step > 0 and self.state.step != self.loaded_step:
+        # Also at step 0 (`--max-steps 0`): a checkpoint of the initial weights, e.g. of model.init_from.
+        if self.state.step != self.loaded_step:
             self.save()
         if self.is_rank0:
             self._heartbeat(event="exit", exit_code=int(code), reason=reason)
