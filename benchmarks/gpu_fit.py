@@ -82,9 +82,19 @@ def _search(profile: Any, rows: list[dict[str, Any]], values: dict[str, float]) 
     return values
 
 
+# The full-size presets as they were before they followed the published models (issue 17): untied GPT and Llama
+# heads, no Llama 3 RoPE scaling, BERT without token types and with eps 1e-5. A measured row whose parameter count
+# is that layout's ran that model, and is re-predicted for it.
+_LAYOUT_BEFORE_PUBLISHED_PRESETS: dict[str, list[str]] = {
+    "gpt3-1.3b": ["model.tie_embeddings=false"],
+    "llama-3.2-1b": ["model.tie_embeddings=false", "model.rope_scaling=null"],
+    "bert-large": ["model.type_vocab_size=0", "model.norm_eps=1e-5"],
+}
+
+
 def _with_jobs(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """The measured rows, each with the job it ran (rebuilt from the preset and recompute mode), as data (`job`)
-    and parsed (`job_spec`)."""
+    """The measured rows, each with the job it ran (rebuilt from the preset and recompute mode, in the layout whose
+    parameter count the row recorded), as data (`job`) and parsed (`job_spec`)."""
     from cona.orchestrator.job import job_to_dict
 
     from benchmarks.gpu import _job
@@ -94,6 +104,14 @@ def _with_jobs(data: dict[str, Any]) -> list[dict[str, Any]]:
         if "step_s" not in row:
             continue
         job = _job(row["preset"], data=Path("unused.bin"), recompute=row["recompute"])
+        if "num_params" in row and job.model.num_params != row["num_params"]:
+            overrides = _LAYOUT_BEFORE_PUBLISHED_PRESETS.get(row["preset"], [])
+            job = _job(row["preset"], data=Path("unused.bin"), recompute=row["recompute"], overrides=overrides)
+            if job.model.num_params != row["num_params"]:
+                raise ValueError(
+                    f"{row['preset']}: the row measured a model of {row['num_params']:,} parameters, which no known "
+                    f"layout of the preset has ({job.model.num_params:,} now); rerun python -m benchmarks.gpu"
+                )
         rows.append({**row, "job": job_to_dict(job), "job_spec": job})
     return rows
 

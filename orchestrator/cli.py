@@ -409,10 +409,34 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")
     render.set_defaults(func=cmd_render)
 
+    # Listed here for `cona --help`; `main` hands their arguments to the data plane's own program.
+    sub.add_parser("export", add_help=False, help="write a run's checkpoint as a Hugging Face model directory "
+                   "(cona export RUN_DIR [--step K] --format hf --out DIR; needs torch and safetensors)")  # fmt: skip
+    sub.add_parser("data", add_help=False, help="tokenize text into the token files the trainer reads "
+                   "(cona data prepare --tokenizer tokenizer.json --input TEXT --out DIR; needs tokenizers)")  # fmt: skip
     return parser
 
 
+DATA_PLANE_COMMANDS = {"export": "cona.trainer.export", "data": "cona.trainer.prepare"}
+"""Subcommands that are the data plane's programs: the control plane never imports the trainer or torch
+(docs/architecture.md, "Import rules"), so `cona` runs them as `python -m MODULE ARGS` and returns their status
+(they print their own one-line errors and exit 2 on bad input)."""
+
+
+def run_data_plane(command: str, args: Sequence[str]) -> int:
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", DATA_PLANE_COMMANDS[command], *args], check=False).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DATA_PLANE_COMMANDS:
+        try:
+            return run_data_plane(argv[0], argv[1:])
+        except KeyboardInterrupt:
+            print("cona: interrupted", file=sys.stderr)
+            return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -143,18 +143,20 @@ def _embedding_params(model: ModelSpec) -> _Params:
     if model.family in ("gpt", "bert"):
         total += model.seq_len * h  # learned positions
     if model.family == "bert":
-        total += 2 * h  # embedding LayerNorm
+        total += 2 * h + (model.type_vocab_size or 0) * h  # embedding LayerNorm, token types
     return _Params(total, 0.0, v * h)
 
 
 def _head_params(model: ModelSpec, *, tied_copy: bool) -> _Params:
-    """The last stage's head (replicated over tp). BERT's last stage also keeps the tied token embedding when it is
-    not the first stage (`trainer.model.prune_to_stage`)."""
+    """The last stage's head (replicated over tp). A tied head (BERT's, `model.tie_embeddings`) keeps the token
+    embedding on the last stage too when that is not the first stage (`trainer.model.prune_to_stage`)."""
     h, v = model.hidden_size, model.vocab_size
-    if model.family == "gpt":
-        return _Params(2 * h + v * h, v * h, v * h)
-    if model.family == "llama":
-        return _Params(h + v * h, v * h, v * h)
+    if model.family != "bert":
+        norm = 2 * h if model.family == "gpt" else h  # final LayerNorm (gain, bias) or RMSNorm (gain)
+        if not model.tie_embeddings:
+            return _Params(norm + v * h, v * h, v * h)
+        copy = v * h if tied_copy else 0
+        return _Params(norm + copy, v * h, v * h)  # the head's matmul casts the embedding under autocast
     # BERT: MLM dense (+bias), its LayerNorm, the decoder bias; the decoder weight is the token embedding
     own = h * h + h + 2 * h + v
     cast = h * h + h + v * h + v  # the dense layer and the decoder (weight and bias) run under autocast
@@ -164,7 +166,7 @@ def _head_params(model: ModelSpec, *, tied_copy: bool) -> _Params:
 def _num_tensors(model: ModelSpec, layers: int, first: bool, last: bool) -> int:
     """Parameter tensors of a stage (weights, biases, norm gains)."""
     per_layer = 9 if model.family == "llama" else 16
-    first_n = {"gpt": 2, "llama": 1, "bert": 4}[model.family] if first else 0
+    first_n = {"gpt": 2, "llama": 1, "bert": 4 + bool(model.type_vocab_size)}[model.family] if first else 0
     last_n = {"gpt": 3, "llama": 2, "bert": 6}[model.family] if last else 0
     return max(1, layers * per_layer + first_n + last_n)
 

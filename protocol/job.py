@@ -16,15 +16,21 @@ from pydantic import Field
 
 ModelFamily = Literal["gpt", "llama", "bert"]
 
-# Full-size presets describe the published architectures; the `tiny-` ones train on a laptop CPU in seconds
-# on a byte-level corpus (vocabulary 256).
+# Full-size presets describe the published architectures, with their parameter counts (tests/test_config.py):
+# GPT-3 XL in the GPT-2 layout (1,315,723,264), Llama 3.2 1B (1,235,814,400: tied head, llama3 RoPE scaling),
+# BERT-Large (uncased; 334,092,288 in its encoder, 335,141,888 with the pooler we do not build). The `tiny-` ones
+# train on a laptop CPU in seconds on a byte-level corpus (vocabulary 256); their layout (untied GPT/Llama heads,
+# no token types) is kept as it was, so the benchmarks measured with them stay valid.
+LLAMA3_ROPE_SCALING: dict[str, Any] = dict(type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-1.3b": dict(family="gpt", num_layers=24, hidden_size=2048, num_heads=16, num_kv_heads=16,
-                      ffn_hidden_size=8192, vocab_size=50257, seq_len=2048),
+                      ffn_hidden_size=8192, vocab_size=50257, seq_len=2048, tie_embeddings=True),
     "llama-3.2-1b": dict(family="llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
-                         ffn_hidden_size=8192, vocab_size=128256, seq_len=2048, rope_theta=500000.0),
+                         ffn_hidden_size=8192, vocab_size=128256, seq_len=2048, rope_theta=500000.0,
+                         tie_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING),
     "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_heads=16, num_kv_heads=16,
-                       ffn_hidden_size=4096, vocab_size=30522, seq_len=512),
+                       ffn_hidden_size=4096, vocab_size=30522, seq_len=512, norm_eps=1e-12, type_vocab_size=2),
     "tiny-gpt": dict(family="gpt", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
                      ffn_hidden_size=256, vocab_size=256, seq_len=64),
     "tiny-llama": dict(family="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
@@ -32,6 +38,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-bert": dict(family="bert", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
                       ffn_hidden_size=256, vocab_size=256, seq_len=64),
 }  # fmt: skip
+
+
+class RopeScaling(StrictModel):
+    """Llama 3's RoPE frequency scaling (transformers' `llama3` rope type): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, those shorter than
+    original_max_position_embeddings / high_freq_factor are kept, and the band between is interpolated."""
+
+    type: Literal["llama3"] = "llama3"
+    """The scaling rule; `llama3` is the only one."""
+    factor: float = Field(32.0, gt=0)
+    """How much the low frequencies are stretched (32 for Llama 3.2)."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = Field(8192, gt=0)
+    """The context length the model was first trained with (8192 for Llama 3)."""
+
+    @pydantic.model_validator(mode="after")
+    def _band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor={self.high_freq_factor} must be larger than low_freq_factor={self.low_freq_factor}"
+            )
+        return self
 
 
 class ModelSpec(StrictModel):
@@ -57,10 +88,26 @@ class ModelSpec(StrictModel):
     """Training context length s (tokens per sample)."""
     rope_theta: float = 10000.0
     """RoPE base (llama only)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3's RoPE frequency scaling (llama only; on in the llama-3.2-1b preset, `null` turns it off)."""
     norm_eps: float = 1e-5
-    """Epsilon of LayerNorm / RMSNorm."""
+    """Epsilon of LayerNorm / RMSNorm (1e-12 in the bert-large preset, as BERT's)."""
+    tie_embeddings: bool | None = None
+    """The output head uses the token embedding's weight (one tensor, as GPT-2/GPT-3, Llama 3.2 1B and BERT do).
+    Default: the preset's value (true for gpt3-1.3b, llama-3.2-1b and every BERT; false for tiny-gpt and
+    tiny-llama), else true for bert and false for gpt and llama. BERT's decoder is always tied. Under pipeline
+    parallelism the last stage keeps a copy of the embedding whose gradient is summed with the first stage's."""
+    type_vocab_size: int | None = Field(None, ge=0)
+    """BERT's token-type (segment) embeddings: how many types (2 in bert-large; 0, none, in tiny-bert and for gpt
+    and llama). Training feeds type 0 everywhere, as a single-segment MLM does."""
     mlm_probability: float = Field(0.15, gt=0, lt=1)
     """Fraction of tokens masked for BERT's masked-language-model objective."""
+    init_from: str | None = None
+    """A local Hugging Face model directory (config.json + model.safetensors, as `save_pretrained` or
+    `cona export` writes it) to start from instead of the random initialisation: GPT2LMHeadModel, LlamaForCausalLM
+    or BertForMaskedLM whose config matches this section (a mismatch is one line naming the field or tensor). Read
+    only when the run has no checkpoint yet, under any layout. A relative path is read from the current directory,
+    else next to the job file."""
 
     @pydantic.field_validator("preset")
     @classmethod
@@ -77,7 +124,12 @@ class ModelSpec(StrictModel):
     def _fill_from_preset(self) -> ModelSpec:
         if self.preset is not None:
             for key, value in PRESETS[self.preset].items():
-                if getattr(self, key) is None or (key == "rope_theta" and "rope_theta" not in self.model_fields_set):
+                # Fill what the file did not set; a field set to null takes the preset's value, except
+                # rope_scaling, where null is how the preset's scaling is turned off.
+                unset = key not in self.model_fields_set
+                if unset or (getattr(self, key) is None and key not in _NULL_OVERRIDES_PRESET):
+                    if key == "rope_scaling":
+                        value = RopeScaling(**value)
                     object.__setattr__(self, key, value)
         missing = [
             name
@@ -96,6 +148,16 @@ class ModelSpec(StrictModel):
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.family != "llama" and self.num_kv_heads != self.num_heads:
             raise ValueError(f"{self.family} uses full multi-head attention: num_kv_heads must equal num_heads")
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", self.family == "bert")
+        if self.family == "bert" and not self.tie_embeddings:
+            raise ValueError("tie_embeddings: BERT's MLM decoder is always tied to the token embedding; remove the field")
+        if self.type_vocab_size is None:
+            object.__setattr__(self, "type_vocab_size", 0)
+        if self.family != "bert" and self.type_vocab_size:
+            raise ValueError(f"type_vocab_size: token-type embeddings are BERT's; {self.family} has none (set 0)")
+        if self.family != "llama" and self.rope_scaling is not None:
+            raise ValueError(f"rope_scaling: only llama uses RoPE; remove it for {self.family}")
         return self
 
     @property
@@ -104,18 +166,25 @@ class ModelSpec(StrictModel):
 
     @property
     def num_params(self) -> int:
-        """Parameter count N, exactly as `trainer.model` builds it."""
+        """Parameter count N, exactly as `trainer.model` builds it (a tied head counts once)."""
         h, f, v, s = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.seq_len
         kv = self.num_kv_heads * self.head_dim
-        if self.family == "llama":  # bias-free, RMSNorm, SwiGLU, untied output
+        head = 0 if self.tie_embeddings else v * h
+        if self.family == "llama":  # bias-free, RMSNorm, SwiGLU
             per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-            return v * h + self.num_layers * per_layer + h + v * h
+            return v * h + self.num_layers * per_layer + h + head
         per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # attention, MLP, two LayerNorms
         embeddings = v * h + s * h
-        if self.family == "gpt":  # final LayerNorm, untied output
-            return embeddings + self.num_layers * per_layer + 2 * h + v * h
-        # BERT: embedding LayerNorm, MLM transform (dense + LayerNorm), decoder tied to the embedding + bias
+        if self.family == "gpt":  # final LayerNorm
+            return embeddings + self.num_layers * per_layer + 2 * h + head
+        # BERT: token types, embedding LayerNorm, MLM transform (dense + LayerNorm), decoder tied to the embedding
+        # + bias
+        embeddings += self.type_vocab_size * h
         return embeddings + 2 * h + self.num_layers * per_layer + h * h + h + 2 * h + v
+
+
+_NULL_OVERRIDES_PRESET = frozenset({"rope_scaling"})
+"""ModelSpec fields whose explicit null replaces the preset's value instead of taking it."""
 
 
 class DataSpec(StrictModel):
@@ -331,6 +400,14 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (base / data_path).exists():
         job.data.path = str(base / data_path)
+    if job.model.init_from is not None:
+        init = Path(job.model.init_from)
+        if not init.is_absolute() and not init.exists() and (base / init).exists():
+            init = base / init
+        if not init.is_dir():
+            raise ConfigError(f"{path}: model.init_from {job.model.init_from!r}: no such directory; give a local "
+                              "Hugging Face model directory (config.json + model.safetensors)")  # fmt: skip
+        job.model.init_from = str(init.resolve())
     return job
 
 

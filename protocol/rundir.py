@@ -33,6 +33,24 @@ class ExitCode(enum.IntEnum):
     """Bad input (job, strategy, data path): the message on stderr says which."""
 
 
+MAX_STEPS_REASON = "max_steps"
+"""The exit reason of a trainer that stopped at its own `--max-steps` (after its checkpoint)."""
+
+
+def process_exit_status(code: int, *, reason: str) -> int:
+    """The status the trainer process exits with for the exit record (`code`, `reason`): the one place that
+    decides it.
+
+    It is the record's code, except for a stop that the trainer's own command line asked for (`--max-steps`): the
+    run ended where its user said, so the process exits 0 and torchrun reports success instead of printing its
+    ChildFailedError dump. The exit record keeps STOPPED (43): whoever must tell "stopped" from "done" (the
+    orchestrator's backends) reads the record first and the process status only without one
+    (`RunDir.attempt_exit_code`)."""
+    if code == ExitCode.STOPPED and reason == MAX_STEPS_REASON:
+        return int(ExitCode.DONE)
+    return int(code)
+
+
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 
@@ -249,6 +267,13 @@ class RunDir:
             return ExitRecord.from_dict(data) if isinstance(data, dict) else None
         except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError):
             return None
+
+    def attempt_exit_code(self, attempt: int, process_status: int | None) -> int | None:
+        """How attempt `attempt` ended, as an `ExitCode` value: its exit record's code when rank 0 wrote one, else
+        the process status (torchrun exits 1 for any non-zero worker, and 0 for a `--max-steps` stop: see
+        `process_exit_status`)."""
+        recorded = self.read_exit(attempt)
+        return recorded.exit_code if recorded is not None else process_status
 
     def write_exit(self, attempt: int, record: ExitRecord) -> None:
         atomic_write_json(self.exit_file(attempt), record.to_dict())

@@ -59,6 +59,30 @@ def test_presets_have_published_dimensions():
             assert ModelSpec(preset=name).num_params < 1e6
 
 
+def test_preset_counts_are_the_published_models_and_the_built_models():
+    """The full-size presets hold the published models' parameters, and `num_params` is what the trainer builds."""
+    from cona.trainer.model import build_model
+
+    gpt, llama, bert = (ModelSpec(preset=name) for name in ("gpt3-1.3b", "llama-3.2-1b", "bert-large"))
+    assert gpt.num_params == 1_315_723_264 and gpt.tie_embeddings  # GPT-3 XL in the GPT-2 layout
+    assert llama.num_params == 1_235_814_400 and llama.tie_embeddings  # Llama 3.2 1B
+    assert llama.rope_scaling is not None and (llama.rope_scaling.factor, llama.rope_scaling.low_freq_factor,
+            llama.rope_scaling.high_freq_factor, llama.rope_scaling.original_max_position_embeddings) == (32, 1, 4, 8192)  # fmt: skip
+    assert bert.norm_eps == 1e-12 and bert.type_vocab_size == 2
+    h, v = bert.hidden_size, bert.vocab_size
+    encoder = bert.num_params - (h * h + h + 2 * h + v)  # without the MLM head (dense, LayerNorm, decoder bias)
+    assert encoder == 334_092_288  # BERT-Large without its pooler
+    assert encoder + h * h + h == 335_141_888  # with its pooler (BertModel)
+    for name in PRESETS:
+        spec = ModelSpec(preset=name)
+        built = build_model(spec, device="meta")
+        assert sum(p.numel() for p in built.parameters()) == spec.num_params, name
+    untied = ModelSpec(preset="gpt3-1.3b", tie_embeddings=False)
+    assert untied.num_params == gpt.num_params + gpt.vocab_size * gpt.hidden_size
+    assert sum(p.numel() for p in build_model(untied, device="meta").parameters()) == untied.num_params
+    assert ModelSpec(preset="llama-3.2-1b", rope_scaling=None).rope_scaling is None  # null turns the scaling off
+
+
 def test_explicit_fields_override_preset():
     spec = ModelSpec(preset="tiny-gpt", num_layers=2)
     assert spec.num_layers == 2 and spec.hidden_size == 64
@@ -104,6 +128,10 @@ BAD_JOBS = [
     ("model: {preset: tiny-gpt\n", "invalid YAML"),
     ("- 1\n- 2\n", "expected a mapping"),
     ("model: {family: gpt, num_layers: 2}\n", "give model.preset or all of"),
+    ("model: {preset: tiny-bert, tie_embeddings: false}\n", "field 'model': tie_embeddings: BERT's MLM"),
+    ("model: {preset: tiny-gpt, type_vocab_size: 2}\n", "type_vocab_size: token-type embeddings are BERT's"),
+    ("model: {preset: tiny-gpt, rope_scaling: {factor: 8}}\n", "rope_scaling: only llama uses RoPE"),
+    ("model: {preset: tiny-llama, rope_scaling: {factr: 8}}\n", "unknown field 'model.rope_scaling.factr'; did you mean 'factor'"),
 ]
 
 

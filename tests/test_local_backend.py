@@ -65,3 +65,20 @@ def test_an_attempt_continued_in_place_is_watched_through_the_launch_that_starte
     assert run_dir.read_launch(3).extra["launched_as"] == 1
     outcome = _wait(backend, third)
     assert outcome.status is AttemptStatus.DONE and outcome.exit_code == 0
+
+
+def test_a_max_steps_stop_exits_0_and_is_still_told_stopped_by_its_exit_record(tmp_path):
+    """A trainer that stopped at its own --max-steps exits 0 (a normal end for torchrun), but its exit record says
+    STOPPED: the backend reads the record first, so the orchestrator still tells stopped from done."""
+    from cona.protocol.rundir import MAX_STEPS_REASON, ExitCode, ExitRecord, process_exit_status
+
+    assert process_exit_status(ExitCode.STOPPED, reason=MAX_STEPS_REASON) == 0
+    assert process_exit_status(ExitCode.STOPPED, reason="signal SIGTERM (1 rank)") == ExitCode.STOPPED
+    assert process_exit_status(ExitCode.SWITCH, reason=MAX_STEPS_REASON) == ExitCode.SWITCH
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run_dir.write_exit(1, ExitRecord(exit_code=int(ExitCode.STOPPED), name="STOPPED", reason=MAX_STEPS_REASON,
+                                     step=5, time=time.time()))  # fmt: skip
+    backend = ExitingBackend(run_dir=run_dir, code=0)
+    outcome = _wait(backend, backend.launch(attempt=1, strategy=STRATEGY))
+    assert outcome.status is AttemptStatus.STOPPED and outcome.exit_code == ExitCode.STOPPED, outcome

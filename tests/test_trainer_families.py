@@ -29,19 +29,24 @@ def test_tiny_preset_trains_and_validation_loss_falls(tmp_path, preset):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("preset", "strategy", "schedule"),
+    ("preset", "strategy", "schedule", "model"),
     [
-        pytest.param("tiny-bert", "dp=2,tp=1,pp=2,mbs=2,gbs=16", "interleaved", id="bert-tied-dp2-pp2-interleaved"),
-        pytest.param("tiny-llama", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "gpipe", id="llama-gqa-tp2-pp2-gpipe"),
+        pytest.param("tiny-bert", "dp=2,tp=1,pp=2,mbs=2,gbs=16", "interleaved", {}, id="bert-tied-dp2-pp2-interleaved"),
+        pytest.param("tiny-llama", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "gpipe", {}, id="llama-gqa-tp2-pp2-gpipe"),
+        pytest.param("tiny-gpt", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "1f1b", {"tie_embeddings": True},
+                     id="gpt-tied-tp2-pp2-1f1b"),
     ],
-)
-def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule):
-    """BERT's decoder weight tied across the first and last stage, llama's kv heads split by tp: same losses."""
-    job = write_job(tmp_path, preset=preset, parallel={"pipeline_schedule": schedule})
+)  # fmt: skip
+def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule, model):
+    """A tied head (BERT's decoder, a tied GPT head) across the first and last stage, also under tp, and llama's kv
+    heads split by tp: same losses."""
+    job = write_job(tmp_path, preset=preset, parallel={"pipeline_schedule": schedule}, model=model)
     single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
     assert single.exit_code == ExitCode.STOPPED, describe(single)
     parallel = launch(tmp_path / "parallel", nproc=4, strategy=strategy, job=job, max_steps=3)
     assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
+    # Stopping at --max-steps is the end the user asked for: torchrun exits 0 and prints no failure dump.
+    assert parallel.returncode == 0 and "ChildFailedError" not in parallel.stderr, describe(parallel)
     want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
     for step in (1, 2, 3):
         assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step

@@ -7,9 +7,11 @@ Without --job the job is `run.yaml`'s `job:` mapping; without --strategy the str
 --attempt the attempt is state.json's. --max-steps is an absolute optimizer step of the run (see trainer.train).
 No flag is a prefix of a torchrun flag, so they can never be mistaken for torchrun's own.
 
-Exit codes (cona.protocol.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal, --max-steps), 44 the world
-size does not fit the strategy, 2 bad input (one line on stderr saying what to fix). torchrun itself exits 1 when
-a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat (`event: exit`) for the code.
+Exit codes (cona.protocol.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal), 44 the world
+size does not fit the strategy, 2 bad input (one line on stderr saying what to fix). Stopping at --max-steps is a
+normal end: the process exits 0 and the exit record says STOPPED (`cona.protocol.rundir.process_exit_status`).
+torchrun itself exits 1 when a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat
+(`event: exit`) for the code.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cona.protocol.rundir import ExitCode, RunDir
+from cona.protocol.rundir import ExitCode, RunDir, process_exit_status
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         code = ExitCode(previous.exit_code)
         if rank == 0:
             print(f"cona trainer: attempt {attempt} already exited {code.name} ({previous.reason})", file=sys.stderr)
-        return int(code)
+        return process_exit_status(code, reason=previous.reason)
 
     # Validate everything that needs no process group first, so bad input never hangs a collective.
     from cona.trainer.data import Batcher, load_corpus
@@ -126,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         check_layout(job, strategy, world_size=world_size)
         corpus = load_corpus(job)
         Batcher(job, corpus)
+        if job.model.init_from is not None and not run_dir.complete_checkpoints():
+            from cona.trainer.hf import check_directory
+
+            try:
+                check_directory(job.model, job.model.init_from)
+            except ValueError as e:
+                raise ConfigError(f"model.init_from: {e}") from None
     except LayoutError as e:
         code = ExitCode.BAD_WORLD if e.bad_world else ExitCode.CONFIG
         if rank == 0 and run_dir.root.is_dir():
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             startup = {"process_start": None, "main_start": now, "dist_ready": now, "in_place": True}
             trainer = make_trainer(strategy=strategy, attempt=attempt, startup=startup, control=control)
             code = trainer.run()
+        status = process_exit_status(code, reason=trainer.exit_reason)
     except ConfigError as e:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
@@ -167,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
         print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
-        code = 1
+        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return int(code)
+    return status

@@ -2,14 +2,21 @@
 
 Every family is one `Transformer`:
 
-    tok_embeddings [+ pos_embeddings] [+ emb_norm]  →  layers["0"] … layers["L-1"]  →  [norm] [mlm head]  →  output
+    tok_embeddings [+ pos_embeddings] [+ type_embeddings] [+ emb_norm]  →  layers["0"] … layers["L-1"]
+        →  [norm] [mlm head]  →  output
 
-* gpt   — learned positions, pre-LayerNorm, GELU MLP, biases, causal attention, untied output.
-* llama — RoPE, pre-RMSNorm, SwiGLU MLP, grouped-query attention, no biases, untied output.
-* bert  — learned positions, embedding LayerNorm, post-LayerNorm blocks, bidirectional attention, and an MLM head
-  (dense → GELU → LayerNorm → decoder with bias) whose decoder weight is tied to the token embedding. Under a
-  pipeline the last stage keeps `tok_embeddings` (for its weight only) and `trainer.pipeline` sums the two partial
-  gradients of the tied weight across the first and last stage, so both copies stay identical.
+* gpt   — learned positions, pre-LayerNorm, GELU MLP, biases, causal attention (GPT-2's layout).
+* llama — RoPE (optionally with Llama 3's frequency scaling), pre-RMSNorm, SwiGLU MLP, grouped-query attention,
+  no biases.
+* bert  — learned positions and token types, embedding LayerNorm, post-LayerNorm blocks, bidirectional attention,
+  and an MLM head (dense → GELU → LayerNorm → decoder with bias).
+
+With `model.tie_embeddings` (BERT always; the gpt3-1.3b and llama-3.2-1b presets, as the published models) the
+output head is the token embedding's weight: `TiedOutput` holds no copy of it. Under a pipeline the last stage
+keeps `tok_embeddings` (for its weight only) and `trainer.pipeline` sums the two partial gradients of the tied
+weight across the first and last stage, so both copies stay identical. Under tensor parallelism the embedding and
+the head are replicated (not in `tp_plan`), so tying changes nothing there. `trainer.hf` maps these names to and
+from the Hugging Face layouts.
 
 Pipeline stages are carved out of the full model: blocks are keyed by their global index in a `ModuleDict`, and
 `prune_to_stage` deletes the blocks, embeddings and head a stage does not own (setting them to None), so parameter
@@ -28,7 +35,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from cona.protocol.job import ModelSpec
+from cona.protocol.job import ModelSpec, RopeScaling
 from cona.trainer.data import IGNORE_INDEX
 from cona.trainer.recompute import Recompute, checkpointed
 from torch import nn
@@ -53,9 +60,29 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rope_tables(*, seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """cos and sin of the rotary angles, shape [seq_len, head_dim] (each frequency used for a pair of halves)."""
+def rope_frequencies(*, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> torch.Tensor:
+    """The head_dim/2 rotary frequencies, with Llama 3's scaling when given (transformers' `llama3` rope type)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, the band between them
+    # interpolated smoothly: the context grows without disturbing the local (high-frequency) position signal.
+    old_context = scaling.original_max_position_embeddings
+    low_wavelen = old_context / scaling.low_freq_factor
+    high_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    *, seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, ...]:
+    """cos and sin of the rotary angles, shape [seq_len, head_dim] (each frequency used for a pair of halves)."""
+    inv_freq = rope_frequencies(head_dim=head_dim, theta=theta, scaling=scaling, device=device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -162,11 +189,12 @@ def tp_plan(block: Block) -> dict[str, TpStyle]:
 
 
 class TiedOutput(nn.Module):
-    """BERT's decoder: logits = x · Eᵀ + bias with E the token embedding (passed in, so it is not a second copy)."""
+    """A tied head: logits = x · Eᵀ (+ bias: BERT's decoder) with E the token embedding (passed in, so it is not a
+    second copy)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, *, bias: bool) -> None:
         super().__init__()
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, self.bias)
@@ -187,13 +215,18 @@ class Transformer(nn.Module):
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(spec.seq_len, h) if spec.family in ("gpt", "bert") else None
         )
+        self.type_embeddings: nn.Embedding | None = (
+            nn.Embedding(spec.type_vocab_size, h) if spec.type_vocab_size else None
+        )
         self.emb_norm: nn.Module | None = _norm(spec) if spec.family == "bert" else None
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
         self.norm: nn.Module | None = _norm(spec) if spec.family != "bert" else None
         is_bert = spec.family == "bert"
         self.mlm_dense: nn.Linear | None = nn.Linear(h, h) if is_bert else None
         self.mlm_norm: nn.Module | None = _norm(spec) if is_bert else None
-        self.output: nn.Module | None = TiedOutput(spec.vocab_size) if is_bert else nn.Linear(h, spec.vocab_size, bias=False)
+        self.output: nn.Module | None = (
+            TiedOutput(spec.vocab_size, bias=is_bert) if spec.tie_embeddings else nn.Linear(h, spec.vocab_size, bias=False)
+        )
         self.embed_inputs = True
         """False on a later pipeline stage that keeps `tok_embeddings` only for the tied decoder weight."""
         self._rope_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -204,7 +237,8 @@ class Transformer(nn.Module):
         key = (str(device), seq_len)
         if key not in self._rope_cache:  # a plain cache, not a buffer: nothing to shard, save or materialise
             self._rope_cache[key] = rope_tables(
-                seq_len=seq_len, head_dim=self.spec.head_dim, theta=self.spec.rope_theta, device=device
+                seq_len=seq_len, head_dim=self.spec.head_dim, theta=self.spec.rope_theta, device=device,
+                scaling=self.spec.rope_scaling,
             )
         return self._rope_cache[key]
 
@@ -214,6 +248,8 @@ class Transformer(nn.Module):
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(torch.arange(seq_len, device=x.device))
+            if self.type_embeddings is not None:  # every token is of type 0 (one segment)
+                x = x + self.type_embeddings.weight[0]
             if self.emb_norm is not None:
                 x = self.emb_norm(x)
         rope = self._rope(seq_len, x.device)
@@ -233,7 +269,7 @@ class Transformer(nn.Module):
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.spec.family == "bert"
+        return bool(self.spec.tie_embeddings)
 
 
 def build_model(spec: ModelSpec, *, device: torch.device | str = "meta") -> Transformer:
@@ -264,7 +300,7 @@ def prune_to_stage(model: Transformer, *, stage: int, num_stages: int) -> Transf
         if int(name) not in owned:
             del model.layers[name]
     if stage != 0:
-        model.pos_embeddings = model.emb_norm = None
+        model.pos_embeddings = model.type_embeddings = model.emb_norm = None
         if model.tied_embeddings and stage == num_stages - 1:
             model.embed_inputs = False  # keep the embedding for the tied decoder weight only
         else:

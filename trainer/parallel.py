@@ -4,12 +4,13 @@
 (`trainer.pipeline`) from the full model on the meta device (`trainer.model`), in this order:
 
 1. `build_model` on meta → `prune_to_stage` → `materialize` (values depend only on the seed and parameter names,
-   so any layout starts from the same model) → each block's recompute mode (`trainer.recompute`);
+   so any layout starts from the same model), or the weights of `model.init_from` (`trainer.hf.load_stage`) on a
+   run without a checkpoint → each block's recompute mode (`trainer.recompute`);
 2. **TP** — `trainer.tp.apply_tp` with the model's own plan (`trainer.model.tp_plan`), when tp > 1;
 3. **FSDP2** — `trainer.fsdp.apply_fsdp` on the dp axis, when dp > 1;
 
 then one AdamW per stage (`trainer.optim`), the gradient statistics hooks (`trainer.gradstats`), the pipeline
-schedule when pp > 1 and, for BERT under pp, the tied-weight group. Keep this order: every rank must create the
+schedule when pp > 1 and, for a tied head under pp, the tied-weight group. Keep this order: every rank must create the
 mesh's and the tied groups' communicators in the same sequence, parameters are initialised in full before TP and
 FSDP2 shard them (so every layout starts from the same values), and the optimizers must see the parameters in
 their final, sharded form. Gradient accumulation runs gbs/(dp·mbs) micro-batches per replica, through the pipeline
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 from cona.trainer.data import IGNORE_INDEX
 from cona.trainer.distributed import MESH_DIMS, DistEnv, build_mesh, check_layout, num_virtual_stages
 from cona.trainer.fsdp import apply_fsdp
@@ -58,9 +60,19 @@ if TYPE_CHECKING:
 class ParallelModel:
     """This rank's model stages under one strategy, their optimizers, and the forward/backward of one step."""
 
-    def __init__(self, job: JobSpec, strategy: Strategy, env: DistEnv) -> None:
+    def __init__(self, job: JobSpec, strategy: Strategy, env: DistEnv, *, init_from: str | None = None) -> None:
+        """`init_from`: a Hugging Face model directory whose weights replace the random initialisation
+        (`trainer.hf`; the caller passes it only for a run without a checkpoint)."""
         check_layout(job, strategy, world_size=env.world_size)
         self.job, self.strategy, self.env = job, strategy, env
+        self._init_source = None
+        if init_from is not None:
+            from cona.trainer import hf
+
+            try:
+                self._init_source = hf.check_directory(job.model, init_from)
+            except ValueError as e:  # checked before the process group too (trainer.main); a file changed since
+                raise ConfigError(f"model.init_from: {e}") from None
         self.device = env.device
         self.mesh: DeviceMesh = build_mesh(strategy, env.device)
         self.pp_rank = self.mesh.get_local_rank("pp")
@@ -99,8 +111,9 @@ class ParallelModel:
             )  # fmt: skip
         self._tied_group: dist.ProcessGroup | None = None
         self.tied_params: list[nn.Parameter] = []
-        # BERT's decoder weight lives on the first and the last stage: their gradients are summed after backward.
-        if job.model.family == "bert" and strategy.pp > 1:
+        # A tied head's weight (BERT's decoder, a tied GPT/Llama head) lives on the first and the last stage: their
+        # gradients are summed after backward.
+        if job.model.tie_embeddings and strategy.pp > 1:
             self._tied_group = tied_embedding_group(self.mesh, num_stages=self.num_stages, rank=env.rank)
             self.tied_params = tied_parameters(self.parts, self.stage_ids, num_stages=self.num_stages)
 
@@ -111,6 +124,10 @@ class ParallelModel:
         model = build_model(self.job.model, device="meta")
         prune_to_stage(model, stage=stage, num_stages=self.num_stages)
         materialize(model, device=self.device, seed=self.job.seed)
+        if self._init_source is not None:  # before TP and FSDP2 split it: every layout loads the same full tensors
+            from cona.trainer import hf
+
+            hf.load_stage(model, self.job.model, self._init_source, label=str(self._init_source.directory))
         for block in model.layers.values():
             block.recompute = self.job.parallel.recompute
         if self.strategy.tp > 1:
@@ -180,7 +197,7 @@ class ParallelModel:
         return total
 
     def sync_tied(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum BERT's tied-weight gradient across first/last stage; returns (this rank's pre, post) weighted |g|²."""
+        """Sum the tied weight's gradient across first/last stage; returns (this rank's pre, post) weighted |g|²."""
         return sync_tied_grads(
             self.tied_params, self._tied_group, dp=self.strategy.dp, tp=self.strategy.tp, device=self.device
         )

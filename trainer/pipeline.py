@@ -1,4 +1,4 @@
-"""Pipeline parallelism: which stages a pp rank holds, their `PipelineStage`s and schedule, and BERT's tied weight.
+"""Pipeline parallelism: which stages a pp rank holds, their `PipelineStage`s and schedule, and the tied weight.
 
 **Split.** `num_stages = pp` (or pp·`parallel.virtual_stages` for the interleaved schedule,
 `trainer.distributed.num_virtual_stages`); stage s lives on pp rank s mod pp, so rank r holds stages r, r + pp, …
@@ -10,8 +10,8 @@ GPipe, 1F1B (as GPipe when the replica has fewer micro-batches than stages: `one
 interleaved 1F1B over the replica's micro-batches. The schedule calls `ScaledLoss` on the last stage;
 `scale_grads=False` because the loss scale already normalises the gradients (`trainer.parallel`).
 
-**BERT's tied decoder under pp.** The last stage keeps `tok_embeddings.weight` for its decoder. After backward the
-two partial gradients are summed across the first and last stage (a small all-reduce of the sharded gradient), so
+**A tied head under pp** (BERT's decoder; GPT and Llama with `model.tie_embeddings`). The last stage keeps
+`tok_embeddings.weight` for its head. After backward the two partial gradients are summed across the first and last stage (a small all-reduce of the sharded gradient), so
 both copies receive identical updates and the checkpoint holds one tensor under one name. For the statistics the
 two partial gradients count as two parameters (both in local and in global norms, consistently); the clipping norm
 uses the true summed gradient.

@@ -11,7 +11,9 @@ Per optimizer step (all ranks in lockstep):
    `eval.interval_samples` samples; checkpoint every `checkpoint.interval_steps` steps and on command.
 
 `--max-steps N` is an absolute optimizer step of the run (not a count for this process): the trainer stops once
-`step == N`, after a checkpoint, with ExitCode.STOPPED (reason `max_steps`); a run already at or past N exits at once.
+`step == N`, after a checkpoint, with ExitCode.STOPPED (reason `max_steps`) in its exit record and process status 0
+(`cona.protocol.rundir.process_exit_status`: a stop the user asked for is a normal end); a run already at or past N
+exits at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import torch.distributed as dist
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
-from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir, atomic_write_json
+from cona.protocol.rundir import (
+    COMPLETE_MARKER,
+    MAX_STEPS_REASON,
+    ExitCode,
+    ExitRecord,
+    RunDir,
+    atomic_write_json,
+)
 from cona.protocol.samples_log import log_resume, log_step
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -74,6 +83,9 @@ class TrainerState:
     last_control_seq: int = -1
     """The newest control.json seq acted on, so a relaunch does not act on it again."""
     rng_state: str = ""
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The model section of the job (`ModelSpec`, resolved): makes the checkpoint self-describing, so `cona export`
+    needs no job file."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -102,9 +114,9 @@ class Trainer:
         self.rank = self.env.rank
         self.is_rank0 = self.rank == 0
         self.batcher = Batcher(self.job, self.corpus)
-        self.model = ParallelModel(self.job, self.strategy, self.env)
+        self.model = ParallelModel(self.job, self.strategy, self.env, init_from=self._init_from())
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
-                                  job_name=self.job.name)  # fmt: skip
+                                  job_name=self.job.name, model=self.job.model.model_dump(mode="json"))  # fmt: skip
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
@@ -115,6 +127,8 @@ class Trainer:
         self._last_print = -math.inf
         self._signal_reason = "signal"
         self._signalled_now = False
+        self.exit_reason = ""
+        """Set by `finish`: the exit record's reason (`main` turns code and reason into the process status)."""
         self.next_strategy: Strategy | None = None
         """Set when `run` returns SWITCH for an in-place switch: the strategy to rebuild with in these processes."""
         # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
@@ -122,6 +136,21 @@ class Trainer:
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
+
+    def _init_from(self) -> str | None:
+        """`model.init_from` when the run has no complete checkpoint yet (rank 0 decides for all), else None: a
+        resumed run continues from its own checkpoint."""
+        if self.job.model.init_from is None:
+            return None
+        shared: list[Any] = [None]
+        if self.is_rank0:
+            shared = [not self.run_dir.complete_checkpoints()]
+        dist.broadcast_object_list(shared, src=0)
+        if not shared[0]:
+            return None
+        if self.is_rank0:
+            print(f"cona trainer: starting from the weights in {self.job.model.init_from}", flush=True)
+        return self.job.model.init_from
 
     def _eval_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's contiguous share of the fixed validation windows."""
@@ -158,6 +187,7 @@ class Trainer:
                     ckpt.set_rng_state(self.state.rng_state)
                 self.control.last_seq = self.state.last_control_seq
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
+                self.state.model = self.job.model.model_dump(mode="json")
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
@@ -240,7 +270,7 @@ class Trainer:
     def _budget_reached(self) -> tuple[ExitCode, str] | None:
         s = self.state
         if self.max_steps is not None and s.step >= self.max_steps:
-            return ExitCode.STOPPED, "max_steps"
+            return ExitCode.STOPPED, MAX_STEPS_REASON
         if s.samples >= self.job.target.max_samples:
             return ExitCode.DONE, "target max_samples reached"
         return None
@@ -265,8 +295,11 @@ class Trainer:
         with record_function("cona.forward_backward"):
             loss_sum = model.forward_backward(inputs, labels, scale=strategy.dp / max(1, count))
         with record_function("cona.statistics"):
-            tied_pre, tied_post = model.sync_tied()
+            # The global terms count a tied head's two partial gradients as two parameters (`trainer.pipeline`), so
+            # they are taken before the partials are summed; `tied_post - tied_pre` then turns them into the true
+            # norm for clipping.
             global_sq, global_adam = model.stats.global_terms(model.parameters())
+            tied_pre, tied_post = model.sync_tied()
             local_sq, local_adam = model.stats.local_terms()
         command, budget = Action.NONE, 0.0
         if self.is_rank0:
@@ -392,7 +425,9 @@ class Trainer:
         After an in-place switch (`self.next_strategy`) the exit record says so: the checkpoint is complete before
         the record appears, and the orchestrator then watches the same processes as the next attempt.
         """
-        if self.state.step > 0 and self.state.step != self.loaded_step:
+        self.exit_reason = reason
+        # Also at step 0 (`--max-steps 0`): a checkpoint of the initial weights, e.g. of model.init_from.
+        if self.state.step != self.loaded_step:
             self.save()
         if self.is_rank0:
             self._heartbeat(event="exit", exit_code=int(code), reason=reason)

@@ -162,12 +162,9 @@ class LocalBackend(Backend):
             code = int(exit_file.read_text().strip())
         except (OSError, ValueError):
             return Outcome(AttemptStatus.CRASHED, None, "the attempt's processes are gone without an exit code")
-        if code != 0:
-            # torchrun exits 1 whatever protocol code its workers returned; rank 0 recorded the real one.
-            recorded = self.run_dir.read_exit(attempt.number)
-            if recorded is not None:
-                code = recorded.exit_code
-        return Outcome.of_exit(code, who="torchrun")
+        # torchrun exits 1 whatever protocol code its workers returned, and 0 for a `--max-steps` stop; rank 0
+        # recorded the real one.
+        return Outcome.of_exit(self.run_dir.attempt_exit_code(attempt.number, code), who="torchrun")
 
     def cancel(self, attempt: Attempt) -> None:
         pid = int(attempt.backend_id)

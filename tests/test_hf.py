@@ -1,0 +1,248 @@
+"""The Hugging Face format (trainer/hf.py): export from checkpoints of any layout, import into any layout, each
+family against transformers itself (GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM) at tiny dims.
+
+transformers is a dev dependency: it is the reference here, cona itself needs only safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from cona.protocol.job import ModelSpec
+from cona.protocol.rundir import ExitCode
+
+try:
+    from tests.trainer_helpers import REPO, describe, launch, step_records, trainer_env, write_job
+except ImportError:  # tests/ is not a package here
+    from trainer_helpers import REPO, describe, launch, step_records, trainer_env, write_job
+
+# One tiny model per family, each with what makes its family's mapping special: GPT-2's fused qkv and Conv1D layout
+# with an untied head, Llama's GQA with a tied head and Llama 3's RoPE scaling (its original context below seq_len,
+# so the scaling moves most frequencies), BERT's token types, eps 1e-12 and tied decoder.
+MODELS = {
+    "gpt": dict(preset="tiny-gpt", num_layers=2),
+    "llama": dict(preset="tiny-llama", num_layers=2, tie_embeddings=True, rope_theta=500000.0,
+                  rope_scaling={"factor": 32.0, "original_max_position_embeddings": 16}),
+    "bert": dict(preset="tiny-bert", num_layers=2, type_vocab_size=2, norm_eps=1e-12),
+}  # fmt: skip
+HF_CLASSES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
+
+
+def _spec(family: str, **extra) -> ModelSpec:
+    return ModelSpec(**{**MODELS[family], **extra})
+
+
+def _tokens(spec: ModelSpec, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, spec.vocab_size, (2, spec.seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_model(family: str, directory: Path):
+    model = getattr(transformers, HF_CLASSES[family]).from_pretrained(directory, output_loading_info=True)
+    model, info = model
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _saved_by_transformers(family: str, directory: Path, spec: ModelSpec) -> Path:
+    """A randomly initialised transformers model of `spec`'s architecture, as save_pretrained writes it."""
+    from cona.trainer.hf import hf_config
+
+    config = {k: v for k, v in hf_config(spec).items() if k not in ("architectures", "model_type")}
+    config_cls = {"gpt": transformers.GPT2Config, "llama": transformers.LlamaConfig, "bert": transformers.BertConfig}
+    torch.manual_seed(1)
+    model = getattr(transformers, HF_CLASSES[family])(config_cls[family](**config))
+    with torch.no_grad():  # norms and biases away from their 1/0 init, so a swapped tensor would show
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _cona_model(spec: ModelSpec, *, hf_dir: Path | None = None, state: dict | None = None):
+    from cona.trainer import hf
+    from cona.trainer.model import build_model, materialize
+
+    model = materialize(build_model(spec, device="meta"), device="cpu", seed=0)
+    if hf_dir is not None:
+        hf.load_stage(model, spec, hf.check_directory(spec, hf_dir), label=str(hf_dir))
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+def test_import_from_a_transformers_saved_model_gives_its_logits(tmp_path, family):
+    spec = _spec(family)
+    directory = _saved_by_transformers(family, tmp_path / "hf", spec)
+    reference = _hf_model(family, directory)
+    ours = _cona_model(spec, hf_dir=directory)
+    x = _tokens(spec)
+    with torch.no_grad():
+        want, got = reference(x).logits, ours(x)
+    assert (got - want).abs().max().item() < 1e-5
+    if family == "llama":  # the scaling is on and matters: without it the logits differ
+        plain = _cona_model(_spec(family, rope_scaling=None), hf_dir=None)
+        plain.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert (plain(x) - want).abs().max().item() > 1e-3
+
+
+def test_mismatches_are_one_line_naming_the_field_or_tensor(tmp_path):
+    from cona.trainer import hf
+    from safetensors.torch import load_file, save_file
+
+    spec = _spec("gpt")
+    directory = _saved_by_transformers("gpt", tmp_path / "hf", spec)
+    cases = [
+        (_spec("gpt", hidden_size=32, num_heads=4), "hidden_size is 64 there but 32 here; set model.hidden_size: 64"),
+        (_spec("gpt", tie_embeddings=True), "set model.tie_embeddings: false"),
+        (ModelSpec(**{**MODELS["llama"]}), "a gpt2 model, but model.family is llama; set model.family: gpt"),
+    ]
+    for wrong, expected in cases:
+        with pytest.raises(ValueError) as info:
+            hf.check_directory(wrong, directory)
+        assert expected in str(info.value) and "\n" not in str(info.value)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"] = tensors["transformer.h.1.mlp.c_fc.weight"][:, :128].contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        _cona_model(spec, hf_dir=directory)
+    message = str(info.value)
+    assert "'transformer.h.1.mlp.c_fc.weight' has shape (64, 128), the model needs (64, 256)" in message, message
+    assert "\n" not in message
+    # Through the trainer: exit CONFIG with that one line, before any process group.
+    job = write_job(tmp_path, preset="tiny-gpt", model={"num_layers": 2, "init_from": str(directory)})
+    result = launch(tmp_path / "run", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=job, max_steps=1)
+    assert result.returncode == ExitCode.CONFIG, describe(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cona trainer: error")]
+    assert len(errors) == 1 and "model.init_from:" in errors[0] and "c_fc.weight" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _export(run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`cona export` through the command line (which runs the data plane's program)."""
+    cmd = [sys.executable, "-m", "cona.orchestrator.cli", "export", str(run), "--format", "hf", "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
+
+
+def _export_here(run: Path, out: Path, *extra: str) -> None:
+    """The same program in this process (no interpreter start-up)."""
+    from cona.trainer.export import main
+
+    assert main([str(run), "--format", "hf", "--out", str(out), *extra]) == 0
+
+
+def _check_export_matches_checkpoint(family: str, spec: ModelSpec, run: Path, out: Path) -> None:
+    """The export of the run's newest checkpoint loads in transformers with cona's logits for that checkpoint."""
+    from cona.trainer.checkpoint import read_checkpoint_tensors
+    from cona.trainer.hf import CONFIG
+
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    state = {k.removeprefix("model."): v for k, v in read_checkpoint_tensors(newest).items() if k.startswith("model.")}
+    ours = _cona_model(spec, state=state)
+    reference = _hf_model(family, out)
+    assert json.loads((out / CONFIG).read_text())["architectures"] == [HF_CLASSES[family]]
+    x = _tokens(spec, seed=3)
+    with torch.no_grad():
+        assert (ours(x) - reference(x).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("family", "strategy", "nproc"),
+    [pytest.param("gpt", "dp=1,tp=2,pp=1,mbs=4,gbs=16", 2, id="gpt-tp2"),
+     pytest.param("bert", "dp=2,tp=1,pp=1,mbs=4,gbs=16", 2, id="bert-dp2")],
+)  # fmt: skip
+def test_export_from_a_layout_loads_in_transformers(tmp_path, family, strategy, nproc):
+    spec = _spec(family)
+    model = {k: v for k, v in MODELS[family].items() if k != "preset"}
+    job = write_job(tmp_path, preset=MODELS[family]["preset"], model=model)
+    trained = launch(tmp_path / "run", nproc=nproc, strategy=strategy, job=job, max_steps=2)
+    assert trained.returncode == 0 and trained.exit_code == ExitCode.STOPPED, describe(trained)
+    out = tmp_path / "exported"
+    # Sharded (100 KB shards of a 1 MB model): the index and every shard load in transformers.
+    _export_here(tmp_path / "run", out, "--max-shard-size", "100KB")
+    assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
+    _check_export_matches_checkpoint(family, spec, tmp_path / "run", out)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert", "bert-without-token-types"])
+def test_import_then_export_is_bit_identical(tmp_path, family):
+    """What a run started from a directory holds exports to the same bytes (the trainer's round trip, with DCP in
+    between, is in the dp2×pp2 test below)."""
+    from cona.trainer import hf
+
+    spec = _spec("bert", type_vocab_size=0) if family == "bert-without-token-types" else _spec(family)
+    model = _cona_model(spec)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    hf.save_directory(tmp_path / "first", spec, model.state_dict(), max_shard_bytes=100_000)
+    again = _cona_model(spec, hf_dir=tmp_path / "first")
+    hf.save_directory(tmp_path / "second", spec, again.state_dict(), max_shard_bytes=100_000)
+    assert hf.directory_digest(tmp_path / "first") == hf.directory_digest(tmp_path / "second")
+    assert len(list((tmp_path / "first").glob("model-*-of-*.safetensors"))) > 1
+
+
+@pytest.mark.distributed
+def test_a_run_from_imported_weights_continues_alike_under_dp2_pp2(tmp_path):
+    """Llama from a transformers-saved model: dp2×pp2 (the tied head's two copies on the first and the last stage)
+    trains with the losses of one process from the same weights; its checkpoint exports back to transformers."""
+    spec = _spec("llama")
+    directory = _saved_by_transformers("llama", tmp_path / "hf", spec)
+    model = {k: v for k, v in MODELS["llama"].items() if k != "preset"}
+    job = write_job(tmp_path, preset="tiny-llama", model={**model, "init_from": str(directory)})
+    single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
+    assert single.returncode == 0 and single.exit_code == ExitCode.STOPPED, describe(single)
+    parallel = launch(tmp_path / "parallel", nproc=4, strategy="dp=2,tp=1,pp=2,mbs=4,gbs=16", job=job, max_steps=3)
+    assert parallel.returncode == 0 and parallel.exit_code == ExitCode.STOPPED, describe(parallel)
+    assert "starting from the weights in" in parallel.stdout
+    want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
+    for step in (1, 2, 3):
+        assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step
+    # The first loss is the imported model's, not a random initialisation's: transformers computes it too.
+    reference = _hf_model("llama", directory)
+    from cona.protocol.job import load_job
+    from cona.trainer.data import Batcher, load_corpus
+
+    loaded = load_job(job)
+    batch = Batcher(loaded, load_corpus(loaded)).samples(0, 16)
+    with torch.no_grad():
+        labels = torch.from_numpy(batch.labels)
+        logits = reference(torch.from_numpy(batch.inputs)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    assert want[1]["train_loss"] == pytest.approx(loss.item(), abs=1e-5)
+    # Its dp2×pp2 checkpoint exports (through the `cona` command line) to transformers with cona's logits ...
+    exported = _export(tmp_path / "parallel", tmp_path / "exported")
+    assert exported.returncode == 0 and "LlamaForCausalLM" in exported.stdout, exported.stderr
+    _check_export_matches_checkpoint("llama", spec, tmp_path / "parallel", tmp_path / "exported")
+    # ... and round-trips: a run from the export, checkpointed at step 0 (--max-steps 0), exports the same bytes.
+    again_job = write_job(tmp_path, name="again.yaml", preset="tiny-llama",
+                          model={**model, "init_from": str(tmp_path / "exported")})  # fmt: skip
+    again = launch(tmp_path / "again", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=again_job, max_steps=0)
+    assert again.returncode == 0 and again.exit.name == "STOPPED", describe(again)
+    _export_here(tmp_path / "again", tmp_path / "second")
+    from cona.trainer.hf import directory_digest
+
+    assert directory_digest(tmp_path / "exported") == directory_digest(tmp_path / "second")
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    from cona.trainer.export import main
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for args, expected in [
+        ([str(tmp_path / "nothing")], "no such run directory"),
+        ([str(tmp_path / "run")], "no complete checkpoint to export"),
+        ([str(tmp_path / "run"), "--step", "3"], "--step 3: no complete checkpoint step-00000003 (complete steps: none)"),
+        ([str(tmp_path / "run"), "--max-shard-size", "lots"], "--max-shard-size 'lots'"),
+    ]:
+        assert main([*args, "--format", "hf", "--out", str(tmp_path / "out")]) == ExitCode.CONFIG
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
