@@ -53,7 +53,7 @@ class PolicySpec(StrictModel):
     falls, and its growth per sample is fitted on the estimates of past evaluations (at most 2× today's)."""
     probe_layouts: int = Field(2, ge=0)
     """Layouts that never ran which cona may try once each (a few heartbeats at the current batch) when the cost
-    model puts them within 0.6× of the current strategy and the two switches cost at most 2% of the horizon (in
+    model puts them within 0.6× of the current strategy and the two switches cost at most 3% of the horizon (in
     place): the calibration can only correct what it has measured. 0 turns probing off."""
     lr_aware: bool = False
     """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the

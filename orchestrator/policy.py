@@ -38,7 +38,7 @@ PROBE_MARGIN = 0.6
 """A layout that never ran is probed only if the cost model puts it within this factor of the current strategy's R:
 about two RMS log errors of the cost model on a machine it was not fitted to (0.27–0.29 on the 2-core CPU profile,
 docs/decisions.md), so a layout the model ranks lower than it is can still be found."""
-PROBE_BUDGET = 0.02
+PROBE_BUDGET = 0.03
 """A probe (a switch there and, if it is slower, one back) may cost at most this fraction of the horizon: an
 insurance premium against a wrong cost model, paid only where switches are cheap (in place)."""
 PROBE_OBSERVATIONS = 3
