@@ -1,7 +1,8 @@
 """Does the noise-scale estimate depend on the batch being trained? The same state, measured at several batches.
 
     python -m benchmarks.noise_batch [--workloads gpt,llama,bert] [--batches 16,64,256] [--states 2048,8192]
-                                     [--steps 300] [--seed 0] [--out noise-batch.json]
+                                     [--steps 300] [--modes held,trained] [--seed 0]
+                                     [--out noise-batch.json]
 
 B_noise = tr Σ / |G|² is a property of the model's state and the data, not of the batch that measures it; the
 policy compares candidate batches against it, so an estimate that grows with the batch being trained is a feedback
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--states", default="2048,8192", help="samples trained at the base batch before each state")
     parser.add_argument("--steps", type=int, default=300, help="steps per (state, mode, batch)")
     parser.add_argument("--warmup", type=int, default=50, help="first steps left out of each estimate")
+    parser.add_argument("--modes", default="held,trained", help="comma-separated: held, trained")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default="noise-batch.json", help="JSON name under benchmarks/results")
@@ -137,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must lie in [0, --steps), got {args.warmup}")
+    modes = tuple(args.modes.split(","))
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes: valid modes are {', '.join(MODES)}, got {args.modes}")
     batches = tuple(int(x) for x in args.batches.split(","))
     if any(b < 2 or b % 2 for b in batches):
         parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
     settings = [Settings(workload=n, states=tuple(int(x) for x in args.states.split(",")), batches=batches,
-                         steps=args.steps, warmup=args.warmup, seed=args.seed) for n in names]  # fmt: skip
+                         steps=args.steps, warmup=args.warmup, seed=args.seed, modes=modes)
+                for n in names]  # fmt: skip
     started = time.time()
     if args.jobs > 1 and len(settings) > 1:
         import multiprocessing
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         r["spreads"] = spreads(r["rows"])
     report = {"benchmark": "noise_batch", "wall_s": time.time() - started,
               "settings": {"batches": list(batches), "states": list(settings[0].states), "steps": args.steps,
-                           "warmup": args.warmup, "seed": args.seed},
+                           "warmup": args.warmup, "seed": args.seed, "modes": list(modes)},
               "workloads": results}  # fmt: skip
     path = write_json(args.out, report)
     columns = ["workload", "state (samples, val loss)", "mode", *(f"{k} @ {b}" for k in KINDS for b in batches),

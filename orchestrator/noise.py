@@ -12,12 +12,15 @@ Each step's estimates are very noisy (and |G|² can come out negative), so numer
 averaged separately with an exponential moving average, bias-corrected like Adam's moments, and only their
 ratio is taken. Averaging the ratio instead would be biased (E[a/b] ≠ E[a]/E[b]).
 
-Both estimates are of batch-size-independent quantities, so records from different global or local batch
-sizes (before and after a strategy switch) can be mixed in the same average.
+For the plain norms both estimates are of batch-size-independent quantities, so records from different global or
+local batch sizes (before and after a strategy switch) can be mixed in the same average; measured from one state
+at batches 16 to 256, the plain estimate agrees within the sampling noise (`python -m benchmarks.noise_batch`).
 
 The `adam` kind applies the same estimator to gradients preconditioned by Adam's second-moment estimate
 (Pollux's "preconditioned gradient noise scale"): the trainer reports Σᵢ gᵢ²/vᵢ-style squared norms in
-`adam_local_sqnorm` / `adam_global_sqnorm`. It measures the noise the optimizer actually sees.
+`adam_local_sqnorm` / `adam_global_sqnorm`. The preconditioner v is built from the noisy gradients of the batch
+being trained, so this estimate is *not* batch-independent: at the same parameters it grows 3–16× from batch 16
+to 256 (same benchmark). It is therefore not the default (`policy.noise_estimator`).
 
 Torch-free: the orchestrator runs this on a login node.
 """
