@@ -191,7 +191,9 @@ class DataSpec(StrictModel):
     """The training corpus and its held-out split."""
 
     path: str = "data/shakespeare.txt"
-    """A text file, a directory of `.txt` files (byte-level, vocab 256), or a token file (`.bin`/`.npy`)."""
+    """A text file, a directory of `.txt` files (byte-level, vocab 256), a token file (`.bin`/`.npy`), or the
+    directory `cona data prepare` wrote (tokens.bin + tokens.json: its dtype is used, and model.vocab_size must
+    hold the tokenizer's vocabulary)."""
     format: Literal["auto", "bytes", "tokens"] = "auto"
     """`auto` picks `tokens` for `.bin`/`.npy` files and `bytes` otherwise."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
