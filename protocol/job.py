@@ -375,7 +375,7 @@ class JobSpec(StrictModel):
         return self.optimizer.decay_samples or self.target.max_samples
 
 
-ORCHESTRATOR_SECTIONS = ("policy",)
+ORCHESTRATOR_SECTIONS = ("policy", "metrics")
 """Sections of a job file that only the orchestrator reads (`cona.orchestrator.job`); the trainer sets them aside."""
 
 
