@@ -35,7 +35,7 @@ HF_CLASSES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "Be
 
 
 def _spec(family: str, **extra) -> ModelSpec:
-    return ModelSpec(**{**MODELS[family], **extra})
+    return ModelSpec(**{**MODELS.get(family, MODELS["gpt"]), **extra})
 
 
 def _tokens(spec: ModelSpec, seed: int = 0) -> torch.Tensor:
@@ -76,9 +76,11 @@ def _cona_model(spec: ModelSpec, *, hf_dir: Path | None = None, state: dict | No
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("family", ["gpt", "gpt2-layout", "llama", "bert"])
 def test_import_from_a_transformers_saved_model_gives_its_logits(tmp_path, family):
     spec = _spec(family)
+    if family == "gpt2-layout":  # GPT-2's published form: tied head, tanh GELU ("gelu_new")
+        family, spec = "gpt", _spec("gpt", tie_embeddings=True, gelu_approximation="tanh")
     directory = _saved_by_transformers(family, tmp_path / "hf", spec)
     reference = _hf_model(family, directory)
     ours = _cona_model(spec, hf_dir=directory)
@@ -102,6 +104,7 @@ def test_mismatches_are_one_line_naming_the_field_or_tensor(tmp_path):
     cases = [
         (_spec("gpt", hidden_size=32, num_heads=4), "hidden_size is 64 there but 32 here; set model.hidden_size: 64"),
         (_spec("gpt", tie_embeddings=True), "set model.tie_embeddings: false"),
+        (_spec("gpt", gelu_approximation="tanh"), "activation_function is 'gelu'; set model.gelu_approximation: none"),
         (ModelSpec(**{**MODELS["llama"]}), "a gpt2 model, but model.family is llama; set model.family: gpt"),
     ]
     for wrong, expected in cases:
