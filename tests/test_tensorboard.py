@@ -89,3 +89,13 @@ def test_the_writer_loads_no_torch():
             "TensorBoardWriter(tempfile.mkdtemp()).close(); print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_without_tensorboardx_the_run_refuses_in_one_line(tmp_path, monkeypatch):
+    from cona.protocol.yamlconfig import ConfigError
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
+    with pytest.raises(ConfigError) as info:
+        make_scheduler(tmp_path, "metrics.tensorboard=true")
+    assert str(info.value) == ("metrics.tensorboard needs tensorboardX: pip install 'cona[tensorboard]' (or set "
+                               "metrics.tensorboard: false)")  # fmt: skip

@@ -224,7 +224,8 @@ def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -
             field != "norm_eps" and int(value) != mine
         ):
             return f"{source}: {field} is {value} there but {mine} here; set model.{field}: {value}"
-    tied = bool(config.get("tie_word_embeddings", True))
+    # transformers' own default when config.json omits it: tied for GPT-2 and BERT, untied for Llama.
+    tied = bool(config.get("tie_word_embeddings", family != "llama"))
     if tied != bool(spec.tie_embeddings):
         return f"{source}: tie_word_embeddings is {str(tied).lower()}; set model.tie_embeddings: {str(tied).lower()}"
     if family in ("gpt", "bert"):
