@@ -153,8 +153,8 @@ def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None) -> dict[str, 
     if spec.family == "gpt":
         return {**common, "n_layer": spec.num_layers, "n_embd": spec.hidden_size, "n_head": spec.num_heads,
                 "n_inner": spec.ffn_hidden_size, "n_positions": spec.seq_len, "layer_norm_epsilon": spec.norm_eps,
-                "activation_function": _GELU_NAMES[spec.gelu_approximation], "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "activation_function": _GELU_NAMES[spec.gelu_approximation], "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}  # fmt: skip
     if spec.family == "llama":
         config = {**common, "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
@@ -189,7 +189,7 @@ def _rope_of(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | 
     """(rope_theta, llama3 scaling parameters or None) from a config.json of either transformers generation."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    theta = config.get("rope_theta", params.get("rope_theta"))
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))  # transformers' default base
     return theta, scaling
 
 
