@@ -27,7 +27,8 @@ COPY pyproject.toml README.md /src/
 COPY protocol /src/protocol
 COPY orchestrator /src/orchestrator
 COPY trainer /src/trainer
-RUN pip install /src && rm -rf /src
+# The extras: TensorBoard scalars (metrics.tensorboard) and `cona data prepare` work in the image too.
+RUN pip install "/src[tensorboard,data]" && rm -rf /src
 
 # A non-root user with a fixed UID: the rendered pods run as 1000:1000 (runAsNonRoot, fsGroup for the PVC).
 # (Ubuntu 24.04 images ship a user `ubuntu` with UID 1000; it is replaced.)

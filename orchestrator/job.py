@@ -1,4 +1,4 @@
-"""The job as the orchestrator reads it: the trainer's `JobSpec` plus the `policy` section.
+"""The job as the orchestrator reads it: the trainer's `JobSpec` plus the `policy` and `metrics` sections.
 
 The policy (how strategies are picked and changed, the timeouts of the lifecycle loop) is the orchestrator's
 alone; the trainer reads the same YAML through `cona.protocol.job`, which sets that section aside. The one thing
@@ -16,7 +16,7 @@ from cona.protocol.job import JobSpec, read_job_file
 from cona.protocol.yamlconfig import StrictModel, validate
 from pydantic import Field
 
-__all__ = ["Job", "PolicySpec", "ScheduleEntry", "job_from_dict", "job_to_dict", "load_job"]
+__all__ = ["Job", "MetricsSpec", "PolicySpec", "ScheduleEntry", "job_from_dict", "job_to_dict", "load_job"]
 
 
 class ScheduleEntry(StrictModel):
@@ -106,10 +106,20 @@ class PolicySpec(StrictModel):
         return self
 
 
+class MetricsSpec(StrictModel):
+    """Where else the orchestrator writes the run's metrics (they are always in heartbeats/ and events.jsonl)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard scalars (train/validation loss, perplexity, noise scale, samples/s, the strategy as text,
+    switch markers) to RUN_DIR/tensorboard/ as the heartbeats arrive (`cona.orchestrator.tensorboard`); needs
+    `pip install 'cona[tensorboard]'` (tensorboardX, no torch)."""
+
+
 class Job(JobSpec):
     """A training job with its policy. Load with `load_job`."""
 
     policy: PolicySpec = Field(default_factory=PolicySpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @pydantic.model_validator(mode="after")
     def _trainer_measures_what_the_policy_needs(self) -> Job:

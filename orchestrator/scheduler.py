@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.job import Job
@@ -32,6 +32,9 @@ from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
+
+if TYPE_CHECKING:
+    from cona.orchestrator.tensorboard import TensorBoardWriter
 
 __all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts", "drive"]
 
@@ -75,6 +78,12 @@ class Scheduler:
         )  # fmt: skip
         self.state = RunState()
         """The loop's own state (attempts, control sequence, heartbeat offset, restarts, ...), with the model's."""
+        self.tensorboard: TensorBoardWriter | None = None
+        """`metrics.tensorboard`: the run's one TensorBoard writer, fed as heartbeats are absorbed."""
+        if job.metrics.tensorboard:
+            from cona.orchestrator.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(run_dir.root)
 
     @property
     def live(self) -> LiveStatus:
@@ -155,11 +164,21 @@ class Scheduler:
         if beats:
             self.state.last_heartbeat_time = time.time()
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
-            self._log_switch_completed(done)
+            self._log_switch_completed(done, attempt)
+        if self.tensorboard is not None:
+            # Until its first decision the cona policy ranks with the prior (`live.noise_source` "prior").
+            scale = self.live.noise_scale
+            if scale is None and self.job.policy.name == "cona" and self.live.noise_source == "prior":
+                scale = self.job.policy.prior_noise_scale
+            self.tensorboard.heartbeats(beats, noise_estimate=self.model.noise.value, noise_scale=scale)
 
-    def _log_switch_completed(self, done: SwitchCompleted) -> None:
+    def _log_switch_completed(self, done: SwitchCompleted, attempt: Attempt) -> None:
         log_event(self.run_dir, "switch-complete", attempt=done.attempt, switch_cost_s=round(done.cost_s, 3),
                   kind=done.kind.value, predicted_s=done.predicted_s)  # fmt: skip
+        if self.tensorboard is not None:
+            previous = next((a for a in self.state.attempts if a.number == done.attempt - 1), None)
+            self.tensorboard.switch(source=previous.strategy if previous else None, target=attempt.strategy,
+                                    cost_s=done.cost_s, kind=done.kind.value)  # fmt: skip
 
     def _elapsed(self) -> float:
         return time.time() - (self.state.run_started or time.time())
@@ -380,6 +399,8 @@ class Scheduler:
         self.live.status = status
         self._save()
         self.backend.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def _handle_end(self, attempt: Attempt, status: AttemptStatus, code: int | None, detail: str) -> Attempt | None:
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status=status.value, exit_code=code,

@@ -97,6 +97,9 @@ class ModelSpec(StrictModel):
     Default: the preset's value (true for gpt3-1.3b, llama-3.2-1b and every BERT; false for tiny-gpt and
     tiny-llama), else true for bert and false for gpt and llama. BERT's decoder is always tied. Under pipeline
     parallelism the last stage keeps a copy of the embedding whose gradient is summed with the first stage's."""
+    gelu_approximation: Literal["none", "tanh"] = "none"
+    """The MLP's GELU in gpt and bert: exact (`none`) or the tanh approximation (`tanh`) that GPT-2's published
+    weights were trained with (transformers' `gelu_new`); llama uses SiLU."""
     type_vocab_size: int | None = Field(None, ge=0)
     """BERT's token-type (segment) embeddings: how many types (2 in bert-large; 0, none, in tiny-bert and for gpt
     and llama). Training feeds type 0 everywhere, as a single-segment MLM does."""
@@ -156,6 +159,8 @@ class ModelSpec(StrictModel):
             object.__setattr__(self, "type_vocab_size", 0)
         if self.family != "bert" and self.type_vocab_size:
             raise ValueError(f"type_vocab_size: token-type embeddings are BERT's; {self.family} has none (set 0)")
+        if self.family == "llama" and self.gelu_approximation != "none":
+            raise ValueError("gelu_approximation: llama's MLP uses SiLU, not GELU; remove the field")
         if self.family != "llama" and self.rope_scaling is not None:
             raise ValueError(f"rope_scaling: only llama uses RoPE; remove it for {self.family}")
         return self
@@ -191,7 +196,9 @@ class DataSpec(StrictModel):
     """The training corpus and its held-out split."""
 
     path: str = "data/shakespeare.txt"
-    """A text file, a directory of `.txt` files (byte-level, vocab 256), or a token file (`.bin`/`.npy`)."""
+    """A text file, a directory of `.txt` files (byte-level, vocab 256), a token file (`.bin`/`.npy`), or the
+    directory `cona data prepare` wrote (tokens.bin + tokens.json: its dtype is used, and model.vocab_size must
+    hold the tokenizer's vocabulary)."""
     format: Literal["auto", "bytes", "tokens"] = "auto"
     """`auto` picks `tokens` for `.bin`/`.npy` files and `bytes` otherwise."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
@@ -373,7 +380,7 @@ class JobSpec(StrictModel):
         return self.optimizer.decay_samples or self.target.max_samples
 
 
-ORCHESTRATOR_SECTIONS = ("policy",)
+ORCHESTRATOR_SECTIONS = ("policy", "metrics")
 """Sections of a job file that only the orchestrator reads (`cona.orchestrator.job`); the trainer sets them aside."""
 
 

@@ -35,7 +35,7 @@ HF_CLASSES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "Be
 
 
 def _spec(family: str, **extra) -> ModelSpec:
-    return ModelSpec(**{**MODELS[family], **extra})
+    return ModelSpec(**{**MODELS.get(family, MODELS["gpt"]), **extra})
 
 
 def _tokens(spec: ModelSpec, seed: int = 0) -> torch.Tensor:
@@ -76,9 +76,11 @@ def _cona_model(spec: ModelSpec, *, hf_dir: Path | None = None, state: dict | No
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("family", ["gpt", "gpt2-layout", "llama", "bert"])
 def test_import_from_a_transformers_saved_model_gives_its_logits(tmp_path, family):
     spec = _spec(family)
+    if family == "gpt2-layout":  # GPT-2's published form: tied head, tanh GELU ("gelu_new")
+        family, spec = "gpt", _spec("gpt", tie_embeddings=True, gelu_approximation="tanh")
     directory = _saved_by_transformers(family, tmp_path / "hf", spec)
     reference = _hf_model(family, directory)
     ours = _cona_model(spec, hf_dir=directory)
@@ -102,6 +104,7 @@ def test_mismatches_are_one_line_naming_the_field_or_tensor(tmp_path):
     cases = [
         (_spec("gpt", hidden_size=32, num_heads=4), "hidden_size is 64 there but 32 here; set model.hidden_size: 64"),
         (_spec("gpt", tie_embeddings=True), "set model.tie_embeddings: false"),
+        (_spec("gpt", gelu_approximation="tanh"), "activation_function is 'gelu'; set model.gelu_approximation: none"),
         (ModelSpec(**{**MODELS["llama"]}), "a gpt2 model, but model.family is llama; set model.family: gpt"),
     ]
     for wrong, expected in cases:
@@ -246,3 +249,33 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         assert main([*args, "--format", "hf", "--out", str(tmp_path / "out")]) == ExitCode.CONFIG
         err = capsys.readouterr().err
         assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_presets_take_the_published_configs():
+    """config.json of Llama 3.2 1B and of BERT-Large (uncased) as published, and GPT-2's layout at GPT-3 XL's size:
+    the presets match them as they are (the tensors' shapes follow from the same fields)."""
+    from cona.trainer.hf import config_problem
+
+    llama = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+             "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+             "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+             "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+             "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+             "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+             "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+             "vocab_size": 128256}  # fmt: skip
+    bert = {"architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+            "hidden_dropout_prob": 0.1, "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 4096,
+            "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert", "num_attention_heads": 16,
+            "num_hidden_layers": 24, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": 30522}  # fmt: skip
+    assert config_problem(ModelSpec(preset="llama-3.2-1b"), llama, source="llama") is None
+    assert config_problem(ModelSpec(preset="bert-large"), bert, source="bert") is None
+    from cona.trainer.hf import hf_config
+
+    gpt = ModelSpec(preset="gpt3-1.3b")
+    assert config_problem(gpt, hf_config(gpt), source="gpt") is None
+    del llama["tie_word_embeddings"]  # transformers' default for Llama is untied
+    assert "set model.tie_embeddings: false" in config_problem(ModelSpec(preset="llama-3.2-1b"), llama, source="x")
+    llama["tie_word_embeddings"], llama["rope_scaling"] = True, None
+    assert "set model.rope_scaling: null" in config_problem(ModelSpec(preset="llama-3.2-1b"), llama, source="x")

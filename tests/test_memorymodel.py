@@ -137,6 +137,20 @@ def test_unsharded_parameters_count_exactly_num_params():
         assert estimate.optimizer == 8 * spec.num_params, preset
 
 
+def test_a_tied_head_keeps_a_copy_of_the_embedding_on_the_last_pipeline_stage():
+    """Without pp a tied head holds no weight of its own; under pp the last stage holds the embedding's copy where
+    an untied head holds its output layer (the same size), so the busiest rank is the same."""
+    untied = ModelSpec(preset="gpt3-1.3b", tie_embeddings=False)
+    v, h = GPT_1B.vocab_size, GPT_1B.hidden_size
+    assert _estimate(untied, "none", mbs=1, m=1, device="cuda").params - _estimate(GPT_1B, "none", mbs=1, m=1,
+                                                                                  device="cuda").params == 4 * v * h  # fmt: skip
+    for spec in (GPT_1B, untied):
+        assert spec.tie_embeddings is (spec is GPT_1B)
+    split = [estimate_memory(model=spec, parallel=ParallelSpec(recompute="full"), dp=1, tp=1, pp=2, mbs=1,
+                             num_microbatches=2) for spec in (GPT_1B, untied)]  # fmt: skip
+    assert split[0].params == pytest.approx(split[1].params)
+
+
 def test_fsdp_shards_states_over_dp_and_gathers_by_its_reshard_rule():
     one = _estimate(GPT_1B, "full", mbs=1, m=1, device="cuda")
     sharded = estimate_memory(model=GPT_1B, parallel=ParallelSpec(recompute="full", sharded_dp=True), dp=8, tp=1,

@@ -1,7 +1,8 @@
 """Corpora, the sample order and batches.
 
 A corpus is a 1-D sequence of token ids: the bytes of a text file or of a directory of text files (vocab 256), or a
-pre-tokenized file (`.bin` raw uint16/uint32, or `.npy`) read through a memory map. The last `data.val_fraction` of
+pre-tokenized file (`.bin` raw uint16/uint32, or `.npy`) read through a memory map, such as the tokens.bin that
+`cona data prepare` writes next to its tokens.json (whose dtype and vocabulary `read_token_metadata` applies). The last `data.val_fraction` of
 it is held out for validation.
 
 **Sample order.** Sample i (counted from the start of the run, over all steps) is a fixed function of
@@ -39,6 +40,11 @@ IGNORE_INDEX = -100
 _MASK_STREAM = 0x6D61736B  # "mask": separates the masking streams from the order streams
 _EVAL_STREAM = 0x6576616C  # "eval"
 _TOKEN_SUFFIXES = (".bin", ".npy")
+TEXT_SUFFIXES = (".txt", ".md", "")
+"""The files of a directory that are read as text (the byte-level reader, `cona data prepare`)."""
+TOKENS_FILE = "tokens.bin"
+TOKENS_META = "tokens.json"
+"""What `cona data prepare` writes (`trainer.prepare`): the token file and its metadata, side by side."""
 
 
 class TokenSequence:
@@ -89,6 +95,29 @@ def _read_tokens(path: Path, token_dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def read_token_metadata(path: Path, job: JobSpec) -> dict | None:
+    """The metadata `cona data prepare` wrote for `path` (its directory, or its tokens.bin), checked against the
+    model: None when there is none; ConfigError when the model's vocabulary cannot hold the tokenizer's ids."""
+    meta_path = (path if path.is_dir() else path.parent) / TOKENS_META
+    if not meta_path.exists() or (path.is_file() and path.name != TOKENS_FILE):
+        return None
+    import json
+
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab, dtype = int(meta["vocab_size"]), str(meta["token_dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{meta_path}: unreadable ({e}); run cona data prepare again") from None
+    if dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; run cona data prepare again")
+    if vocab > job.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of {vocab} that {meta_path.parent} "
+            f"was tokenized with (tokenizer {str(meta.get('tokenizer_sha256', '?'))[:12]}); set model.vocab_size: {vocab}"
+        )
+    return meta
+
+
 def load_corpus(job: JobSpec) -> Corpus:
     """Open `job.data.path` and split off the validation tail; raises ConfigError with what to fix."""
     spec = job.data
@@ -98,6 +127,13 @@ def load_corpus(job: JobSpec) -> Corpus:
             f"data.path {spec.path!r}: no such file or directory; set data.path "
             "(for the Shakespeare corpus run: python scripts/fetch_shakespeare.py data/shakespeare.txt)"
         )
+    meta = read_token_metadata(path, job)
+    if meta is not None:  # a `cona data prepare` output: its tokens, in its dtype
+        tokens = path / TOKENS_FILE if path.is_dir() else path
+        if not tokens.exists():
+            raise ConfigError(f"data.path {spec.path!r}: {TOKENS_META} but no {TOKENS_FILE}; run cona data prepare again")
+        spec = spec.model_copy(update={"token_dtype": meta["token_dtype"], "format": "tokens"})
+        path = tokens
     fmt = spec.format
     if fmt == "auto":
         fmt = "tokens" if path.is_file() and path.suffix in _TOKEN_SUFFIXES else "bytes"
@@ -106,7 +142,7 @@ def load_corpus(job: JobSpec) -> Corpus:
         if fmt == "tokens":
             files = [p for p in files if p.suffix in _TOKEN_SUFFIXES]
         else:
-            files = [p for p in files if p.suffix in (".txt", ".md", "")]
+            files = [p for p in files if p.suffix in TEXT_SUFFIXES]
         if not files:
             raise ConfigError(f"data.path {spec.path!r}: the directory holds no {'token' if fmt == 'tokens' else 'text'} files")
     else:

@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # a control-plane-only install: the export reads torch checkpoints
+        print(f"cona: error: cona export needs torch and safetensors (pip install cona in the trainer's environment): "
+              f"{e}", file=sys.stderr)  # fmt: skip
+        return 2
     family = hf.ARCHITECTURES[spec.family]
     print(f"wrote {args.out} ({family}, {spec.num_params:,} parameters, step {int(checkpoint.name.split('-')[1])}): "
           f"{', '.join(p.name for p in files)}")  # fmt: skip

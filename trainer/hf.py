@@ -47,8 +47,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 MODEL_TYPES = {"gpt": "gpt2", "llama": "llama", "bert": "bert"}
 # Tensors a transformers checkpoint may carry that hold nothing of cona's: attention-mask buffers of old GPT-2
-# files, RoPE caches and BERT's position ids (the copies of a tied head are `unused_tensors`' business).
+# files, RoPE caches and BERT's position ids (the copies of a tied head are `unused_tensors`' business), and the
+# parts of a pretraining BERT that masked-LM training does not use (the pooler, the next-sentence head).
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "embeddings.position_ids")
+_IGNORED_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +153,8 @@ def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None) -> dict[str, 
     if spec.family == "gpt":
         return {**common, "n_layer": spec.num_layers, "n_embd": spec.hidden_size, "n_head": spec.num_heads,
                 "n_inner": spec.ffn_hidden_size, "n_positions": spec.seq_len, "layer_norm_epsilon": spec.norm_eps,
-                "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "activation_function": _GELU_NAMES[spec.gelu_approximation], "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}  # fmt: skip
     if spec.family == "llama":
         config = {**common, "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
@@ -171,17 +173,23 @@ def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None) -> dict[str, 
             config["max_position_embeddings"] = max(spec.seq_len, scaling.original_max_position_embeddings)
         return config
     return {**common, "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-            "num_attention_heads": spec.num_heads, "intermediate_size": spec.ffn_hidden_size, "hidden_act": "gelu",
+            "num_attention_heads": spec.num_heads, "intermediate_size": spec.ffn_hidden_size,
+            "hidden_act": _GELU_NAMES[spec.gelu_approximation],
             "max_position_embeddings": spec.seq_len, "type_vocab_size": max(1, spec.type_vocab_size or 0),
             "layer_norm_eps": spec.norm_eps, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
             "position_embedding_type": "absolute"}  # fmt: skip
+
+
+_GELU_NAMES = {"none": "gelu", "tanh": "gelu_new"}
+"""transformers' names of the two GELUs (`gelu_pytorch_tanh` computes the same tanh form)."""
+_GELU_OF_NAME = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
 def _rope_of(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, llama3 scaling parameters or None) from a config.json of either transformers generation."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    theta = config.get("rope_theta", params.get("rope_theta"))
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))  # transformers' default base
     return theta, scaling
 
 
@@ -216,13 +224,17 @@ def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -
             field != "norm_eps" and int(value) != mine
         ):
             return f"{source}: {field} is {value} there but {mine} here; set model.{field}: {value}"
-    tied = bool(config.get("tie_word_embeddings", True))
+    # transformers' own default when config.json omits it: tied for GPT-2 and BERT, untied for Llama.
+    tied = bool(config.get("tie_word_embeddings", family != "llama"))
     if tied != bool(spec.tie_embeddings):
         return f"{source}: tie_word_embeddings is {str(tied).lower()}; set model.tie_embeddings: {str(tied).lower()}"
-    if family == "gpt":
-        act = config.get("activation_function", "gelu_new")
-        if act != "gelu":
-            return f"{source}: activation_function {act!r}; cona's gpt uses the exact GELU ('gelu')"
+    if family in ("gpt", "bert"):
+        key, default = ("activation_function", "gelu_new") if family == "gpt" else ("hidden_act", "gelu")
+        act = config.get(key, default)
+        if act not in _GELU_OF_NAME:
+            return f"{source}: {key} {act!r}; cona's {family} uses GELU, exact ('gelu') or tanh ('gelu_new')"
+        if _GELU_OF_NAME[act] != spec.gelu_approximation:
+            return f"{source}: {key} is {act!r}; set model.gelu_approximation: {_GELU_OF_NAME[act]}"
     if family == "llama":
         head_dim = config.get("head_dim") or spec.hidden_size // spec.num_heads
         if int(head_dim) != spec.head_dim:
@@ -235,9 +247,8 @@ def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -
         problem = _scaling_problem(spec.rope_scaling, scaling, source=source)
         if problem:
             return problem
-    bert_kind = (config.get("hidden_act", "gelu"), config.get("position_embedding_type", "absolute"))
-    if family == "bert" and bert_kind != ("gelu", "absolute"):
-        return f"{source}: hidden_act/position_embedding_type other than gelu/absolute; cona's bert has neither"
+    if family == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
+        return f"{source}: position_embedding_type {config['position_embedding_type']!r}; cona's bert has absolute ones"
     return None
 
 
@@ -323,7 +334,8 @@ def unused_tensors(spec: ModelSpec, names: list[str]) -> list[str]:
     """Tensors of a transformers checkpoint that the mapping does not read (nor knows to be redundant)."""
     used = {e.hf for e in _entries(spec)} | {_NO_TYPES}
     tied_copies = {"lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
-    return [n for n in names if n not in used and n not in tied_copies and not n.endswith(_IGNORED_SUFFIXES)]
+    return [n for n in names if n not in used and n not in tied_copies and not n.endswith(_IGNORED_SUFFIXES)
+            and not n.startswith(_IGNORED_PREFIXES)]  # fmt: skip
 
 
 # Files ----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Every family is one `Transformer`:
     tok_embeddings [+ pos_embeddings] [+ type_embeddings] [+ emb_norm]  →  layers["0"] … layers["L-1"]
         →  [norm] [mlm head]  →  output
 
-* gpt   — learned positions, pre-LayerNorm, GELU MLP, biases, causal attention (GPT-2's layout).
+* gpt   — learned positions, pre-LayerNorm, GELU MLP (exact, or GPT-2's tanh form: `model.gelu_approximation`),
+  biases, causal attention (GPT-2's layout).
 * llama — RoPE (optionally with Llama 3's frequency scaling), pre-RMSNorm, SwiGLU MLP, grouped-query attention,
   no biases.
 * bert  — learned positions and token types, embedding LayerNorm, post-LayerNorm blocks, bidirectional attention,
@@ -134,6 +135,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gated = spec.family == "llama"
+        self.gelu = spec.gelu_approximation
         bias = not self.gated
         self.w1 = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=bias)
         self.w2 = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=bias)
@@ -142,7 +144,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(x), approximate=self.gelu))
 
 
 class Block(nn.Module):
@@ -258,7 +260,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.mlm_dense is not None:
-            x = F.gelu(self.mlm_dense(x))
+            x = F.gelu(self.mlm_dense(x), approximate=self.spec.gelu_approximation)
         if self.mlm_norm is not None:
             x = self.mlm_norm(x)
         if isinstance(self.output, TiedOutput):

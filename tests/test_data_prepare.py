@@ -1,0 +1,125 @@
+"""`cona data prepare`: text → tokens.bin + tokens.json with Hugging Face tokenizers, and the trainer reading it.
+
+No hub download: the tokenizer is a small byte-level BPE trained here on the corpus with `tokenizers` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cona.protocol.rundir import ExitCode
+
+try:
+    from tests.trainer_helpers import (
+        REPO,
+        corpus_path,
+        describe,
+        launch,
+        step_records,
+        trainer_env,
+        write_job,
+    )
+except ImportError:  # tests/ is not a package here
+    from trainer_helpers import REPO, corpus_path, describe, launch, step_records, trainer_env, write_job
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tokenizer.json trained on the corpus, a directory of two text documents)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    text = corpus_path().read_text()[:400_000]
+    docs = root / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(text[:250_000])
+    (docs / "b.txt").write_text(text[250_000:])
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    path = root / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path, docs
+
+
+def _prepare(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cona.orchestrator.cli", "data", "prepare", *args]
+    return subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_prepare_writes_what_decodes_back_and_trains(tmp_path, corpus):
+    from tokenizers import Tokenizer
+
+    tokenizer_path, docs = corpus
+    out = tmp_path / "tokens"
+    result = _prepare("--tokenizer", str(tokenizer_path), "--input", str(docs), "--out", str(out), "--workers", "2",
+                      "--chunk-mb", "0.05")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "tokens (uint16) from 2 document(s)" in result.stdout
+    meta = json.loads((out / "tokens.json").read_text())
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert meta["vocab_size"] == VOCAB and meta["eos_id"] == eos and meta["token_dtype"] == "uint16"
+    import hashlib
+
+    assert meta["tokenizer_sha256"] == hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+    ids = np.fromfile(out / "tokens.bin", dtype=np.uint16)
+    assert len(ids) == meta["num_tokens"] and ids.max() < VOCAB
+    # Two documents, each followed by EOS; each decodes back to its text (byte-level BPE is lossless).
+    (cut,) = np.flatnonzero(ids[:-1] == eos)
+    assert ids[-1] == eos
+    assert tokenizer.decode(ids[:cut].tolist()) == (docs / "a.txt").read_text()
+    assert tokenizer.decode(ids[cut + 1 : -1].tolist()) == (docs / "b.txt").read_text()
+    # The same bytes with one worker: chunks depend on the text only.
+    from cona.trainer.prepare import prepare
+
+    prepare(tokenizer_path, docs, tmp_path / "one", workers=1, chunk_mb=0.05, progress=False)
+    assert (tmp_path / "one" / "tokens.bin").read_bytes() == (out / "tokens.bin").read_bytes()
+
+    # The trainer reads the directory (dtype from the metadata) with a model whose vocabulary holds the tokenizer's.
+    job = write_job(tmp_path, model={"num_layers": 2, "vocab_size": VOCAB}, data={"path": str(out)})
+    trained = launch(tmp_path / "run", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=job, max_steps=2)
+    assert trained.returncode == 0 and trained.exit_code == ExitCode.STOPPED, describe(trained)
+    assert step_records(tmp_path / "run", 0)[1]["train_loss"] == pytest.approx(np.log(VOCAB), abs=0.3)
+    # ... and refuses, in one line naming the field, a model whose vocabulary is smaller.
+    small = write_job(tmp_path, name="small.yaml", model={"num_layers": 2}, data={"path": str(out)})
+    refused = launch(tmp_path / "refused", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=small, max_steps=1)
+    assert refused.returncode == ExitCode.CONFIG, describe(refused)
+    assert refused.stderr.strip().splitlines() == [
+        f"cona trainer: error: model.vocab_size=256 is smaller than the vocabulary of {VOCAB} that {out} was tokenized "
+        f"with (tokenizer {meta['tokenizer_sha256'][:12]}); set model.vocab_size: {VOCAB}"
+    ]
+
+
+def test_bad_input_is_one_line(tmp_path, corpus, capsys):
+    from cona.trainer.prepare import main
+
+    tokenizer_path, docs = corpus
+    (tmp_path / "broken.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for args, expected in [
+        (["--tokenizer", str(tmp_path / "none.json"), "--input", str(docs)], "no such file"),
+        (["--tokenizer", str(tmp_path / "broken.json"), "--input", str(docs)], "not a tokenizers JSON file"),
+        (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "missing")], "no such file or directory"),
+        (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "empty")], "holds no text files"),
+        (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--eos", "<nope>"], "--eos '<nope>': not a token"),
+        (["--tokenizer", str(tokenizer_path)], "the following arguments are required: --input, --out"),
+    ]:
+        if "--input" in args:
+            args = [*args, "--out", str(tmp_path / "out")]
+        try:
+            status = main(["prepare", *args])
+        except SystemExit as e:  # argparse's errors
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and expected in err and len(err.strip().splitlines()) == 1, err
