@@ -53,8 +53,9 @@ class PolicySpec(StrictModel):
     falls, and its growth per sample is fitted on the estimates of past evaluations (at most 2× today's)."""
     probe_layouts: int = Field(2, ge=0)
     """Layouts that never ran which cona may try once each (a few heartbeats at the current batch) when the cost
-    model puts them within 0.6× of the current strategy and the two switches cost at most 3% of the horizon (in
-    place): the calibration can only correct what it has measured. 0 turns probing off."""
+    model puts them within 0.6× of the current strategy, the model has been seen to miss a measured step time by
+    more than 5%, and the two switches cost at most 3% of the horizon (in place): the calibration can only correct
+    what it has measured. 0 turns probing off."""
     lr_aware: bool = False
     """Rank candidates with the learning rate `optimizer.lr_scaling` gives each batch, taking `optimizer.lr` as the
     best LR at `batch.base_gbs` (`cona.orchestrator.policy.LrRule`); off, every batch is assumed to get its best LR."""

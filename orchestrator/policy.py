@@ -41,6 +41,9 @@ docs/decisions.md), so a layout the model ranks lower than it is can still be fo
 PROBE_BUDGET = 0.03
 """A probe (a switch there and, if it is slower, one back) may cost at most this fraction of the horizon: an
 insurance premium against a wrong cost model, paid only where switches are cheap (in place)."""
+PROBE_TRUSTED_ERROR = 0.05
+"""While every measured step time is within this relative error of the cost model, the model has earned trust on
+this machine and nothing is probed (a simulated cluster whose times are the model's never probes)."""
 PROBE_OBSERVATIONS = 3
 """Heartbeats measured on a probed strategy before the rule judges it."""
 MAX_HORIZON_GROWTH = 2.0
@@ -424,11 +427,14 @@ class ConaPolicy(Policy):
         """Try a layout that never ran, when the cost model might be wrong about it and finding out is cheap.
 
         The calibration can only correct what it has measured: a layout the cost model ranks below the current one
-        is never run, so its error is never seen. A probe runs the best candidate of an unmeasured layout at the
+        is never run, so its error is never seen. Only once the model has been seen to miss on this machine (a
+        measured step time off by more than `PROBE_TRUSTED_ERROR`). A probe runs the best candidate of an unmeasured layout at the
         current batch for `PROBE_OBSERVATIONS` heartbeats; then the rule decides as usual, without dwell or
         persistence for that one evaluation (staying if the probe was faster, going back or on if not).
         """
         if self._probes_used >= self.probe_layouts or ctx.now - ctx.last_switch_time < self.min_dwell_s:
+            return None
+        if ctx.throughput.model_error() <= math.log1p(PROBE_TRUSTED_ERROR):
             return None
         current = find_candidate(ctx.candidates, ctx.current)
         noise = decision.metrics.get("B_noise")

@@ -170,6 +170,13 @@ class ThroughputModel:
         ]
         return math.exp(sum(logs) / len(logs)) if logs else 1.0
 
+    def model_error(self) -> float:
+        """The largest |ln(measured/predicted)| over the measured strategies with a prediction (0 when none): how
+        far the uncalibrated cost model has been seen to miss on this machine."""
+        errors = [abs(math.log(m.time_s / m.predicted_s)) for m in self._measured.values()
+                  if m.predicted_s is not None and m.predicted_s > 0 and m.times]  # fmt: skip
+        return max(errors, default=0.0)
+
     # ------------------------------------------------------------------------------------------ estimating
 
     def _points(self) -> dict[tuple[int, int, int], list[tuple[float, float]]]:

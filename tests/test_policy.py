@@ -47,6 +47,11 @@ FAMILY = [candidate(g) for g in (8, 16, 32, 64, 128)]
 G = {c.gbs: c for c in FAMILY}
 # With X(g) = g/(a + b·g), R(g) = X/(g + B_noise) peaks at g* = √(a·B_noise/b) = √(10·B_noise).
 TIE_32_64 = 204.8  # the B_noise at which gbs 32 and 64 have the same R
+NOISE_32 = 60  # gbs 32 stays best at this B_noise when its measured time has a fixed cost the model missed
+
+
+
+
 
 
 def cona(**overrides) -> ConaPolicy:
@@ -479,25 +484,31 @@ def test_probe_finds_a_layout_the_cost_model_ranks_too_low():
     tm = ThroughputModel(candidates=family)
     cur = G[32].strategy
     tm.observe(cur, G[32].iter_time_s)
+    # A cost model that predicted every measured step exactly has earned trust: nothing is probed.
+    trusted = cona(probe_layouts=1, horizon_intervals=24.0)
+    assert trusted.decide(context(cur, now=20.0, noise=NOISE_32, throughput=tm, candidates=family, cost=1.0,
+                                  remaining=1e6)).switch_to is None  # fmt: skip
+    tm = ThroughputModel(candidates=family)
+    tm.observe(cur, 1.3 * G[32].iter_time_s)  # this machine is 30% slower than the model says
     policy = cona(probe_layouts=1, horizon_intervals=24.0)
     # Before the dwell: no probe.
-    assert policy.decide(context(cur, now=5.0, since=0.0, noise=TIE_32_64, throughput=tm, candidates=family,
+    assert policy.decide(context(cur, now=5.0, since=0.0, noise=NOISE_32, throughput=tm, candidates=family,
                                  cost=1.0, remaining=1e6)).switch_to is None  # fmt: skip
-    d = policy.decide(context(cur, now=20.0, since=0.0, noise=TIE_32_64, throughput=tm, candidates=family, cost=1.0,
+    d = policy.decide(context(cur, now=20.0, since=0.0, noise=NOISE_32, throughput=tm, candidates=family, cost=1.0,
                               remaining=1e6))  # fmt: skip
     assert d.switch_to == fast_here.strategy and d.metrics["probe"] and d.reason.startswith("probe ")
     # While it is measured, the policy stays; then the rule sees the measurement and keeps the faster layout.
-    tm.observe(fast_here.strategy, G[32].iter_time_s / 2)
-    d = policy.decide(context(fast_here.strategy, now=25.0, since=21.0, noise=TIE_32_64, throughput=tm,
+    tm.observe(fast_here.strategy, 1.3 * G[32].iter_time_s / 2)
+    d = policy.decide(context(fast_here.strategy, now=25.0, since=21.0, noise=NOISE_32, throughput=tm,
                               candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
     assert d.switch_to is None and "probing" in d.reason
     for _ in range(2):
-        tm.observe(fast_here.strategy, G[32].iter_time_s / 2)
-    d = policy.decide(context(fast_here.strategy, now=30.0, since=21.0, noise=TIE_32_64, throughput=tm,
+        tm.observe(fast_here.strategy, 1.3 * G[32].iter_time_s / 2)
+    d = policy.decide(context(fast_here.strategy, now=30.0, since=21.0, noise=NOISE_32, throughput=tm,
                               candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
     assert d.switch_to is None and not d.reason.startswith("probe")
     # One probe per allowance: no second probe of anything.
-    d = policy.decide(context(fast_here.strategy, now=100.0, since=21.0, noise=TIE_32_64, throughput=tm,
+    d = policy.decide(context(fast_here.strategy, now=100.0, since=21.0, noise=NOISE_32, throughput=tm,
                               candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
     assert d.switch_to is None
 
@@ -507,17 +518,17 @@ def test_a_slower_probe_is_left_at_once_and_dear_switches_are_not_probed():
     family = [*FAMILY, slow_here]
     tm = ThroughputModel(candidates=family)
     cur = G[32].strategy
-    tm.observe(cur, G[32].iter_time_s)
+    tm.observe(cur, 1.3 * G[32].iter_time_s)
     # A switch of 1 s against H = 60 s (12 intervals of 5 s): 2 s ≤ 3% of 60 s fails; of H = 120 s passes.
-    assert cona(probe_layouts=1).decide(context(cur, now=20.0, noise=TIE_32_64, throughput=tm, candidates=family,
+    assert cona(probe_layouts=1).decide(context(cur, now=20.0, noise=NOISE_32, throughput=tm, candidates=family,
                                                 cost=1.0, remaining=1e6)).switch_to is None  # fmt: skip
     policy = cona(probe_layouts=1, horizon_intervals=24.0)
-    d = policy.decide(context(cur, now=20.0, noise=TIE_32_64, throughput=tm, candidates=family, cost=1.0,
+    d = policy.decide(context(cur, now=20.0, noise=NOISE_32, throughput=tm, candidates=family, cost=1.0,
                               remaining=1e6))  # fmt: skip
     assert d.switch_to == slow_here.strategy
     for _ in range(3):
-        tm.observe(slow_here.strategy, 2 * G[32].iter_time_s)  # twice slower than where it came from
-    d = policy.decide(context(slow_here.strategy, now=26.0, since=21.0, noise=TIE_32_64, throughput=tm,
+        tm.observe(slow_here.strategy, 2.6 * G[32].iter_time_s)  # twice slower than where it came from
+    d = policy.decide(context(slow_here.strategy, now=26.0, since=21.0, noise=NOISE_32, throughput=tm,
                               candidates=family, cost=1.0, remaining=1e6))  # fmt: skip
     # Back without dwell or persistence (the best candidate at this noise scale is gbs 32 or 64 on the old layout).
     assert d.switch_to is not None and d.switch_to.layout() == cur.layout()
