@@ -141,9 +141,9 @@ def progress_rate(
     return rate
 
 
-def prior_noise_scale(spec: PolicySpec, *, min_gbs: int) -> float:
-    """The B_noise cona assumes before it has measured one: `policy.prior_noise_scale`, or the smallest batch."""
-    return float(spec.prior_noise_scale if spec.prior_noise_scale is not None else min_gbs)
+def prior_noise_scale(spec: PolicySpec, *, base_gbs: int) -> float:
+    """The B_noise cona assumes before it has measured one: `policy.prior_noise_scale`, or the base batch."""
+    return float(spec.prior_noise_scale if spec.prior_noise_scale is not None else base_gbs)
 
 
 def _same(candidate: Candidate, strategy: Strategy) -> bool:
@@ -319,12 +319,12 @@ class ConaPolicy(Policy):
 
     @classmethod
     def from_spec(
-        cls, spec: PolicySpec, *, min_gbs: int, lr_rule: LrRule | None = None,
+        cls, spec: PolicySpec, *, base_gbs: int, lr_rule: LrRule | None = None,
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
     ) -> ConaPolicy:
-        """The policy `spec` describes; an unset prior is `min_gbs`; `lr_rule` is used only with `spec.lr_aware`."""
+        """The policy `spec` describes; an unset prior is `base_gbs`; `lr_rule` is used only with `spec.lr_aware`."""
         return cls(
-            prior_noise_scale=prior_noise_scale(spec, min_gbs=min_gbs), min_gain=spec.min_gain, persistence=spec.persistence,
+            prior_noise_scale=prior_noise_scale(spec, base_gbs=base_gbs), min_gain=spec.min_gain, persistence=spec.persistence,
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
             critical_batch_factor=spec.critical_batch_factor, lr_rule=lr_rule if spec.lr_aware else None,
@@ -747,7 +747,7 @@ def make_policy(job: Job, *, profile: ClusterProfile, candidates: list[Candidate
     """
     spec = job.policy
     if spec.name == "cona":
-        return ConaPolicy.from_spec(spec, min_gbs=job.batch.min_gbs, lr_rule=LrRule.of(job))
+        return ConaPolicy.from_spec(spec, base_gbs=job.batch.base_gbs, lr_rule=LrRule.of(job))
     if spec.name == "static":
         return StaticPolicy(job=job, profile=profile, candidates=candidates)
     if spec.name == "fixed":

@@ -235,7 +235,7 @@ class Scheduler:
             self.state.strategy_since = time.time()
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
-                      prior_noise_scale=prior_noise_scale(self.job.policy, min_gbs=self.job.batch.min_gbs))  # fmt: skip
+                      prior_noise_scale=prior_noise_scale(self.job.policy, base_gbs=self.job.batch.base_gbs))  # fmt: skip
             return self._launch(strategy, previous=None, why="initial strategy")
         request = self.state.switch_requested
         control = self.run_dir.read_control()

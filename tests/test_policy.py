@@ -348,10 +348,10 @@ def test_make_policy_cona_uses_the_job_settings(setup):
     profile, job, candidates = setup
     policy = make_policy(job, profile=profile, candidates=candidates)
     assert isinstance(policy, ConaPolicy)
-    expected_prior = job.policy.prior_noise_scale or job.batch.min_gbs
+    expected_prior = job.policy.prior_noise_scale or job.batch.base_gbs
     assert policy.prior_noise_scale == expected_prior and policy.persistence == job.policy.persistence
     unset = make_policy(with_policy(job, prior_noise_scale=None), profile=profile, candidates=candidates)
-    assert unset.prior_noise_scale == job.batch.min_gbs  # the documented default: the smallest batch
+    assert unset.prior_noise_scale == job.batch.base_gbs  # the documented default: the base batch
     pinned = make_policy(with_policy(job, prior_noise_scale=77.0), profile=profile, candidates=candidates)
     assert pinned.prior_noise_scale == 77.0
     tm = ThroughputModel(candidates=candidates)
