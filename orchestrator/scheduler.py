@@ -169,7 +169,7 @@ class Scheduler:
             # Until its first decision the cona policy ranks with the prior (`live.noise_source` "prior").
             scale = self.live.noise_scale
             if scale is None and self.job.policy.name == "cona" and self.live.noise_source == "prior":
-                scale = self.job.policy.prior_noise_scale
+                scale = prior_noise_scale(self.job.policy, base_gbs=self.job.batch.base_gbs)
             self.tensorboard.heartbeats(beats, noise_estimate=self.model.noise.value, noise_scale=scale)
 
     def _log_switch_completed(self, done: SwitchCompleted, attempt: Attempt) -> None:
