@@ -81,8 +81,8 @@ class ModeledCluster:
         storage = self.profile.storage
         self.save_s = self.checkpoint_bytes / parse_bytes(storage.write_bandwidth, per_second=True)
         self.load_s = self.checkpoint_bytes / parse_bytes(storage.read_bandwidth, per_second=True)
-        self.switch_cost_s = self.save_s + self.restart_s + self.load_s  # a relaunch
-        self.in_place_cost_s = self.save_s + self.in_place_s + self.load_s
+        self.switch_cost_s = self.kind_s(SwitchKind.RELAUNCH)
+        self.in_place_cost_s = self.kind_s(SwitchKind.IN_PLACE)
 
     def switch_kind(self, current: Strategy, target: Strategy) -> SwitchKind:
         """In place when allowed and the world size stays (as `Backend.switch_kind` decides it), else a relaunch."""
@@ -94,9 +94,13 @@ class ModeledCluster:
         """The backend's part of a switch of `kind`, beyond checkpoint save and load."""
         return self.in_place_s if kind is SwitchKind.IN_PLACE else self.restart_s
 
+    def kind_s(self, kind: SwitchKind) -> float:
+        """Modeled seconds of a switch of `kind`: checkpoint save, the backend's part, checkpoint load."""
+        return self.save_s + self.overhead_s(kind) + self.load_s
+
     def switch_s(self, current: Strategy, target: Strategy) -> float:
         """Modeled seconds of a switch from `current` to `target`."""
-        return self.save_s + self.overhead_s(self.switch_kind(current, target)) + self.load_s
+        return self.kind_s(self.switch_kind(current, target))
 
     def iter_time_s(self, strategy: Strategy) -> float:
         return self._time[strategy]

@@ -43,8 +43,8 @@ class PolicySpec(StrictModel):
     every other batch (on a flat throughput curve a smaller batch wins, on a steep one a larger)."""
     noise_estimator: Literal["plain", "adam"] = "plain"
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
-    estimate depends on the batch being trained (measured from one state: 14 → 59 samples from batch 16 to 256,
-    where `plain` stays within 20%; `python -m benchmarks.noise_batch`), so it is not the default."""
+    estimate depends on the batch being trained (measured from one state of the tiny GPT: 14.6 → 64.0 samples from
+    batch 16 to 256, where `plain` stays within 3%; `python -m benchmarks.noise_batch`), so it is not the default."""
     critical_batch_factor: float = Field(3.0, gt=0)
     """Multiplies the estimated B_noise before ranking. The two-batch estimate sits below the batch at which larger
     batches stop paying (the critical batch fitted from fixed-batch runs): 1.6–5.6×, 3.3× on average, on the

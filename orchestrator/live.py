@@ -47,11 +47,11 @@ def status_line(live: LiveStatus | dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-
 def _switch_line(source: dict, target: dict, reason: str) -> str:
     """The policy's reasons already start with "switch A → B:" or "probe A → B:"; other reasons get the pair."""
     head = f"{_short(source)} → {_short(target)}"
     return reason if head in reason else f"switch {head}: {reason}"
+
 
 class LiveView:
     """Prints a status line at most every `interval_s` and every decision as it happens."""

@@ -427,10 +427,11 @@ class ConaPolicy(Policy):
         """Try a layout that never ran, when the cost model might be wrong about it and finding out is cheap.
 
         The calibration can only correct what it has measured: a layout the cost model ranks below the current one
-        is never run, so its error is never seen. Only once the model has been seen to miss on this machine (a
-        measured step time off by more than `PROBE_TRUSTED_ERROR`). A probe runs the best candidate of an unmeasured layout at the
-        current batch for `PROBE_OBSERVATIONS` heartbeats; then the rule decides as usual, without dwell or
-        persistence for that one evaluation (staying if the probe was faster, going back or on if not).
+        is never run, so its error is never seen. Probing starts only once the model has been seen to miss on this
+        machine (a measured step time off by more than `PROBE_TRUSTED_ERROR`). A probe runs the best candidate of an
+        unmeasured layout at the current batch for `PROBE_OBSERVATIONS` heartbeats; then the rule decides as usual,
+        without dwell or persistence for that one evaluation (staying if the probe was faster, going back or on if
+        not).
         """
         if self._probes_used >= self.probe_layouts or ctx.now - ctx.last_switch_time < self.min_dwell_s:
             return None
@@ -442,12 +443,11 @@ class ConaPolicy(Policy):
             return None
         r_cur = progress_rate(current, ctx.throughput, noise, lr_rule=self.lr_rule)
         horizon = self.horizon_s(ctx.remaining_time_s)
-        unmeasured = [c for c in ctx.candidates if c.feasible and c.gbs == current.gbs
-                      and ctx.throughput.estimate(c)[1] == "calibrated"]  # fmt: skip
+        unmeasured = [(progress_rate(c, ctx.throughput, noise, lr_rule=self.lr_rule), c) for c in ctx.candidates
+                      if c.feasible and c.gbs == current.gbs and ctx.throughput.estimate(c)[1] == "calibrated"]  # fmt: skip
         if not unmeasured or r_cur <= 0:
             return None
-        best = max(unmeasured, key=lambda c: progress_rate(c, ctx.throughput, noise, lr_rule=self.lr_rule))
-        r = progress_rate(best, ctx.throughput, noise, lr_rule=self.lr_rule)
+        r, best = max(unmeasured, key=lambda rc: rc[0])
         cost = ctx.switch_cost_s(best.strategy)
         if r < PROBE_MARGIN * r_cur or 2 * cost > PROBE_BUDGET * horizon:
             return None
