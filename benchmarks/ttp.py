@@ -94,6 +94,9 @@ class Settings:
     """Switches at the same world size are charged in place (`--relaunch-only`: every switch a relaunch)."""
     policy_overrides: tuple[str, ...] = ()
     """`KEY=VALUE` settings of the jobs' `policy` section (`--policy-set`)."""
+    reuse: dict[str, Any] | None = None
+    """This workload and seed's result of an earlier run (`--cona-only`): its fixed runs, candidates, oracle and
+    fitted critical batch are kept and only cona is run again."""
 
 
 @dataclasses.dataclass
@@ -493,6 +496,12 @@ def run_workload_seed(s: Settings) -> dict[str, Any]:
     cpu0 = time.process_time()
     ctx = _Context(s)
     cluster = ctx.cluster
+    if s.reuse is not None:
+        # Fixed runs and the oracle do not depend on the policy: only cona is run again.
+        cona = run_cona(ctx)
+        _log(s, f"cona: switches {cona.switches}, TTP({ctx.lowest})={fmt_s(cona.ttp(ctx.lowest))}")
+        return {**s.reuse, "cona": cona.to_dict(s.targets), "wall_s": time.time() - started,
+                "cpu_s": time.process_time() - cpu0, "cluster": cluster.describe()}  # fmt: skip
     fixed: dict[int, Run] = {}
     rollouts: dict[int, Rollout] = {}
     best: float | None = None
@@ -722,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default=None, help="JSON name under benchmarks/results (default ttp[-quick].json)")
     parser.add_argument("--resummarize", metavar="JSON", help="recompute tables, plots and ratios of a finished run")
+    parser.add_argument("--cona-only", metavar="JSON",
+                        help="rerun only cona (current code, --policy-set) against the fixed runs and oracle of a "
+                             "finished run with the same workloads, seeds, scenario and budget")
     args = parser.parse_args(argv)
     if args.resummarize:
         path = Path(args.resummarize)
@@ -739,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
     seeds = [int(x) for x in (args.seeds or ("0,1" if args.quick else "0,1,2,3")).split(",")]
     segment_s = args.segment_s or (200.0 if args.quick else 500.0)
+    previous = _previous_runs(args.cona_only, args=args, names=names, seeds=seeds) if args.cona_only else {}
     settings = []
     for name in names:
         w = WORKLOADS[name]
@@ -755,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
                      max_samples=w["quick_max_samples"] if args.quick else job.target.max_samples,
                      profile_path=args.profile, preset_path=args.preset, restart_s=args.restart_s,
                      segment_s=segment_s, greedy_window_s=args.greedy_window_s, cap=args.cap,
-                     in_place=not args.relaunch_only, policy_overrides=tuple(args.policy_set))
+                     in_place=not args.relaunch_only, policy_overrides=tuple(args.policy_set),
+                     reuse=previous.get((name, seed)))
             for seed in seeds
         ]  # fmt: skip
     started = time.time()
@@ -776,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "ttp", "quick": args.quick, "wall_s": wall,
         "settings": {"profile": args.profile, "preset": args.preset, "restart_s": args.restart_s,
                      "in_place": not args.relaunch_only, "oracle_segment_s": segment_s, "greedy_window_s": args.greedy_window_s, "fixed_cap": args.cap,
-                     "policy_set": args.policy_set,
+                     "policy_set": args.policy_set, "cona_only_from": args.cona_only,
                      "seeds": seeds, "jobs": args.jobs},
         "cluster": results[0]["cluster"],
         "workloads": {name: {"job": WORKLOADS[name]["job"], "runs": [r for r in results if r["workload"] == name],
@@ -788,6 +802,26 @@ def main(argv: list[str] | None = None) -> int:
     path = finish(report, args.out or ("ttp-quick.json" if args.quick else "ttp.json"))
     raw.unlink(missing_ok=True)
     return 0 if path else 1
+
+
+def _previous_runs(path: str, *, args: argparse.Namespace, names: list[str], seeds: list[int]
+                   ) -> dict[tuple[str, int], dict[str, Any]]:
+    """The runs of a finished JSON by (workload, seed), checked to match this invocation's settings."""
+    file = Path(path) if Path(path).exists() else RESULTS / path
+    if not file.exists():
+        raise SystemExit(f"--cona-only: {path} not found (a JSON written by an earlier run of this benchmark)")
+    report = json.loads(file.read_text())
+    settings = report.get("settings", {})
+    for key, want in (("profile", args.profile), ("preset", args.preset), ("in_place", not args.relaunch_only)):
+        if settings.get(key) != want:
+            raise SystemExit(f"--cona-only: {file.name} was run with {key}={settings.get(key)!r}, not {want!r}")
+    if bool(report.get("quick")) != bool(args.quick):
+        raise SystemExit(f"--cona-only: {file.name} was {'' if report.get('quick') else 'not '}run with --quick")
+    runs = {(r["workload"], int(r["seed"])): r for w in report.get("workloads", {}).values() for r in w["runs"]}
+    missing = [f"{n} seed {s}" for n in names for s in seeds if (n, s) not in runs]
+    if missing:
+        raise SystemExit(f"--cona-only: {file.name} has no run for {', '.join(missing)}")
+    return {key: {k: v for k, v in r.items() if k not in ("cona", "wall_s", "cpu_s")} for key, r in runs.items()}
 
 
 def _switch_costs(cluster: dict[str, Any]) -> str:

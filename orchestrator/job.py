@@ -38,9 +38,9 @@ class PolicySpec(StrictModel):
     schedule: list[ScheduleEntry] = Field(default_factory=list)
     """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
     prior_noise_scale: float | None = Field(None, gt=0)
-    """B_noise assumed before the estimate is stable (samples). Unset: `batch.base_gbs`, the batch the LR was tuned
-    at — the user's own guess of a good batch, which R = X/(gbs + B_noise) then weighs against the throughput of
-    every other batch (on a flat throughput curve a smaller batch wins, on a steep one a larger)."""
+    """B_noise assumed before the estimate is stable (samples); set, every batch is ranked under it from the start.
+    Unset: `batch.base_gbs`, the batch the LR was tuned at, and cona starts at that batch and changes only the
+    layout until the estimate is in (a batch chosen on a guess costs a switch to undo)."""
     noise_estimator: Literal["plain", "adam"] = "plain"
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
     estimate depends on the batch being trained (measured from one state of the tiny GPT: 14.6 → 64.0 samples from

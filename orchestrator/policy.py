@@ -266,6 +266,12 @@ class ConaPolicy(Policy):
       one with the highest R now is chosen;
     - at least `min_dwell_s` has passed since the last switch (wins keep counting while dwelling).
 
+    The batch before the noise scale is measured: with `start_batch` set (the default: `policy.prior_noise_scale`
+    unset, so `batch.base_gbs` stands in for it), cona starts at that batch, on its fastest layout as an offline
+    searcher would, and changes only the layout while B_noise is still the prior: the prior is a guess, and a batch
+    chosen on a guess (one that a switch would then have to undo) costs more than the few evaluations until the
+    estimate is in. With an explicit prior it ranks every batch under it from the start.
+
     B_noise: the prior `prior_noise_scale` until the estimate is stable; then a geometric blend that moves from
     the prior to the estimate over `blend_evaluations` evaluations with a stable estimate (1 = jump at once).
     The weight never moves back: once trusted, even a momentarily unsettled EMA estimate is closer to the truth
@@ -289,6 +295,7 @@ class ConaPolicy(Policy):
         lr_rule: LrRule | None = None,
         noise_growth: bool = False,
         probe_layouts: int = 0,
+        start_batch: int | None = None,
     ) -> None:
         if prior_noise_scale <= 0:
             raise ValueError(f"prior_noise_scale must be positive, got {prior_noise_scale}")
@@ -307,6 +314,7 @@ class ConaPolicy(Policy):
         self.lr_rule = lr_rule
         self.noise_growth = bool(noise_growth)
         self.probe_layouts = int(probe_layouts)
+        self.start_batch = start_batch
         self._probes_used = 0
         self._probing: Strategy | None = None  # the strategy being probed, until it has been measured
         self._waive = False  # a probe was just measured: the next evaluation may leave it at once
@@ -322,13 +330,15 @@ class ConaPolicy(Policy):
         cls, spec: PolicySpec, *, base_gbs: int, lr_rule: LrRule | None = None,
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
     ) -> ConaPolicy:
-        """The policy `spec` describes; an unset prior is `base_gbs`; `lr_rule` is used only with `spec.lr_aware`."""
+        """The policy `spec` describes; an unset prior is `base_gbs`, where cona then starts and holds the batch until
+        the noise scale is measured; `lr_rule` is used only with `spec.lr_aware`."""
         return cls(
             prior_noise_scale=prior_noise_scale(spec, base_gbs=base_gbs), min_gain=spec.min_gain, persistence=spec.persistence,
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
             critical_batch_factor=spec.critical_batch_factor, lr_rule=lr_rule if spec.lr_aware else None,
             noise_growth=spec.noise_growth, probe_layouts=spec.probe_layouts,
+            start_batch=base_gbs if spec.prior_noise_scale is None else None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -398,8 +408,10 @@ class ConaPolicy(Policy):
     # ------------------------------------------------------------------------------------------ policy
 
     def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
-        """The best R under the prior noise scale: the first phase should not be spent on a poor guess."""
-        ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
+        """The fastest layout at `start_batch` when it has one (which is the best R under the prior there), else the
+        best R under the prior noise scale over every batch."""
+        at_start = [c for c in candidates if c.feasible and c.gbs == self.start_batch]
+        ranked = self._ranked(at_start or candidates, throughput, self.prior_noise_scale, None)
         if not ranked:
             raise ValueError("no feasible candidate to start with")
         return ranked[0][1].strategy
@@ -490,7 +502,11 @@ class ConaPolicy(Policy):
             # those of the strategy running now.
             advance = ctx.throughput.samples_per_s(current_candidate) * self.horizon_s(ctx.remaining_time_s)
             noise = self.expected_noise_scale(noise, advance_samples=advance)
-        ranked = self._ranked(ctx.candidates, ctx.throughput, noise, ctx.current)
+        candidates = ctx.candidates
+        hold = source == "prior" and self.start_batch is not None
+        if hold:  # no batch change on a guess: only layouts at the running batch compete
+            candidates = [c for c in candidates if c.gbs == ctx.current.gbs] or candidates
+        ranked = self._ranked(candidates, ctx.throughput, noise, ctx.current)
         if not ranked:
             return Decision(None, "no feasible candidate: staying", {"B_noise": noise})
         r_best, best = ranked[0]
@@ -503,6 +519,7 @@ class ConaPolicy(Policy):
             "noise_stable": bool(ctx.noise_stable),
             "noise_source": source,
             "noise_weight": self._noise_weight,
+            "batch_held": hold,
             "current": ctx.current.to_dict(),
             "best": best.strategy.to_dict(),
             "R_best": r_best,
@@ -511,7 +528,7 @@ class ConaPolicy(Policy):
             "dwell_s": ctx.now - ctx.last_switch_time,
             "min_dwell_s": self.min_dwell_s,
         }
-        noise_text = f"B_noise={_fmt(noise)} ({source})"
+        noise_text = f"B_noise={_fmt(noise)} ({source}{'; batch held until it is measured' if hold else ''})"
 
         current = current_candidate
         if current is None:

@@ -147,6 +147,33 @@ def test_cold_start_picks_the_best_rate_under_the_prior():
     assert cona(prior_noise_scale=0.5).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 8
 
 
+def test_without_a_prior_cona_starts_at_the_base_batch_and_holds_it_until_the_noise_is_measured():
+    tm = ThroughputModel(candidates=FAMILY)
+    slow_layout = candidate(32, dp=2, tp=2, slowdown=1.5)
+    family = [*FAMILY, slow_layout]
+    # The prior (the base batch, 32) alone would rank gbs 16 first (R(g) peaks at √(10·32) ≈ 18); with the batch
+    # held, cona starts where the user's LR was tuned, on the fastest layout there.
+    assert cona(prior_noise_scale=32.0).initial(candidates=family, throughput=tm, samples=0).gbs == 16
+    policy = cona(prior_noise_scale=32.0, start_batch=32)
+    assert policy.initial(candidates=family, throughput=tm, samples=0) == G[32].strategy
+    # No estimate yet: a clearly better batch is not taken, a faster layout at the same batch is.
+    for now in (1000.0, 1005.0, 1010.0):
+        d = policy.decide(context(slow_layout.strategy, noise=None, now=now, throughput=tm, candidates=family))
+        assert d.metrics["batch_held"] and "batch held" in d.reason
+        if d.switch_to is not None:
+            break
+    assert d.switch_to == G[32].strategy
+    held = cona(prior_noise_scale=1e5, start_batch=32)
+    for now in (1000.0, 1005.0, 1010.0):
+        assert held.decide(context(G[32].strategy, noise=None, now=now, throughput=tm)).switch_to is None
+    # Once the estimate is in, every batch competes again.
+    d1 = held.decide(context(G[32].strategy, noise=1600.0, now=1015.0, throughput=tm))
+    d2 = held.decide(context(G[32].strategy, noise=1600.0, now=1020.0, throughput=tm))
+    assert not d1.metrics["batch_held"] and d2.switch_to == G[128].strategy
+    # A base batch no candidate has (e.g. outside the planner's range) falls back to the ranking under the prior.
+    assert cona(prior_noise_scale=100.0, start_batch=24).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 32
+
+
 # ---------------------------------------------------------------------------------------------------- switch rule
 
 
@@ -352,8 +379,9 @@ def test_make_policy_cona_uses_the_job_settings(setup):
     assert policy.prior_noise_scale == expected_prior and policy.persistence == job.policy.persistence
     unset = make_policy(with_policy(job, prior_noise_scale=None), profile=profile, candidates=candidates)
     assert unset.prior_noise_scale == job.batch.base_gbs  # the documented default: the base batch
+    assert unset.start_batch == job.batch.base_gbs  # no prior given: start at the base batch and hold it
     pinned = make_policy(with_policy(job, prior_noise_scale=77.0), profile=profile, candidates=candidates)
-    assert pinned.prior_noise_scale == 77.0
+    assert pinned.prior_noise_scale == 77.0 and pinned.start_batch is None
     tm = ThroughputModel(candidates=candidates)
     first = policy.initial(candidates=candidates, throughput=tm, samples=0)
     assert first in [c.strategy for c in candidates]
