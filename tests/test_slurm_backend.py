@@ -218,7 +218,7 @@ def test_in_place_relaunch_when_node_count_stays(env):
     fake.jobs["101"] = _job("101", "RUNNING")
     assert backend.poll(first).status == AttemptStatus.SWITCHED
     second = backend.launch(attempt=2, strategy=Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2), previous=first)
-    assert second.backend_id == "101" and second.extra["mode"] == "in-place"
+    assert second.backend_id == "101" and second.extra["mode"] == "relaunch"
     assert second.extra["submission"] == first.extra["submission"]
     assert sum(1 for c in fake.calls if c[0] == "sbatch") == 1
     launch = json.loads((run.attempt_dir(2) / "launch.json").read_text())
@@ -392,9 +392,12 @@ def test_submission_env_puts_own_interpreter_first(env):
 
 
 def test_switch_kind_follows_the_node_count(env):
-    # A switch that keeps the node count is an srun step in the same allocation; another node count resubmits.
+    # A switch that keeps the node count keeps the step's processes (in place) when allowed, else it is a new srun
+    # step in the same allocation; another node count resubmits.
     backend, _, _ = env
     same_nodes = Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2)
-    assert backend.switch_kind(S4, same_nodes, in_place_allowed=True) is SwitchKind.RELAUNCH
+    assert backend.switch_kind(S4, same_nodes, in_place_allowed=True) is SwitchKind.IN_PLACE
+    assert backend.switch_kind(S4, same_nodes, in_place_allowed=False) is SwitchKind.RELAUNCH
+    assert backend.switch_overhead_s(SwitchKind.RELAUNCH) > backend.switch_overhead_s(SwitchKind.IN_PLACE)
     assert backend.switch_kind(S4, S2, in_place_allowed=True) is SwitchKind.RESUBMIT
     assert backend.switch_overhead_s(SwitchKind.RESUBMIT) > backend.switch_overhead_s(SwitchKind.RELAUNCH)

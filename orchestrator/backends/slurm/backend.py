@@ -345,13 +345,38 @@ class SlurmBackend(Backend):
             return SwitchKind.RESUBMIT
         return super().switch_kind(current, target, in_place_allowed=in_place_allowed)
 
+    # The trainers of a step go on as the next attempt when the world size stays (`policy.in_place_switch`): no
+    # new step, no interpreter, imports or rendezvous. The batch script's helper follows their exit records to the
+    # attempt that finally ends (`slurm_helper.py last`) and writes its slurm-exit.json there.
+    supports_in_place_switch = True
+
+    def offer_in_place(self, attempt: Attempt, *, number: int, strategy: Strategy) -> None:
+        """The launch record of attempt `number` carries the job's submission, node count and processes per node,
+        as any launch record of this job does: a job requeued before its trainers made the switch finds it there
+        and starts the previous attempt again (`slurm_helper.py` `_runnable`), one requeued after it starts this
+        one."""
+        keep = {k: attempt.extra[k] for k in ("submission", "job_id", "nnodes", "nproc_per_node") if k in attempt.extra}
+        self.write_launch(number, strategy, in_place=True, mode="continued",
+                          launched_as=attempt.extra.get("launched_as", attempt.number), **keep)  # fmt: skip
+
+    def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
+        # Same job, same step: its records (slurm.json, the node logs) stay in the directory of the attempt that
+        # started it; its end is recorded in this attempt's slurm-exit.json.
+        extra = {**attempt.extra, "launched_as": attempt.extra.get("launched_as", attempt.number), "mode": "continued"}
+        return Attempt(number, strategy, backend_id=attempt.backend_id, started_at=time.time(), extra=extra)
+
+    def _started_record(self, attempt: Attempt) -> dict[str, Any] | None:
+        """slurm.json of the step that runs `attempt` (the attempt that started it, for one continued in place)."""
+        launched_as = int(attempt.extra.get("launched_as", attempt.number))
+        return self._record(launched_as, "slurm.json", attempt.extra.get("submission"))
+
     def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
         nnodes, nproc = self.placement(strategy)
         (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
         extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
-        if previous is not None and self._can_relaunch_in_place(previous, nnodes):
-            # "in-place" here: a new srun step of the same allocation (the processes are new).
-            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="in-place")
+        if previous is not None and self._can_relaunch_in_allocation(previous, nnodes):
+            # A new srun step of the same allocation (new processes; an in-place switch keeps them, `continued`).
+            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="relaunch")
             self.write_launch(attempt, strategy, **extra)
             return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
 
@@ -371,7 +396,7 @@ class SlurmBackend(Backend):
         self._jobs.add(job_id)
         return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
 
-    def _can_relaunch_in_place(self, previous: Attempt, nnodes: int) -> bool:
+    def _can_relaunch_in_allocation(self, previous: Attempt, nnodes: int) -> bool:
         """The previous attempt's job is alive, waiting for a hand-off, on the same number of nodes."""
         submission = previous.extra.get("submission")
         if not submission or not previous.backend_id:
@@ -522,7 +547,7 @@ class SlurmBackend(Backend):
             restarts = f", requeued {info.restarts}x" if info.restarts else ""
             if info.pending:
                 why = f" ({info.reason})" if info.reason and info.reason != "None" else ""
-                started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission")) or {}
+                started = self._started_record(attempt) or {}
                 down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
                 lost = f"; node {','.join(down)} DOWN" if down else ""
                 return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}")
@@ -546,7 +571,7 @@ class SlurmBackend(Backend):
             code = int(done.get("code", 1))
             status = AttemptStatus.STOPPED if code == ExitCode.STOPPED else AttemptStatus.CRASHED
             return Outcome(status, code, f"exit {code} for a requeue, but job {job_id} ended: {how}")
-        started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission"))
+        started = self._started_record(attempt)
         when = "" if started else " before the attempt started"
         code = final.exit_status if final is not None and final.exit_status else None
         return Outcome(
