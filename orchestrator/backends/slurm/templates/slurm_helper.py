@@ -8,7 +8,8 @@ Commands:
   next    --run-dir D --submission S [--after N] [--timeout T] [--job J] [--restarts R] [--port-base B]
           Wait (bounded) until the orchestrator hands this job an attempt and print
           `ATTEMPT NNODES NPROC PORT RDZV_ID STRATEGY`; exit 3 on timeout, 4 when the run moved on to another
-          job.
+          job. An elastic launch record (`by_nnodes`: {node count: strategy, processes per node}) is run with the
+          strategy planned for NNODES (`--nnodes`, the job's $SLURM_NNODES); exit 2 when it plans none for it.
   agent   --node-dir DIR -- <torchrun arguments>
           Run torchrun in this process, survive the step's SIGTERM/SIGUSR1 (they reach every trainer process
           directly), record the trainer's own exit code in DIR/<SLURM_NODEID>.json and exit 0 for protocol codes
@@ -227,6 +228,15 @@ def _runnable(run_dir, launches, attempt):
 
 
 def _print_next(a, record):
+    table = record.get("by_nnodes")
+    if isinstance(table, dict):
+        # An elastic launch (`sbatch --nodes=MIN-MAX`): run the orchestrator's plan for the nodes Slurm gave.
+        entry = table.get(str(int(a["nnodes"])))
+        if not isinstance(entry, dict):
+            sys.stderr.write(f"cona: no strategy planned for {a['nnodes']} node(s) (planned: {','.join(sorted(table))})\n")
+            return 2
+        record = {**record, "nnodes": int(a["nnodes"]), "nproc_per_node": int(entry["nproc_per_node"]),
+                  "strategy": entry["strategy"]}
     attempt = int(record["attempt"])
     port = free_port(
         rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"]), a["port_base"]
@@ -238,7 +248,7 @@ def _print_next(a, record):
     return 0
 
 
-def _begin(run_dir, attempt, job, restarts, submission, nodelist):
+def _begin(run_dir, attempt, job, restarts, submission, nodelist, nnodes="", strategy=""):
     """Clear the node records of an earlier run of this attempt and note where it runs now."""
     adir = _attempt_dir(run_dir, attempt)
     for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
@@ -255,16 +265,26 @@ def _begin(run_dir, attempt, job, restarts, submission, nodelist):
             "submission": submission,
             "nodelist": nodelist,
             "started_at": time.time(),
+            "nnodes": int(nnodes) if str(nnodes).isdigit() else None,
+            "strategy": _parse_strategy(strategy),
         },
     )
+
+
+def _parse_strategy(text):
+    """`dp=4,tp=1,...` (as `next` prints it) → {"dp": 4, ...}; None for `-` or nothing."""
+    pairs = [item.partition("=") for item in str(text or "").split(",") if "=" in item]
+    return {k: int(v) for k, _, v in pairs if v.isdigit()} or None
 
 
 def cmd_begin(argv):
     a = _args(
         argv,
-        {"run_dir": None, "attempt": None, "job": "0", "restarts": "0", "submission": "", "nodelist": ""},
+        {"run_dir": None, "attempt": None, "job": "0", "restarts": "0", "submission": "", "nodelist": "",
+         "nnodes": "", "strategy": ""},
     )
-    _begin(a["run_dir"], int(a["attempt"]), a["job"], a["restarts"], a["submission"], a["nodelist"])
+    _begin(a["run_dir"], int(a["attempt"]), a["job"], a["restarts"], a["submission"], a["nodelist"], a["nnodes"],
+           a["strategy"])
     return 0
 
 
