@@ -24,7 +24,7 @@ from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import REPO
-from tests.test_orchestrator_e2e import heartbeats
+from tests.test_orchestrator_e2e import heartbeats, wait_for
 from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
 from tests.test_slurm_e2e import S4, _step_processes, assert_samples, sets, slurm_run  # noqa: F401 (fixture)
 
@@ -38,6 +38,12 @@ def _node_state(node: str) -> str:
     return _sh("sinfo", "-h", "-N", "-n", node, "-o", "%T").stdout.strip()
 
 
+def _both_nodes_idle() -> None:
+    """Wait (bounded) until n1 and n2 are idle and responding: a node just resumed shows `idle*` for a moment."""
+    wait_for(lambda: _node_state("n1") == "idle" and _node_state("n2") == "idle", timeout=120,
+             what="n1 and n2 idle", detail=lambda: _sh("sinfo", "-N").stdout)  # fmt: skip
+
+
 @pytest.fixture
 def n2_drained(cluster):  # noqa: F811 (the imported fixture)
     """n2 drained (no new job lands there) for the test, resumed after it."""
@@ -46,6 +52,7 @@ def n2_drained(cluster):  # noqa: F811 (the imported fixture)
         yield
     finally:
         _sh("scontrol", "update", "nodename=n2", "state=resume")
+        _both_nodes_idle()
 
 
 @pytest.fixture
@@ -54,6 +61,15 @@ def n2_restorer(cluster):  # noqa: F811 (the imported fixture)
     yield
     if not _node_state("n2").startswith(("idle", "mix", "alloc")):
         subprocess.run([str(LOCAL_CLUSTER), "restart-node", "n2"], capture_output=True, timeout=180)
+    _both_nodes_idle()
+
+
+def _on_two_nodes(run) -> int | None:
+    """The run's current attempt when it runs on both nodes."""
+    launches = run.events("launch")
+    current = max((e["attempt"] for e in launches), default=0)
+    started = run.attempt_json(current, "slurm.json") if current else {}
+    return current if len(str(started.get("nodelist", "")).split(",")) == 2 else None
 
 
 def _losses(run: RunDir, attempt: int, upto: int) -> dict[int, float]:
@@ -116,10 +132,14 @@ def test_a_lost_node_shrinks_the_run_and_the_returning_node_grows_it_back(slurm_
     always wants it: the knob that forces it), and the run finishes on two nodes with the samples exact."""
     if not PIDFILE.exists() or os.geteuid() != 0:
         pytest.skip("needs the cluster of slurm/local-cluster.sh, as root")
+    _both_nodes_idle()
     schedule = f"[{{samples: 0, strategy: '{S4}'}}]"
     slurm_run.start(*ELASTIC, "--set", "policy.name=schedule", "--set", f"policy.schedule={schedule}",
                     *sets(target__max_samples=100000, checkpoint__keep=50))  # fmt: skip
-    slurm_run.running(steps=12)
+    # Both nodes are idle: the `--nodes=1-2` job gets both, and runs the two-node plan.
+    first = slurm_run.wait(lambda: _on_two_nodes(slurm_run), 240, "an attempt on two nodes")
+    assert first == 1 and not slurm_run.events("elastic-start"), slurm_run.logs()
+    slurm_run.running(steps=12, attempt=first)
     frozen = _step_processes(slurm_run.run.root, "n2")
     assert frozen, "no process of the job on n2"
     try:

@@ -488,7 +488,7 @@ class SlurmBackend(Backend):
     def _submit_sbatch(self, nnodes: str, submission: str) -> str:
         """Submit the batch script on `nnodes` nodes (a count, or `MIN-MAX` for an elastic launch)."""
         script = self.write_script()
-        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", str(script), submission]
+        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", *_range_tasks(nnodes), str(script), submission]
         result = self._cmd(argv, check=True, env=self.submission_env())
         job_id = result.stdout.strip().split(";")[0]
         if not job_id.isdigit():
@@ -508,6 +508,9 @@ class SlurmBackend(Backend):
         folder = self.run_dir.root / "slurm" / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit, "ntasks_per_node": 1}
+        for option in _range_tasks(nnodes):
+            key, _, value = option[2:].partition("=")
+            additional[key.replace("-", "_")] = int(value)
         if spec.signal_before_timeout_s > 0:
             additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
         for entry in spec.extra_sbatch:
@@ -638,6 +641,17 @@ class SlurmBackend(Backend):
             with contextlib.suppress(SlurmError):
                 self._release(job_id, wait=False)
         self._jobs.clear()
+
+
+def _range_tasks(nnodes: str) -> list[str]:
+    """sbatch options that let a `--nodes=MIN-MAX` job get up to MAX nodes.
+
+    Slurm allocates at most as many nodes as the job has tasks, and `--ntasks-per-node=1` (the batch script's)
+    without `--ntasks` makes that MIN: the job would always get MIN nodes. MAX tasks, up to MAX a node, fit on
+    any node count of the range, so Slurm gives as many nodes as it can. (The training steps set their own task
+    counts.)"""
+    _, sep, high = nnodes.partition("-")
+    return [f"--ntasks={high}", f"--ntasks-per-node={high}"] if sep and high.isdigit() else []
 
 
 def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:
