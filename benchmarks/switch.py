@@ -1,7 +1,7 @@
 """The cost of one switch, split into its parts, next to its physical floor, on the local backend or on Slurm.
 
     python -m benchmarks.switch [--models tiny,50m] [--modes relaunch,in-place] [--profile slurm/profiles/local-cpu.yaml]
-    python -m benchmarks.switch --models tiny --profile slurm/profiles/local-slurm.yaml   # the local Slurm cluster
+    python -m benchmarks.switch --models tiny --profile slurm/profiles/local-slurm.yaml   # the local Slurm cluster (switch-slurm.json)
 
 For each model a real run (`cona.orchestrator.scheduler.Scheduler` + the profile's backend: `LocalBackend`,
 torchrun, gloo on CPU; or `SlurmBackend`, an `srun` step per attempt in one batch job — exactly what `cona run`
@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                 s["over_floor"] = s["total_s"] / s["floor_s"]
             run["floor"] = floor
             results.append(run)
-    path = write_json("switch.json", {"benchmark": "switch", "profile": args.profile,
+    backend = results[0]["backend"] if results else "local"
+    # One file per backend: a Slurm run does not replace the local backend's numbers.
+    name = "switch.json" if backend == "local" else f"switch-{backend}.json"
+    path = write_json(name, {"benchmark": "switch", "profile": args.profile,
                                       "strategies": [STRATEGY_A, STRATEGY_B], "models": results})  # fmt: skip
     rows = []
     for run in results:
@@ -249,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
               f"launch+rdzv (in place: rebuild) parts of switch #1: "
               + ", ".join(f"{k} {fmt_s(v)}" for k, v in run["switches"][0]["launch_parts_s"].items()))  # fmt: skip
     print(f"JSON {shown(path)}")
-    backend = results[0]["backend"] if results else "local"
     print_table(f"switch cost on the {backend} backend (decision → first step under the new strategy)",
                 ["switch", "checkpoint", *PHASES, "total", "floor", "total/floor"], rows)  # fmt: skip
     return 0
