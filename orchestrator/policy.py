@@ -399,14 +399,15 @@ class ConaPolicy(Policy):
 
     def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
         """The best R under the prior noise scale: the first phase should not be spent on a poor guess."""
-        return self.best(candidates, throughput, self.prior_noise_scale)
-
-    def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy:
-        """The candidate of highest R under `noise_scale` (an elastic run's plan for each world size)."""
-        ranked = self._ranked(candidates, throughput, noise_scale, None)
+        ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
         if not ranked:
             raise ValueError("no feasible candidate to start with")
         return ranked[0][1].strategy
+
+    def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy | None:
+        """The candidate of highest R under `noise_scale`, or None (an elastic run's replan for another world)."""
+        ranked = self._ranked(candidates, throughput, noise_scale, None)
+        return ranked[0][1].strategy if ranked else None
 
     def decide(self, ctx: DecisionContext) -> Decision:
         if self._probing is not None:

@@ -211,15 +211,18 @@ class RunModel:
         return self.policy.noise_scale_used(self.noise.value) if isinstance(self.policy, ConaPolicy) else None
 
     def best_for_world(self, devices: int) -> Strategy:
-        """The strategy to run on `devices` devices (an elastic run's plan for a node count): the cona policy's best
-        R under the current noise scale; another policy's own strategy when it fits that world, else the fastest
-        predicted iteration at `batch.base_gbs` there (what `static` would run). Raises ValueError when nothing is
-        feasible on that world."""
+        """The strategy to run on `devices` devices (an elastic run's plan for a node count): what the policy would
+        start with on that world's candidates while the noise scale is not measured, and then the cona policy's
+        best R under the current noise scale; another policy's own strategy when it fits that world, else the
+        fastest predicted iteration at `batch.base_gbs` there (what `static` would run). Raises ValueError when
+        nothing is feasible on that world."""
         pool = world_candidates(self.candidates, devices)
         if not pool:
             raise ValueError(f"no feasible strategy on {devices} devices")
-        if isinstance(self.policy, ConaPolicy):
-            return self.policy.best(pool, self.throughput, self.policy.noise_scale_used(self.noise.value))
+        if isinstance(self.policy, ConaPolicy) and self.noise.value is not None:
+            best = self.policy.best(pool, self.throughput, self.policy.noise_scale_used(self.noise.value))
+            if best is not None:
+                return best
         own = self.policy.initial(candidates=pool, throughput=self.throughput, samples=self.live.samples)
         if own.world_size == devices:
             return own
