@@ -424,7 +424,7 @@ def test_an_elastic_launch_submits_a_node_range_and_reports_the_strategy_it_got(
 
 
 def test_a_down_node_of_the_job_is_reported_lost_and_idle_nodes_are_available(env):
-    backend, fake, _ = env
+    backend, fake, run = env
     attempt = backend.launch(attempt=1, strategy=S4)
     fake.jobs["101"] = _job("101", "RUNNING")
     fake.sinfo = "n1|mixed\nn2|down*\n"
@@ -436,6 +436,13 @@ def test_a_down_node_of_the_job_is_reported_lost_and_idle_nodes_are_available(en
     assert backend.available_nodes(attempt) == 2
     fake.sinfo = "n1|mixed\nn2|drained\n"
     assert backend.available_nodes(attempt) == 1
+    # The job ended with its node (NODE_FAIL, not requeued): the nodes it started on say which is gone.
+    (run.attempt_dir(1) / "slurm.json").write_text(json.dumps({"submission": attempt.extra["submission"],
+                                                               "nodelist": "n1,n2"}))  # fmt: skip
+    del fake.jobs["101"]
+    fake.sinfo = "n1|idle\nn2|down*\n"
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("n2",), outcome
 
 
 def test_an_attempt_continued_in_place_is_watched_in_the_same_job(env):

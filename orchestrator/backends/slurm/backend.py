@@ -600,10 +600,14 @@ class SlurmBackend(Backend):
         started = self._started_record(attempt)
         when = "" if started else " before the attempt started"
         code = final.exit_status if final is not None and final.exit_status else None
+        # A job that ended with a node (NODE_FAIL, not requeued): which of its nodes are gone.
+        down = self.down_nodes([n for n in str((started or {}).get("nodelist", "")).split(",") if n])
+        lost = f"; node {','.join(down)} DOWN" if down else ""
         return Outcome(
             AttemptStatus.CRASHED,
             code,
-            f"job {job_id} {how}{when}, no exit record for attempt {attempt.number}",
+            f"job {job_id} {how}{when}, no exit record for attempt {attempt.number}{lost}",
+            lost_nodes=tuple(down),
         )
 
     def available_nodes(self, attempt: Attempt) -> int | None:
