@@ -266,6 +266,7 @@ class Scheduler:
         lost = ",".join(outcome.lost_nodes)
         left = max(nodes_of(attempt.strategy, self.profile) - len(outcome.lost_nodes), node_range(self.profile)[0])
         plan = self._replan(f"lost node {lost}")
+        # Nothing feasible on that many nodes: the same strategy again, whose job queues until its nodes are back.
         target = plan.strategy_for(left) or attempt.strategy
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="lost-node", exit_code=outcome.exit_code,
                   detail=outcome.detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
@@ -273,8 +274,9 @@ class Scheduler:
         log_event(self.run_dir, "shrink", attempt=attempt.number, lost=list(outcome.lost_nodes), nodes=left,
                   **{"from": attempt.strategy.to_dict()}, to=target.to_dict(), noise_scale=plan.noise_scale,
                   checkpoint=latest.name if latest else None,
-                  reason=f"node {lost} lost ({outcome.detail}); replanned for {left} node(s): {target.short()} is the "
-                         f"best of {len(plan.plans)} planned world sizes' strategies there")  # fmt: skip
+                  reason=f"node {lost} lost ({outcome.detail}); replanned for {left} node(s) under B_noise="
+                         f"{'-' if plan.noise_scale is None else f'{plan.noise_scale:.3g}'}: {target.short()}, from the "
+                         f"last complete checkpoint")  # fmt: skip
         self.state.switch_requested = None
         self.state.strategy_since = time.time()
         self._save()
