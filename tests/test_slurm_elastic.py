@@ -38,10 +38,16 @@ def _node_state(node: str) -> str:
     return _sh("sinfo", "-h", "-N", "-n", node, "-o", "%T").stdout.strip()
 
 
+def _states() -> dict[str, str]:
+    """Every node's state in one `sinfo` call (`idle*`: not responding; a node just resumed shows it for a while)."""
+    lines = _sh("sinfo", "-h", "-N", "-o", "%N|%T").stdout.split()
+    return dict(line.split("|", 1) for line in lines if "|" in line)
+
+
 def _both_nodes_idle() -> None:
-    """Wait (bounded) until n1 and n2 are idle and responding: a node just resumed shows `idle*` for a moment."""
-    wait_for(lambda: _node_state("n1") == "idle" and _node_state("n2") == "idle", timeout=120,
-             what="n1 and n2 idle", detail=lambda: _sh("sinfo", "-N").stdout)  # fmt: skip
+    """Wait (bounded) until n1 and n2 are idle and responding, so that a `--nodes=1-2` job gets both."""
+    wait_for(lambda: _states() == {"n1": "idle", "n2": "idle"}, timeout=300, what="n1 and n2 idle",
+             detail=lambda: f"{_states()}\n{_sh('squeue').stdout}")  # fmt: skip
 
 
 @pytest.fixture
@@ -52,7 +58,9 @@ def n2_drained(cluster):  # noqa: F811 (the imported fixture)
         yield
     finally:
         _sh("scontrol", "update", "nodename=n2", "state=resume")
-        _both_nodes_idle()
+        # Back in service (Slurm may still mark it not responding for a moment, as after any resume).
+        wait_for(lambda: "drain" not in _node_state("n2"), timeout=120, what="n2 no longer drained",
+                 detail=lambda: str(_states()))  # fmt: skip
 
 
 @pytest.fixture
@@ -61,7 +69,8 @@ def n2_restorer(cluster):  # noqa: F811 (the imported fixture)
     yield
     if not _node_state("n2").startswith(("idle", "mix", "alloc")):
         subprocess.run([str(LOCAL_CLUSTER), "restart-node", "n2"], capture_output=True, timeout=180)
-    _both_nodes_idle()
+    wait_for(lambda: _node_state("n2").startswith(("idle", "mix", "alloc")), timeout=180, what="n2 back in service",
+             detail=lambda: str(_states()))  # fmt: skip
 
 
 def _on_two_nodes(run) -> int | None:
