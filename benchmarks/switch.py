@@ -1,9 +1,11 @@
-"""The cost of one switch on the local backend, split into its parts, next to its physical floor.
+"""The cost of one switch, split into its parts, next to its physical floor, on the local backend or on Slurm.
 
     python -m benchmarks.switch [--models tiny,50m] [--modes relaunch,in-place] [--profile slurm/profiles/local-cpu.yaml]
+    python -m benchmarks.switch --models tiny --profile slurm/profiles/local-slurm.yaml   # the local Slurm cluster (switch-slurm.json)
 
-For each model a real run (`cona.orchestrator.scheduler.Scheduler` + `LocalBackend`: torchrun, gloo on CPU, exactly
-what `cona run` does) follows a `schedule` policy A → B → A, so each run measures two switches that reshard the
+For each model a real run (`cona.orchestrator.scheduler.Scheduler` + the profile's backend: `LocalBackend`,
+torchrun, gloo on CPU; or `SlurmBackend`, an `srun` step per attempt in one batch job — exactly what `cona run`
+does) follows a `schedule` policy A → B → A, so each run measures two switches that reshard the
 checkpoint between layouts (A: dp=4; B: dp=2 × pp=2), once per switch mode: `relaunch` (the trainer exits and
 the backend starts a new torchrun) and `in-place` (`policy.in_place_switch`: the same processes rebuild the model,
 optimizer and meshes for the new strategy). Each switch is timed from the decision (the scheduler's
@@ -12,7 +14,8 @@ attempt's first periodic heartbeat), split with the timestamps the run leaves be
 
     step boundary   decision → the trainer starts its checkpoint (it finishes the step in flight first)
     save            checkpoint start (trainer_state.json `time`) → COMPLETE marker written
-    exit            COMPLETE → torchrun exited (mtime of attempts/<n>/exit_code, written by the local backend);
+    exit            COMPLETE → torchrun exited (mtime of attempts/<n>/exit_code, written by the local backend; on
+                    Slurm the step's end as the batch script recorded it, attempts/<n>/slurm-exit.json `time`);
                     in place: COMPLETE → the old model is released (the new attempt's startup.json `main_start`)
     launch+rdzv     torchrun exited → the new attempt starts loading: the scheduler's poll, torchrun, interpreter
                     and `import torch` in every worker, the process-group rendezvous, model build
@@ -96,8 +99,12 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
     run_dir = RunDir(root)
     create_run(run_dir=run_dir, profile=profile, job=job)
     started = time.time()
-    scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=make_backend(profile=profile, run_dir=run_dir))
-    state = scheduler.run()
+    backend = make_backend(profile=profile, run_dir=run_dir, job=job)
+    scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend)
+    try:
+        state = scheduler.run()
+    finally:
+        backend.close()  # a Slurm job idling after the last attempt
     wall = time.time() - started
     if state.status != "done":
         raise RuntimeError(f"{model}: the run ended {state.status}: {state.reason} (see {root})")
@@ -120,8 +127,10 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
         if startup.get("in_place"):
             assert exit_record.next_attempt == new, f"attempt {old} did not switch in place"
             exited = startup["main_start"]
-        else:
+        elif (run_dir.attempt_dir(old) / "exit_code").exists():  # the local backend's wrapper wrote it
             exited = (run_dir.attempt_dir(old) / "exit_code").stat().st_mtime
+        else:  # Slurm: the batch script's helper recorded the step's end once srun returned
+            exited = json.loads((run_dir.attempt_dir(old) / "slurm-exit.json").read_text())["time"]
         beats = _read_jsonl(run_dir.heartbeat_file(new))
         first = next(b for b in beats if b.get("event") is None)
         t = {
@@ -156,6 +165,7 @@ def measure_run(model: str, *, in_place: bool, profile_path: str, keep: bool) ->
 
     return {
         "model": model, "mode": "in-place" if in_place else "relaunch", "num_params": job.model.num_params,
+        "backend": profile.backend,
         "run_dir": str(root) if keep else None,
         "wall_s": wall, "switches": out, "job": job_to_dict(job),
     }  # fmt: skip
@@ -222,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                 s["over_floor"] = s["total_s"] / s["floor_s"]
             run["floor"] = floor
             results.append(run)
-    path = write_json("switch.json", {"benchmark": "switch", "profile": args.profile,
+    backend = results[0]["backend"] if results else "local"
+    # One file per backend: a Slurm run does not replace the local backend's numbers.
+    name = "switch.json" if backend == "local" else f"switch-{backend}.json"
+    path = write_json(name, {"benchmark": "switch", "profile": args.profile,
                                       "strategies": [STRATEGY_A, STRATEGY_B], "models": results})  # fmt: skip
     rows = []
     for run in results:
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               f"launch+rdzv (in place: rebuild) parts of switch #1: "
               + ", ".join(f"{k} {fmt_s(v)}" for k, v in run["switches"][0]["launch_parts_s"].items()))  # fmt: skip
     print(f"JSON {shown(path)}")
-    print_table("switch cost on the local backend (decision → first step under the new strategy)",
+    print_table(f"switch cost on the {backend} backend (decision → first step under the new strategy)",
                 ["switch", "checkpoint", *PHASES, "total", "floor", "total/floor"], rows)  # fmt: skip
     return 0
 

@@ -12,7 +12,9 @@ from cona.orchestrator.runstate import read_events, read_state
 from cona.protocol.rundir import RunDir, read_jsonl
 
 if TYPE_CHECKING:
+    from cona.orchestrator.profile import ClusterProfile
     from cona.orchestrator.scheduler import LiveStatus, Scheduler
+    from cona.protocol.strategy import Strategy
 
 
 def _duration(seconds: float | None) -> str:
@@ -158,7 +160,28 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "restarts_in_row": state.restarts_in_row,
         "latest_checkpoint": str(latest) if latest else None,
         "updated": state.updated,
+        **_world(run_dir, profile, current.strategy if current else None),
     }
+
+
+def _world(run_dir: RunDir, profile: ClusterProfile, strategy: Strategy | None) -> dict[str, Any]:
+    """The world the run trains on now and, for an elastic profile, its node range and planning table."""
+    from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, read_plan
+
+    out: dict[str, Any] = {
+        "world_size": strategy.world_size if strategy else None,
+        "nodes": nodes_of(strategy, profile) if strategy else None,
+        "elastic": None,
+    }
+    if is_elastic(profile):
+        nodes = node_range(profile)
+        plan = read_plan(run_dir)
+        out["elastic"] = {
+            "min_nodes": nodes[0], "max_nodes": nodes[-1],
+            "plans": [p.to_dict() for p in plan.plans] if plan else [],
+            "planned_because": plan.reason if plan else None,
+        }  # fmt: skip
+    return out
 
 
 def print_status(summary: dict[str, Any]) -> None:
@@ -177,6 +200,15 @@ def print_status(summary: dict[str, Any]) -> None:
         return
     strategy = summary["strategy"]
     print(f"attempt    {summary['attempt']} with {_short(strategy) if strategy else '-'}")
+    if summary.get("world_size"):
+        print(f"world      {summary['world_size']} devices on {summary['nodes']} node(s)")
+    elastic = summary.get("elastic")
+    if elastic:
+        print(f"elastic    {elastic['min_nodes']}-{elastic['max_nodes']} nodes"
+              + (f"; planned at {elastic['planned_because']}:" if elastic["planned_because"] else ""))  # fmt: skip
+        for p in elastic["plans"]:
+            chosen = _short(p["strategy"]) if p["strategy"] else "nothing feasible (waits)"
+            print(f"           {p['nodes']} node(s), {p['devices']} devices: {chosen} (of {p['feasible']} feasible)")
     pending = summary.get("pending")
     if pending:
         late = "; past the pending timeout" if pending["timed_out"] else ""

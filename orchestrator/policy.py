@@ -416,6 +416,11 @@ class ConaPolicy(Policy):
             raise ValueError("no feasible candidate to start with")
         return ranked[0][1].strategy
 
+    def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy | None:
+        """The candidate of highest R under `noise_scale`, or None (an elastic run's replan for another world)."""
+        ranked = self._ranked(candidates, throughput, noise_scale, None)
+        return ranked[0][1].strategy if ranked else None
+
     def decide(self, ctx: DecisionContext) -> Decision:
         if self._probing is not None:
             if ctx.current != self._probing:

@@ -145,7 +145,9 @@ class ClusterProfile(StrictModel):
     slurm: SlurmSpec | None = None
     kubernetes: KubernetesSpec | None = None
     min_nodes: int | None = Field(None, gt=0)
-    """Elastic lower bound on nodes (torchrun --nnodes=MIN:MAX); default: nodes."""
+    """Elastic lower bound on nodes; default: nodes. Below `nodes` the run trains on any node count in
+    [min_nodes, nodes]: it starts on what the cluster gives, goes on with fewer when nodes are lost and grows back
+    when that pays (`cona.orchestrator.elastic`)."""
 
     @pydantic.model_validator(mode="after")
     def _backend_section(self) -> ClusterProfile:
@@ -154,7 +156,8 @@ class ClusterProfile(StrictModel):
         if self.backend == "kubernetes" and self.kubernetes is None:
             raise ValueError("backend 'kubernetes' needs a kubernetes: section (namespace, image, pvc)")
         if self.min_nodes is not None and self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}")
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}; set min_nodes to at most nodes "
+                             "(the run then trains on any node count between them)")
         return self
 
     @property

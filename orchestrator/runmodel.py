@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+from cona.orchestrator.elastic import world_candidates
 from cona.orchestrator.job import Job
 from cona.orchestrator.noise import NoiseScaleEstimator
 from cona.orchestrator.planner import Candidate
-from cona.orchestrator.policy import Decision, DecisionContext, Policy, make_policy
+from cona.orchestrator.policy import ConaPolicy, Decision, DecisionContext, Policy, make_policy
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
@@ -200,17 +201,49 @@ class RunModel:
     # ------------------------------------------------------------------------------------------ deciding
 
     def initial_strategy(self) -> Strategy:
-        return self.policy.initial(candidates=self.candidates, throughput=self.throughput, samples=0)
+        """The strategy the run starts with, on all of the profile's devices (an elastic run may start on fewer
+        nodes: then on `best_for_world` of what it got)."""
+        full = world_candidates(self.candidates, self.profile.num_gpus) or self.candidates
+        return self.policy.initial(candidates=full, throughput=self.throughput, samples=0)
 
-    def decide(self, *, now: float, current: Strategy, strategy_since: float, elapsed_s: float) -> SwitchPlan | None:
+    def ranking_noise_scale(self) -> float | None:
+        """The B_noise the cona policy ranks with now (prior, estimate or their blend); None for other policies."""
+        return self.policy.noise_scale_used(self.noise.value) if isinstance(self.policy, ConaPolicy) else None
+
+    def best_for_world(self, devices: int) -> Strategy:
+        """The strategy to run on `devices` devices (an elastic run's plan for a node count): what the policy would
+        start with on that world's candidates while the noise scale is not measured, and then the cona policy's
+        best R under the current noise scale; another policy's own strategy when it fits that world, else the
+        fastest predicted iteration at `batch.base_gbs` there (what `static` would run). Raises ValueError when
+        nothing is feasible on that world."""
+        pool = world_candidates(self.candidates, devices)
+        if not pool:
+            raise ValueError(f"no feasible strategy on {devices} devices")
+        if isinstance(self.policy, ConaPolicy) and self.noise.value is not None:
+            best = self.policy.best(pool, self.throughput, self.policy.noise_scale_used(self.noise.value))
+            if best is not None:
+                return best
+        own = self.policy.initial(candidates=pool, throughput=self.throughput, samples=self.live.samples)
+        if own.world_size == devices:
+            return own
+        at_base = [c for c in pool if c.gbs == self.job.batch.base_gbs] or pool
+        return min(at_base, key=lambda c: (c.iter_time_s / c.gbs, c.pp, c.tp, c.mbs)).strategy
+
+    def decide(
+        self, *, now: float, current: Strategy, strategy_since: float, elapsed_s: float,
+        worlds: Collection[int] | None = None,
+    ) -> SwitchPlan | None:  # fmt: skip
         """One evaluation of the policy at time `now`; a plan when it decided to switch, else None.
 
-        The decision (switch or not) is kept in `last_decision` and the live view either way."""
+        `worlds`: the world sizes (device counts) a switch may go to now — an elastic run's current one and those
+        the cluster has nodes for; None: every candidate's. The decision (switch or not) is kept in
+        `last_decision` and the live view either way."""
+        allowed = self.candidates if worlds is None else [c for c in self.candidates if c.strategy.world_size in worlds]
         ctx = DecisionContext(
             now=now,
             samples=self.live.samples,
             current=current,
-            candidates=self.candidates,
+            candidates=allowed,
             throughput=self.throughput,
             noise_scale=self.noise.value,
             noise_stable=self.noise.stable,
@@ -231,6 +264,8 @@ class RunModel:
         self.last_decision = {"time": now, "reason": decision.reason, "metrics": decision.metrics}
         if decision.switch_to is None or decision.switch_to == current:
             return None
+        if worlds is not None and decision.switch_to.world_size not in worlds:
+            return None  # a schedule's next entry on nodes the cluster does not have now: it waits for them
         target = decision.switch_to
         return SwitchPlan(decision=decision, target=target, kind=self.switch_kind(current, target),
                           predicted_s=ctx.switch_cost_s(target))  # fmt: skip

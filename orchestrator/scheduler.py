@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.elastic import ElasticPlan, is_elastic, node_range, nodes_of, plan_table, write_plan
 from cona.orchestrator.job import Job
 from cona.orchestrator.planner import Candidate, enumerate_candidates
 from cona.orchestrator.policy import prior_noise_scale
@@ -76,6 +77,8 @@ class Scheduler:
             switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=job.policy.in_place_switch),
             switch_overhead_s=backend.switch_overhead_s,
         )  # fmt: skip
+        self.elastic = is_elastic(profile)
+        """`min_nodes` < `nodes`: the run trains on any node count of that range (`cona.orchestrator.elastic`)."""
         self.state = RunState()
         """The loop's own state (attempts, control sequence, heartbeat offset, restarts, ...), with the model's."""
         self.tensorboard: TensorBoardWriter | None = None
@@ -104,8 +107,14 @@ class Scheduler:
     def current(self) -> Attempt | None:
         return self.state.current
 
-    def _launch(self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False) -> Attempt:
-        """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it."""
+    def _launch(
+        self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False,
+        plan: ElasticPlan | None = None, up_to: int | None = None,
+    ) -> Attempt:  # fmt: skip
+        """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it.
+
+        `plan`: an elastic (re)start, which the backend may begin on any node count of the planning table (at most
+        `up_to`) with that count's strategy."""
         number = self.state.attempts_started + 1
         # Saved before launching: an orchestrator that dies during the launch never hands out the number again.
         self.state.attempts_started = number
@@ -115,6 +124,9 @@ class Scheduler:
         if in_place:
             assert previous is not None
             attempt = self.backend.continued(previous, number=number, strategy=strategy)
+        elif plan is not None:
+            attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous,
+                                          elastic=plan.by_nodes(up_to=up_to))  # fmt: skip
         else:
             attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
         self.state.attempts.append(attempt)
@@ -189,10 +201,15 @@ class Scheduler:
         if self.state.switch_requested or self.state.stop_requested:
             return
         now = time.time()
-        plan = self.model.decide(now=now, current=attempt.strategy, elapsed_s=self._elapsed(),
+        worlds = self._worlds_now(attempt) if self.elastic else None
+        plan = self.model.decide(now=now, current=attempt.strategy, elapsed_s=self._elapsed(), worlds=worlds,
                                  strategy_since=self.state.strategy_since or attempt.started_at)  # fmt: skip
         if plan is None:
             return
+        if plan.target.world_size > attempt.strategy.world_size:
+            log_event(self.run_dir, "grow", attempt=attempt.number, nodes=nodes_of(plan.target, self.profile),
+                      available_nodes=max(w for w in worlds or [0]) // self.profile.gpus_per_node,
+                      reason=plan.decision.reason)  # fmt: skip
         decision = plan.decision
         request = SwitchRequest(time=now, seq=self._next_seq(), source=attempt.strategy, target=plan.target,
                                 kind=plan.kind, predicted_s=plan.predicted_s)  # fmt: skip
@@ -209,6 +226,61 @@ class Scheduler:
                   samples=self.live.samples, noise_scale=self.model.noise.value, switch_cost_s=plan.predicted_s,
                   kind=plan.kind.value)  # fmt: skip
         self._save()
+
+    def _worlds_now(self, attempt: Attempt) -> set[int]:
+        """The world sizes an elastic run may switch to now: its own, and those of more nodes when the cluster has
+        them (`Backend.available_nodes`). Growing is then a candidate switch like any other: the policy takes it
+        only when the larger world's throughput pays for the switch's cost. Fewer nodes are never chosen: a run
+        shrinks only when it loses nodes (`_shrink`)."""
+        worlds = {attempt.strategy.world_size}
+        nodes = nodes_of(attempt.strategy, self.profile)
+        if nodes < self.profile.nodes:
+            available = self.backend.available_nodes(attempt) or 0
+            worlds |= {n * self.profile.gpus_per_node for n in node_range(self.profile) if nodes < n <= available}
+        return worlds
+
+    def _replan(self, reason: str) -> ElasticPlan:
+        """The planning table under the current noise scale, kept in the run directory and logged."""
+        plan = plan_table(self.model, reason=reason, time=time.time())
+        write_plan(self.run_dir, plan)
+        log_event(self.run_dir, "elastic-plan", reason=reason, noise_scale=plan.noise_scale,
+                  plans={str(p.nodes): p.strategy.to_dict() if p.strategy else None for p in plan.plans})  # fmt: skip
+        return plan
+
+    def _started_as(self, attempt: Attempt, strategy: Strategy) -> None:
+        """An elastic launch started on another node count than planned and runs `strategy`, the table's for it."""
+        log_event(self.run_dir, "elastic-start", attempt=attempt.number, nodes=nodes_of(strategy, self.profile),
+                  strategy=strategy.to_dict(), planned=attempt.strategy.to_dict())  # fmt: skip
+        attempt.strategy = strategy
+        self.model.attempt_started(attempt.number, strategy)
+        self._save()
+
+    def _shrink(self, attempt: Attempt, outcome: Outcome) -> Attempt:
+        """`attempt` lost nodes (`outcome.lost_nodes`): go on from the last complete checkpoint on the nodes that are
+        left, with the best strategy for that world under the current noise scale (the trainer reshards and resumes
+        at the next unseen sample; the LR rule follows the new global batch). Not a failure: no restart is counted.
+        Below `min_nodes` the launch waits in the queue for nodes to come back."""
+        self._absorb(attempt, self._tail_heartbeats(attempt))
+        if not outcome.status.finished:
+            self.backend.cancel(attempt)
+        lost = ",".join(outcome.lost_nodes)
+        left = max(nodes_of(attempt.strategy, self.profile) - len(outcome.lost_nodes), node_range(self.profile)[0])
+        plan = self._replan(f"lost node {lost}")
+        # Nothing feasible on that many nodes: the same strategy again, whose job queues until its nodes are back.
+        target = plan.strategy_for(left) or attempt.strategy
+        log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="lost-node", exit_code=outcome.exit_code,
+                  detail=outcome.detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
+        latest = self.run_dir.latest_checkpoint()
+        log_event(self.run_dir, "shrink", attempt=attempt.number, lost=list(outcome.lost_nodes), nodes=left,
+                  **{"from": attempt.strategy.to_dict()}, to=target.to_dict(), noise_scale=plan.noise_scale,
+                  checkpoint=latest.name if latest else None,
+                  reason=f"node {lost} lost ({outcome.detail}); replanned for {left} node(s) under B_noise="
+                         f"{'-' if plan.noise_scale is None else f'{plan.noise_scale:.3g}'}: {target.short()}, from the "
+                         f"last complete checkpoint")  # fmt: skip
+        self.state.switch_requested = None
+        self.state.strategy_since = time.time()
+        self._save()
+        return self._launch(target, previous=attempt, why=f"shrink after losing node {lost}", plan=plan, up_to=left)
 
     def _user_stop_requested(self) -> bool:
         record = self.run_dir.read_control()
@@ -236,6 +308,10 @@ class Scheduler:
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
                       prior_noise_scale=prior_noise_scale(self.job.policy, base_gbs=self.job.batch.base_gbs))  # fmt: skip
+            if self.elastic:  # start on whatever the cluster gives, with the strategy planned for it
+                plan = self._replan("start")
+                return self._launch(plan.strategy_for(plan.max_nodes) or strategy, previous=None, plan=plan,
+                                    why="initial strategy (elastic)")  # fmt: skip
             return self._launch(strategy, previous=None, why="initial strategy")
         request = self.state.switch_requested
         control = self.run_dir.read_control()
@@ -281,6 +357,12 @@ class Scheduler:
                 continue
 
             outcome = self.backend.poll(attempt)
+            if outcome.strategy is not None and outcome.strategy != attempt.strategy:
+                self._started_as(attempt, outcome.strategy)
+            if self.elastic and outcome.lost_nodes and not self.state.stop_requested:
+                attempt = self._shrink(attempt, outcome)
+                next_decision = time.time() + self.job.policy.decision_interval_s
+                continue
             if outcome.status is AttemptStatus.PENDING:
                 outcome = self._note_pending(attempt, outcome)
             if outcome.status.finished:
@@ -484,11 +566,14 @@ class Scheduler:
 
 
 def device_counts(profile: ClusterProfile, job: Job) -> list[int]:
-    """The device counts to plan for: all of the profile's first; for the `schedule` and `fixed` policies also the
+    """The device counts to plan for: all of the profile's first; those of every node count of an elastic profile
+    ([min_nodes, nodes]); for the `schedule` and `fixed` policies also the
     smaller world sizes their strategies name when those fill whole nodes, so a schedule can move a run to fewer
     nodes (the Slurm backend resubmits with the smaller `--nodes`). Anything else is left to `make_policy`, which
     says why it cannot run."""
     counts = [profile.num_gpus]
+    # An elastic run plans for every node count of its range (`cona.orchestrator.elastic`).
+    counts += [n * profile.gpus_per_node for n in reversed(node_range(profile)) if n < profile.nodes]
     pol = job.policy
     named = [e.strategy for e in pol.schedule] if pol.name == "schedule" else [pol.strategy or ""] if pol.name == "fixed" else []
     for text in named:

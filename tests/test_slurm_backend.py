@@ -218,7 +218,7 @@ def test_in_place_relaunch_when_node_count_stays(env):
     fake.jobs["101"] = _job("101", "RUNNING")
     assert backend.poll(first).status == AttemptStatus.SWITCHED
     second = backend.launch(attempt=2, strategy=Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2), previous=first)
-    assert second.backend_id == "101" and second.extra["mode"] == "in-place"
+    assert second.backend_id == "101" and second.extra["mode"] == "relaunch"
     assert second.extra["submission"] == first.extra["submission"]
     assert sum(1 for c in fake.calls if c[0] == "sbatch") == 1
     launch = json.loads((run.attempt_dir(2) / "launch.json").read_text())
@@ -392,9 +392,72 @@ def test_submission_env_puts_own_interpreter_first(env):
 
 
 def test_switch_kind_follows_the_node_count(env):
-    # A switch that keeps the node count is an srun step in the same allocation; another node count resubmits.
+    # A switch that keeps the node count keeps the step's processes (in place) when allowed, else it is a new srun
+    # step in the same allocation; another node count resubmits.
     backend, _, _ = env
     same_nodes = Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2)
-    assert backend.switch_kind(S4, same_nodes, in_place_allowed=True) is SwitchKind.RELAUNCH
+    assert backend.switch_kind(S4, same_nodes, in_place_allowed=True) is SwitchKind.IN_PLACE
+    assert backend.switch_kind(S4, same_nodes, in_place_allowed=False) is SwitchKind.RELAUNCH
+    assert backend.switch_overhead_s(SwitchKind.RELAUNCH) > backend.switch_overhead_s(SwitchKind.IN_PLACE)
     assert backend.switch_kind(S4, S2, in_place_allowed=True) is SwitchKind.RESUBMIT
     assert backend.switch_overhead_s(SwitchKind.RESUBMIT) > backend.switch_overhead_s(SwitchKind.RELAUNCH)
+
+
+def test_an_elastic_launch_submits_a_node_range_and_reports_the_strategy_it_got(env):
+    """`--nodes=1-2` with as many tasks as the range's top (else Slurm caps the job at one node), the table in the
+    launch record; once the job's helper recorded what it runs, `poll` reports that strategy."""
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4, elastic={1: S2, 2: S4})
+    sbatch = next(c for c in fake.calls if c[0] == "sbatch")
+    assert sbatch[1:5] == ["--parsable", "--nodes=1-2", "--ntasks=2", "--ntasks-per-node=2"], sbatch
+    launch = json.loads((run.attempt_dir(1) / "launch.json").read_text())
+    assert launch["by_nnodes"] == {"1": {"strategy": S2.to_dict(), "nproc_per_node": 2},
+                                   "2": {"strategy": S4.to_dict(), "nproc_per_node": 2}}  # fmt: skip
+    fake.jobs["101"] = _job("101", "RUNNING", nodes="n1")
+    assert backend.poll(attempt).strategy is None  # not started yet: nothing chosen
+    (run.attempt_dir(1) / "slurm.json").write_text(json.dumps(
+        {"submission": attempt.extra["submission"], "nnodes": 1, "strategy": S2.to_dict(), "nodelist": "n1"}))
+    assert backend.poll(attempt).strategy == S2
+    # One node count alone is an ordinary submission.
+    backend.launch(attempt=2, strategy=S2, elastic={1: S2})
+    assert next(c for c in reversed(fake.calls) if c[0] == "sbatch")[1:3] == ["--parsable", "--nodes=1"]
+
+
+def test_a_down_node_of_the_job_is_reported_lost_and_idle_nodes_are_available(env):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    fake.sinfo = "n1|mixed\nn2|down*\n"
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("n2",)
+    fake.jobs["101"] = _job("101", "RUNNING", nodes="n1")
+    assert backend.available_nodes(attempt) == 1  # n1 (the job's); n2 is down
+    fake.sinfo = "n1|mixed\nn2|idle\n"
+    assert backend.available_nodes(attempt) == 2
+    fake.sinfo = "n1|mixed\nn2|drained\n"
+    assert backend.available_nodes(attempt) == 1
+    # The job ended with its node (NODE_FAIL, not requeued): the nodes it started on say which is gone.
+    (run.attempt_dir(1) / "slurm.json").write_text(json.dumps({"submission": attempt.extra["submission"],
+                                                               "nodelist": "n1,n2"}))  # fmt: skip
+    del fake.jobs["101"]
+    fake.sinfo = "n1|idle\nn2|down*\n"
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("n2",), outcome
+
+
+def test_an_attempt_continued_in_place_is_watched_in_the_same_job(env):
+    """An in-place switch: the next attempt's launch record carries the job's submission (a requeued job finds it),
+    the continued attempt is the same job, and its end is read from its own slurm-exit.json."""
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    other = Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2)
+    backend.offer_in_place(first, number=2, strategy=other)
+    offered = json.loads((run.attempt_dir(2) / "launch.json").read_text())
+    assert offered["in_place"] and offered["submission"] == first.extra["submission"] and offered["launched_as"] == 1
+    assert (offered["nnodes"], offered["nproc_per_node"], offered["mode"]) == (2, 2, "continued")
+    second = backend.continued(first, number=2, strategy=other)
+    assert second.backend_id == first.backend_id and second.extra["launched_as"] == 1
+    fake.jobs["101"] = _job("101", "RUNNING")
+    assert backend.poll(second).status is AttemptStatus.RUNNING
+    _exit(run, 2, first.extra["submission"], 0, "done")
+    assert backend.poll(second).status is AttemptStatus.DONE

@@ -235,7 +235,7 @@ def test_switch_relaunches_inside_the_allocation(run):
     assert _job_state(first.backend_id) == "RUNNING"  # the job waits for its next attempt
 
     second = run.launch(2, S4_TP, previous=first)
-    assert second.backend_id == first.backend_id and second.extra["mode"] == "in-place"
+    assert second.backend_id == first.backend_id and second.extra["mode"] == "relaunch"
     ranks = run.started(2)
     assert {r["strategy"] for r in ranks} == {str(S4_TP)} and {r["SLURM_JOB_ID"] for r in ranks} == {
         first.backend_id

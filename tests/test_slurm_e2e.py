@@ -4,7 +4,7 @@ Every test runs the tiny GPT on `slurm/profiles/local-slurm.yaml` (2 nodes × 2 
 user relies on: the run ends DONE, no two attempts ever overlap, and the samples consumed across every switch,
 resubmission, requeue and node failure are exactly 0..N−1 (`cona.protocol.samples_log.audit_samples`).
 
-- the `cona` policy switches inside its allocation (same Slurm job, same submission);
+- the `cona` policy switches in place inside its allocation (same Slurm job, same `srun` step);
 - a `schedule` from 4 to 2 processes resubmits with `--nodes=1`;
 - `scancel` mid-run: the trainer checkpoints on SIGTERM, the orchestrator resubmits and resumes;
 - `scancel --batch --signal=USR1` then `scontrol requeue`: the job requeues itself / is requeued, and resumes;
@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,14 +152,16 @@ def assert_samples(run: SlurmRun, expected: int) -> None:
 # --------------------------------------------------------------------------------------------------- tests
 
 
-def test_cona_policy_switches_inside_the_allocation(slurm_run):
+def test_cona_policy_switches_in_place_inside_the_allocation(slurm_run, tmp_path):
     """The cona policy, not a schedule, decides: a tiny prior noise scale makes the cold start pick the smallest
     batch; the measured noise scale times a large critical-batch factor then makes the larger batch (same
-    degrees, same two nodes) win, so the switch relaunches inside the running job."""
+    degrees, same two nodes) win, so the switch happens in place: the trainers of the job's one `srun` step go on
+    as the next attempt, and train exactly what a relaunch from the switch's checkpoint trains."""
     slurm_run.start(
         *sets(policy__name="cona", policy__prior_noise_scale=1, policy__critical_batch_factor=100000,
               policy__noise_estimator="plain", policy__min_noise_samples=4, policy__persistence=1,
-              policy__min_dwell_s=4, policy__min_gain=0.01, policy__switch_cost_s=0, batch__max_gbs=32),
+              policy__min_dwell_s=4, policy__min_gain=0.01, policy__switch_cost_s=0, batch__max_gbs=32,
+              checkpoint__keep=50),
     )  # fmt: skip
     state = slurm_run.finish()
     events = slurm_run.events()
@@ -166,19 +170,50 @@ def test_cona_policy_switches_inside_the_allocation(slurm_run):
     first = switches[0]
     assert first["from"]["gbs"] < first["to"]["gbs"], first
     assert first["metrics"]["noise_source"] != "prior", first  # the estimate decided, not the prior
+    assert {e["kind"] for e in switches} == {"in_place"}, switches
     launches = [e for e in events if e["event"] == "launch"]
     assert len(launches) == len(switches) + 1
-    # Every attempt ran in the first job, under its submission: nothing was resubmitted.
+    # Every attempt ran in the first job's first step: nothing was resubmitted or relaunched.
     job, submission = launches[0]["backend_id"], slurm_run.attempt_json(1, "launch.json")["submission"]
-    for n in range(1, len(launches) + 1):
-        launch, started = slurm_run.attempt_json(n, "launch.json"), slurm_run.attempt_json(n, "slurm.json")
+    last = len(launches)
+    for n in range(1, last + 1):
+        launch = slurm_run.attempt_json(n, "launch.json")
         assert (launch["job_id"], launch["submission"]) == (job, submission), launch
-        assert (started["job_id"], started["submission"]) == (job, submission), started
-        assert launch["mode"] == ("submit" if n == 1 else "in-place")
-    assert slurm_run.attempt_json(1, "slurm-exit.json")["action"] == "wait"
-    assert slurm_run.resumes(2)[0]["resume"] > 0  # attempt 2 resumed from the switch checkpoint
+        assert launch["mode"] == ("submit" if n == 1 else "continued") and launch.get("in_place", False) == (n > 1)
+        assert (slurm_run.run.attempt_dir(n) / "slurm.json").exists() == (n == 1), f"attempt {n} started a step"
+        if n < last:
+            assert slurm_run.run.read_exit(n).next_attempt == n + 1
+    ended = slurm_run.attempt_json(last, "slurm-exit.json")
+    assert (ended["attempt"], ended["started_as"], ended["action"]) == (last, 1, "done"), ended
+    accounting = _sh("sacct", "-n", "-P", "-j", job, "-o", "JobID")
+    if accounting.returncode == 0 and accounting.stdout.strip():  # the cluster keeps accounting (CI does)
+        steps = [x for x in accounting.stdout.split() if "." in x and x.rsplit(".", 1)[1].isdigit()]
+        assert steps == [f"{job}.0"], accounting.stdout
     assert_samples(slurm_run, state.live["samples"])
     assert state.live["samples"] >= 1600
+
+    # The same checkpoint, relaunched by hand under the new strategy: the same losses step by step.
+    run_dir, switched = slurm_run.run, slurm_run.run.read_exit(1)
+    step, target = switched.step, switched.next_strategy
+    trained = {hb["step"]: hb["train_loss"] for hb in heartbeats(run_dir, 2)
+               if hb.get("event") in (None, "eval") and hb["train_loss"] is not None}  # fmt: skip
+    upto = min(step + 4, max(trained))
+    assert upto > step, trained
+    fresh = RunDir(tmp_path / "relaunch")
+    fresh.checkpoints.mkdir(parents=True)
+    (fresh.root / "run.yaml").write_text((run_dir.root / "run.yaml").read_text())
+    shutil.copytree(run_dir.checkpoint_dir(step), fresh.checkpoint_dir(step))
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={target.world_size}",
+         "-m", "cona.trainer", "--run-dir", str(fresh.root), "--strategy", str(target), "--attempt", "2",
+         "--max-steps", str(upto)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert fresh.read_exit(2) is not None and fresh.read_exit(2).name == "STOPPED", by_hand.stderr[-3000:]
+    relaunched = {hb["step"]: hb["train_loss"] for hb in heartbeats(fresh, 2)
+                  if hb.get("event") in (None, "eval") and hb["train_loss"] is not None}  # fmt: skip
+    assert sorted(relaunched) == list(range(step + 1, upto + 1))
+    assert {k: trained[k] for k in relaunched} == relaunched
 
 
 def test_schedule_to_fewer_nodes_resubmits_with_one_node(slurm_run):

@@ -388,3 +388,45 @@ def test_finish_ignores_stale_node_records(tmp_path):
     r = _run_helper("finish", "--run-dir", str(run), "--attempt", "1", "--nnodes", "2", "--srun-rc", "0",
                     "--job", "9", "--restarts", "1")  # fmt: skip
     assert r.stdout.strip() == "exit 1"  # node 1's record is from the run before the restart
+
+
+def test_in_place_switches_are_followed_to_the_attempt_that_ended(tmp_path):
+    """A step started as attempt 1 whose trainers switched in place twice ended as attempt 3: `last` says so, and
+    `finish` records the step's end in attempt 3's slurm-exit.json from the node records kept under attempt 1."""
+    run = tmp_path / "run"
+    _launch(run, 1, "s")
+    _write(run / "attempts" / "1" / "slurm.json", {"submission": "s", "started_at": time.time() - 60})
+    for n in (1, 2):
+        _launch(run, n + 1, "s")
+        launch = json.loads((run / "attempts" / str(n + 1) / "launch.json").read_text())
+        _write(run / "attempts" / str(n + 1) / "launch.json", {**launch, "in_place": True})
+        _write(run / "attempts" / str(n) / "exit.json", {"exit_code": 42, "next_attempt": n + 1, "time": time.time()})
+    _write(run / "attempts" / "3" / "exit.json", {"exit_code": 42, "time": time.time()})
+    r = _run_helper("last", "--run-dir", str(run), "--attempt", "1")
+    assert r.returncode == 0 and r.stdout.strip() == "3", r.stderr
+    for node in ("0", "1"):
+        _write(run / "attempts" / "1" / "nodes" / f"{node}.json", {"node": node, "code": 42, "job_id": "9", "restarts": 0})
+    r = _run_helper("finish", "--run-dir", str(run), "--attempt", "1", "--nnodes", "2", "--submission", "s",
+                    "--job", "9", "--restarts", "0")  # fmt: skip
+    assert r.stdout.strip() == "wait", r.stderr
+    record = json.loads((run / "attempts" / "3" / "slurm-exit.json").read_text())
+    assert (record["attempt"], record["started_as"], record["code"]) == (3, 1, 42)
+    assert not (run / "attempts" / "1" / "slurm-exit.json").exists()
+    # An exit record older than the step's start (from before a requeue) is not followed.
+    _write(run / "attempts" / "1" / "slurm.json", {"submission": "s", "started_at": time.time() + 60})
+    assert _run_helper("last", "--run-dir", str(run), "--attempt", "1").stdout.strip() == "1"
+
+
+def test_next_after_a_requeue_before_an_offered_in_place_switch_runs_the_previous_attempt(tmp_path):
+    """The orchestrator offered attempt 2 in place; the job was requeued before its trainers switched (attempt 1
+    names no next attempt): the restarted job runs attempt 1, whose trainer then finds the switch request."""
+    run = tmp_path / "run"
+    _launch(run, 1, "s")
+    _launch(run, 2, "s")
+    launch = json.loads((run / "attempts" / "2" / "launch.json").read_text())
+    _write(run / "attempts" / "2" / "launch.json", {**launch, "in_place": True})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5")
+    assert r.returncode == 0 and r.stdout.split()[0] == "1", r.stderr
+    _write(run / "attempts" / "1" / "exit.json", {"exit_code": 42, "next_attempt": 2, "time": time.time()})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5")
+    assert r.returncode == 0 and r.stdout.split()[0] == "2", r.stderr

@@ -104,6 +104,11 @@ class Outcome:
     """Only with PENDING: what the attempt waits for does not come by waiting (a container image that cannot be
     pulled, a missing Secret), unlike capacity in a queue. Past the backend's `pending_timeout_s` the scheduler
     ends such an attempt as UNSTARTABLE; an attempt waiting for capacity goes on waiting."""
+    strategy: Strategy | None = None
+    """The strategy the attempt actually runs when it is not the one it was launched with: an elastic launch
+    started on another node count and runs the planning table's strategy for it."""
+    lost_nodes: tuple[str, ...] = ()
+    """Nodes of the attempt the cluster has lost (Slurm: DOWN or FAIL): an elastic run replans for the others."""
 
     @classmethod
     def of_exit(cls, code: int | None, *, who: str) -> Outcome:
@@ -138,11 +143,19 @@ class Backend(abc.ABC):
         """What this backend would run or submit for an attempt of `strategy`, as text (`cona render BACKEND`)."""
 
     @abc.abstractmethod
-    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+    def launch(
+        self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
+        elastic: dict[int, Strategy] | None = None,
+    ) -> Attempt:  # fmt: skip
         """Start the trainer for `attempt` under `strategy`.
 
         `previous` is the attempt that just ended (switched/stopped/crashed), so a backend can reuse its
         allocation when the node count stays the same (Slurm relaunches inside the running job).
+
+        `elastic` (an elastic run's planning table, {node count: strategy}, `strategy` among them): the attempt may
+        start on any of these node counts, whatever the cluster gives, with that count's strategy; `poll` then
+        reports the strategy it runs (`Outcome.strategy`). A backend that cannot start on a node count it does not
+        know in advance (local, Kubernetes) launches `strategy`.
         """
 
     @abc.abstractmethod
@@ -202,6 +215,11 @@ class Backend(abc.ABC):
         """The attempt `number` that `attempt`'s processes became by switching in place to `strategy` (its launch
         record was written by `offer_in_place`)."""
         raise NotImplementedError(f"the {self.name} backend cannot switch in place")
+
+    def available_nodes(self, attempt: Attempt) -> int | None:
+        """How many nodes a run could train on now: those `attempt` holds plus idle ones it could get (an elastic
+        run grows when the policy says it pays); None when the backend cannot tell (then it never grows)."""
+        return None
 
     def adopt(self, attempt: Attempt) -> bool:
         """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""

@@ -167,7 +167,11 @@ class KubernetesBackend(Backend):
     def render(self, *, strategy: Strategy) -> str:
         return render_text(profile=self.profile, strategy=strategy, run_dir=self._pod_run_dir(), job=self.job)  # type: ignore[arg-type]
 
-    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+    def launch(
+        self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
+        elastic: dict[int, Strategy] | None = None,
+    ) -> Attempt:  # fmt: skip
+        # `elastic` is not used yet: the Job's pods ask for the node count of `strategy`.
         # Rendered first (pure): a profile value that cannot be rendered leaves no launch record behind.
         objects = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
                                  run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip

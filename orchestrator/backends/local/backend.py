@@ -102,7 +102,11 @@ class LocalBackend(Backend):
             f"{self.wrapper(attempt=1, strategy=strategy)}\n"
         )
 
-    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+    def launch(
+        self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
+        elastic: dict[int, Strategy] | None = None,
+    ) -> Attempt:  # fmt: skip
+        # `elastic` is not used: this machine's devices are known, the scheduler plans for them (`strategy`).
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         self.write_launch(attempt, strategy)

@@ -345,13 +345,50 @@ class SlurmBackend(Backend):
             return SwitchKind.RESUBMIT
         return super().switch_kind(current, target, in_place_allowed=in_place_allowed)
 
-    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+    # The trainers of a step go on as the next attempt when the world size stays (`policy.in_place_switch`): no
+    # new step, no interpreter, imports or rendezvous. The batch script's helper follows their exit records to the
+    # attempt that finally ends (`slurm_helper.py last`) and writes its slurm-exit.json there.
+    supports_in_place_switch = True
+
+    def offer_in_place(self, attempt: Attempt, *, number: int, strategy: Strategy) -> None:
+        """The launch record of attempt `number` carries the job's submission, node count and processes per node,
+        as any launch record of this job does: a job requeued before its trainers made the switch finds it there
+        and starts the previous attempt again (`slurm_helper.py` `_runnable`), one requeued after it starts this
+        one."""
+        keep = {k: attempt.extra[k] for k in ("submission", "job_id") if k in attempt.extra}
+        nnodes, nproc = self.placement(strategy)
+        self.write_launch(number, strategy, in_place=True, mode="continued", nnodes=nnodes, nproc_per_node=nproc,
+                          launched_as=attempt.extra.get("launched_as", attempt.number), **keep)  # fmt: skip
+
+    def continued(self, attempt: Attempt, *, number: int, strategy: Strategy) -> Attempt:
+        # Same job, same step: its records (slurm.json, the node logs) stay in the directory of the attempt that
+        # started it; its end is recorded in this attempt's slurm-exit.json.
+        extra = {**attempt.extra, "launched_as": attempt.extra.get("launched_as", attempt.number), "mode": "continued"}
+        extra.pop("by_nnodes", None)  # the step runs `strategy` now, whatever its start chose
+        return Attempt(number, strategy, backend_id=attempt.backend_id, started_at=time.time(), extra=extra)
+
+    def _started_record(self, attempt: Attempt) -> dict[str, Any] | None:
+        """slurm.json of the step that runs `attempt` (the attempt that started it, for one continued in place)."""
+        launched_as = int(attempt.extra.get("launched_as", attempt.number))
+        return self._record(launched_as, "slurm.json", attempt.extra.get("submission"))
+
+    def launch(
+        self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
+        elastic: dict[int, Strategy] | None = None,
+    ) -> Attempt:  # fmt: skip
         nnodes, nproc = self.placement(strategy)
         (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
         extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
-        if previous is not None and self._can_relaunch_in_place(previous, nnodes):
-            # "in-place" here: a new srun step of the same allocation (the processes are new).
-            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="in-place")
+        node_counts = f"{nnodes}"
+        if elastic and len(elastic) > 1:
+            # `--nodes=MIN-MAX`: Slurm starts the job on as many nodes of the range as it can give, and the batch
+            # script's helper runs the table's strategy for `$SLURM_NNODES` (no round trip through the queue).
+            table = {str(n): {"strategy": s.to_dict(), "nproc_per_node": self.placement(s)[1]} for n, s in elastic.items()}
+            extra["by_nnodes"] = table
+            node_counts = f"{min(elastic)}-{max(elastic)}"
+        elif previous is not None and self._can_relaunch_in_allocation(previous, nnodes):
+            # A new srun step of the same allocation (new processes; an in-place switch keeps them, `continued`).
+            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="relaunch")
             self.write_launch(attempt, strategy, **extra)
             return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
 
@@ -363,20 +400,20 @@ class SlurmBackend(Backend):
         extra.update(submission=secrets.token_hex(8), mode="submit")
         self.write_launch(attempt, strategy, **extra)
         if self.profile.slurm.use_submitit:
-            job_id = self._submit_submitit(nnodes, extra["submission"])
+            job_id = self._submit_submitit(node_counts, extra["submission"])
         else:
-            job_id = self._submit_sbatch(nnodes, extra["submission"])
+            job_id = self._submit_sbatch(node_counts, extra["submission"])
         extra["job_id"] = job_id
         self.write_launch(attempt, strategy, **extra)  # the same record, now with the job id
         self._jobs.add(job_id)
         return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
 
-    def _can_relaunch_in_place(self, previous: Attempt, nnodes: int) -> bool:
+    def _can_relaunch_in_allocation(self, previous: Attempt, nnodes: int) -> bool:
         """The previous attempt's job is alive, waiting for a hand-off, on the same number of nodes."""
         submission = previous.extra.get("submission")
         if not submission or not previous.backend_id:
             return False
-        if int(previous.extra.get("nnodes", -1)) != nnodes:
+        if self.placement(previous.strategy)[0] != nnodes:  # what it runs (an elastic start may differ from extra)
             return False
         done = self._record(previous.number, "slurm-exit.json", submission)
         if not done or done.get("action") != "wait":
@@ -448,16 +485,17 @@ class SlurmBackend(Backend):
         os.replace(tmp, path)
         return path
 
-    def _submit_sbatch(self, nnodes: int, submission: str) -> str:
+    def _submit_sbatch(self, nnodes: str, submission: str) -> str:
+        """Submit the batch script on `nnodes` nodes (a count, or `MIN-MAX` for an elastic launch)."""
         script = self.write_script()
-        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", str(script), submission]
+        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", *_range_tasks(nnodes), str(script), submission]
         result = self._cmd(argv, check=True, env=self.submission_env())
         job_id = result.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch printed no job id: {result.stdout.strip()!r}")
         return job_id
 
-    def _submit_submitit(self, nnodes: int, submission: str) -> str:
+    def _submit_submitit(self, nnodes: str, submission: str) -> str:
         """Submit the same batch loop through submitit: the script runs in the batch step (no srun wrapper).
 
         The pre-timeout signal goes to the job's steps (`--signal=USR1@N`, not `B:`): the trainers checkpoint and
@@ -470,6 +508,9 @@ class SlurmBackend(Backend):
         folder = self.run_dir.root / "slurm" / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit, "ntasks_per_node": 1}
+        for option in _range_tasks(nnodes):
+            key, _, value = option[2:].partition("=")
+            additional[key.replace("-", "_")] = int(value)
         if spec.signal_before_timeout_s > 0:
             additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
         for entry in spec.extra_sbatch:
@@ -477,7 +518,7 @@ class SlurmBackend(Backend):
             additional[option.lstrip("-").replace("-", "_")] = True if value is None else value
         params: dict[str, Any] = {
             "name": (self.job.name if self.job is not None else self.run_dir.root.name),
-            "nodes": nnodes,
+            "nodes": int(nnodes) if nnodes.isdigit() else nnodes,
             "slurm_use_srun": False,
             "slurm_setup": list(spec.setup),
             "slurm_additional_parameters": additional,
@@ -513,6 +554,14 @@ class SlurmBackend(Backend):
             return Outcome(AttemptStatus.RUNNING, None, f"Slurm did not answer ({e}); asking again")
 
     def _poll(self, attempt: Attempt) -> Outcome:
+        outcome = self._poll_job(attempt)
+        if "by_nnodes" in attempt.extra:  # an elastic start: the helper chose the strategy for the nodes it got
+            chosen = (self._started_record(attempt) or {}).get("strategy")
+            if isinstance(chosen, dict) and Strategy.from_dict(chosen) != attempt.strategy:
+                outcome = dataclasses.replace(outcome, strategy=Strategy.from_dict(chosen))
+        return outcome
+
+    def _poll_job(self, attempt: Attempt) -> Outcome:
         job_id = attempt.backend_id
         done = self.exit_record(attempt)
         if done is not None and not done.get("requeued"):
@@ -522,16 +571,18 @@ class SlurmBackend(Backend):
             restarts = f", requeued {info.restarts}x" if info.restarts else ""
             if info.pending:
                 why = f" ({info.reason})" if info.reason and info.reason != "None" else ""
-                started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission")) or {}
+                started = self._started_record(attempt) or {}
                 down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
                 lost = f"; node {','.join(down)} DOWN" if down else ""
-                return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}")
+                return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}",
+                               lost_nodes=tuple(down))  # fmt: skip
             down = self.down_nodes(info.nodes)
             if down:
                 return Outcome(
                     AttemptStatus.CRASHED,
                     None,
                     f"node {','.join(down)} DOWN (job {job_id} {info.state}{restarts})",
+                    lost_nodes=tuple(down),
                 )
             return Outcome(
                 AttemptStatus.RUNNING, None, f"job {job_id} {info.state} on {','.join(info.nodes)}{restarts}"
@@ -546,14 +597,34 @@ class SlurmBackend(Backend):
             code = int(done.get("code", 1))
             status = AttemptStatus.STOPPED if code == ExitCode.STOPPED else AttemptStatus.CRASHED
             return Outcome(status, code, f"exit {code} for a requeue, but job {job_id} ended: {how}")
-        started = self._record(attempt.number, "slurm.json", attempt.extra.get("submission"))
+        started = self._started_record(attempt)
         when = "" if started else " before the attempt started"
         code = final.exit_status if final is not None and final.exit_status else None
+        # A job that ended with a node (NODE_FAIL, not requeued): which of its nodes are gone.
+        down = self.down_nodes([n for n in str((started or {}).get("nodelist", "")).split(",") if n])
+        lost = f"; node {','.join(down)} DOWN" if down else ""
         return Outcome(
             AttemptStatus.CRASHED,
             code,
-            f"job {job_id} {how}{when}, no exit record for attempt {attempt.number}",
+            f"job {job_id} {how}{when}, no exit record for attempt {attempt.number}{lost}",
+            lost_nodes=tuple(down),
         )
+
+    def available_nodes(self, attempt: Attempt) -> int | None:
+        """The nodes of the profile's partition that `attempt`'s job holds, plus those idle (neither DOWN nor
+        draining); None when Slurm does not answer."""
+        argv = ["sinfo", "-h", "-N", "-o", "%N|%T"] + (["-p", self.profile.slurm.partition] if self.profile.slurm.partition else [])
+        try:
+            result = self._cmd(argv)
+            info = self.job_info(attempt.backend_id) if attempt.backend_id else None
+        except SlurmError:
+            return None
+        if result.returncode != 0:
+            return None
+        held = set(info.nodes) if info is not None and info.state in RUNNING_STATES else set()
+        states = parse_sinfo_nodes(result.stdout)
+        return sum(1 for node, state in states.items()
+                   if not node_is_down(state) and "drain" not in state and (node in held or state.startswith("idle")))  # fmt: skip
 
     def cancel(self, attempt: Attempt) -> None:
         if not attempt.backend_id:
@@ -574,6 +645,17 @@ class SlurmBackend(Backend):
             with contextlib.suppress(SlurmError):
                 self._release(job_id, wait=False)
         self._jobs.clear()
+
+
+def _range_tasks(nnodes: str) -> list[str]:
+    """sbatch options that let a `--nodes=MIN-MAX` job get up to MAX nodes.
+
+    Slurm allocates at most as many nodes as the job has tasks, and `--ntasks-per-node=1` (the batch script's)
+    without `--ntasks` makes that MIN: the job would always get MIN nodes. MAX tasks, up to MAX a node, fit on
+    any node count of the range, so Slurm gives as many nodes as it can. (The training steps set their own task
+    counts.)"""
+    _, sep, high = nnodes.partition("-")
+    return [f"--ntasks={high}", f"--ntasks-per-node={high}"] if sep and high.isdigit() else []
 
 
 def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:

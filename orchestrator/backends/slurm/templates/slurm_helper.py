@@ -8,7 +8,8 @@ Commands:
   next    --run-dir D --submission S [--after N] [--timeout T] [--job J] [--restarts R] [--port-base B]
           Wait (bounded) until the orchestrator hands this job an attempt and print
           `ATTEMPT NNODES NPROC PORT RDZV_ID STRATEGY`; exit 3 on timeout, 4 when the run moved on to another
-          job.
+          job. An elastic launch record (`by_nnodes`: {node count: strategy, processes per node}) is run with the
+          strategy planned for NNODES (`--nnodes`, the job's $SLURM_NNODES); exit 2 when it plans none for it.
   agent   --node-dir DIR -- <torchrun arguments>
           Run torchrun in this process, survive the step's SIGTERM/SIGUSR1 (they reach every trainer process
           directly), record the trainer's own exit code in DIR/<SLURM_NODEID>.json and exit 0 for protocol codes
@@ -16,9 +17,13 @@ Commands:
   finish  --run-dir D --attempt N --nnodes K --submission S --srun-rc R [--signal SIG] [--job J] [--restarts R]
           [--requeue-by scontrol|none]
           [--restarts-now K]
-          Combine the node records into attempts/N/slurm-exit.json and print the next action: `done`, `stop`, `wait`,
-          `requeue` (ask Slurm to requeue the job), `requeued` (Slurm is requeuing it already: K > R) or
-          `exit CODE`.
+          Combine the node records of the step started as attempt N into attempts/M/slurm-exit.json, M the attempt
+          the step's processes ended as (`last`), and print the next action: `done`, `stop`, `wait`, `requeue`
+          (ask Slurm to requeue the job), `requeued` (Slurm is requeuing it already: K > R) or `exit CODE`.
+  last    --run-dir D --attempt N
+          Print M, the attempt that the step started as attempt N ended as: the trainer's processes switch in
+          place (same node count) and go on as N+1, N+2, ...; each such switch leaves an exit record
+          (attempts/K/exit.json) naming `next_attempt` K+1, whose launch.json says `in_place`. N when none did.
 
 Exit codes of the trainer (protocol/rundir.py ExitCode): 0 done, 42 switch, 43 stopped, 44 bad world, else crash.
 """
@@ -198,7 +203,7 @@ def cmd_next(argv):
         if candidates:
             attempt = candidates[-1]
             if current == attempt:
-                return _print_next(a, launches[attempt])
+                return _print_next(a, launches[_runnable(run_dir, launches, attempt)])
             if current > attempt:
                 sys.stderr.write(f"cona: the run moved on to attempt {current}; not running {attempt}\n")
                 return 4
@@ -210,7 +215,28 @@ def cmd_next(argv):
         time.sleep(0.5)
 
 
+def _runnable(run_dir, launches, attempt):
+    """The attempt to start for the run's current `attempt`: itself, unless it was offered to the previous
+    attempt's processes as an in-place switch (`in_place`) that they never made (the job was requeued first, so
+    no exit record names it): then that previous attempt, whose trainer finds the switch request again."""
+    while launches.get(attempt, {}).get("in_place") and attempt - 1 in launches:
+        switched = _read_json(os.path.join(_attempt_dir(run_dir, attempt - 1), "exit.json")) or {}
+        if switched.get("next_attempt") == attempt:
+            break
+        attempt -= 1
+    return attempt
+
+
 def _print_next(a, record):
+    table = record.get("by_nnodes")
+    if isinstance(table, dict):
+        # An elastic launch (`sbatch --nodes=MIN-MAX`): run the orchestrator's plan for the nodes Slurm gave.
+        entry = table.get(str(int(a["nnodes"])))
+        if not isinstance(entry, dict):
+            sys.stderr.write(f"cona: no strategy planned for {a['nnodes']} node(s) (planned: {','.join(sorted(table))})\n")
+            return 2
+        record = {**record, "nnodes": int(a["nnodes"]), "nproc_per_node": int(entry["nproc_per_node"]),
+                  "strategy": entry["strategy"]}
     attempt = int(record["attempt"])
     port = free_port(
         rendezvous_port(a["port_base"], a["run_dir"], a["job"], attempt, a["restarts"]), a["port_base"]
@@ -222,7 +248,7 @@ def _print_next(a, record):
     return 0
 
 
-def _begin(run_dir, attempt, job, restarts, submission, nodelist):
+def _begin(run_dir, attempt, job, restarts, submission, nodelist, nnodes="", strategy=""):
     """Clear the node records of an earlier run of this attempt and note where it runs now."""
     adir = _attempt_dir(run_dir, attempt)
     for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
@@ -239,16 +265,26 @@ def _begin(run_dir, attempt, job, restarts, submission, nodelist):
             "submission": submission,
             "nodelist": nodelist,
             "started_at": time.time(),
+            "nnodes": int(nnodes) if str(nnodes).isdigit() else None,
+            "strategy": _parse_strategy(strategy),
         },
     )
+
+
+def _parse_strategy(text):
+    """`dp=4,tp=1,...` (as `next` prints it) → {"dp": 4, ...}; None for `-` or nothing."""
+    pairs = [item.partition("=") for item in str(text or "").split(",") if "=" in item]
+    return {k: int(v) for k, _, v in pairs if v.isdigit()} or None
 
 
 def cmd_begin(argv):
     a = _args(
         argv,
-        {"run_dir": None, "attempt": None, "job": "0", "restarts": "0", "submission": "", "nodelist": ""},
+        {"run_dir": None, "attempt": None, "job": "0", "restarts": "0", "submission": "", "nodelist": "",
+         "nnodes": "", "strategy": ""},
     )
-    _begin(a["run_dir"], int(a["attempt"]), a["job"], a["restarts"], a["submission"], a["nodelist"])
+    _begin(a["run_dir"], int(a["attempt"]), a["job"], a["restarts"], a["submission"], a["nodelist"], a["nnodes"],
+           a["strategy"])
     return 0
 
 
@@ -326,6 +362,31 @@ def cmd_agent(argv):
     return 0 if code in PROTOCOL else (code if 0 < code < 256 else 1)
 
 
+def _chain_end(run_dir, attempt):
+    """The attempt that the processes started as `attempt` ended as, following the trainer's in-place switches.
+
+    Each switch in place leaves the trainer's exit record of attempt K naming `next_attempt` K+1, whose launch
+    record (written by the orchestrator) says `in_place`. Only records of this run of the step count: an exit
+    record older than the step's start (slurm.json of `attempt`) is from before a requeue."""
+    started = float((_read_json(os.path.join(_attempt_dir(run_dir, attempt), "slurm.json")) or {}).get("started_at") or 0)
+    current = attempt
+    while True:
+        record = _read_json(os.path.join(_attempt_dir(run_dir, current), "exit.json")) or {}
+        following = record.get("next_attempt")
+        if following != current + 1 or float(record.get("time", 0)) < started - 5:
+            return current
+        launch = _read_json(os.path.join(_attempt_dir(run_dir, following), "launch.json")) or {}
+        if not launch.get("in_place"):
+            return current
+        current = following
+
+
+def cmd_last(argv):
+    a = _args(argv, {"run_dir": None, "attempt": None})
+    print(_chain_end(a["run_dir"], int(a["attempt"])))
+    return 0
+
+
 def _combine(records, nnodes, srun_rc, trainer_code=None):
     """One exit code for the attempt from the per-node records (None for a node that left none).
 
@@ -355,10 +416,11 @@ def _combine(records, nnodes, srun_rc, trainer_code=None):
     return present[0], ""
 
 
-def _trainer_code(adir):
-    """The exit code rank 0 recorded in attempts/N/exit.json during the current run of the attempt, or None."""
-    trainer = _read_json(os.path.join(adir, "exit.json")) or {}
-    started = (_read_json(os.path.join(adir, "slurm.json")) or {}).get("started_at", 0)
+def _trainer_code(run_dir, started_as, attempt):
+    """The exit code rank 0 recorded in attempts/M/exit.json (M = `attempt`, the end of the step started as
+    `started_as`) during the current run of the step, or None."""
+    trainer = _read_json(os.path.join(_attempt_dir(run_dir, attempt), "exit.json")) or {}
+    started = (_read_json(os.path.join(_attempt_dir(run_dir, started_as), "slurm.json")) or {}).get("started_at", 0)
     code = trainer.get("exit_code")
     if isinstance(code, int) and float(trainer.get("time", 0)) >= float(started or 0) - 5:
         return code
@@ -381,9 +443,10 @@ def cmd_finish(argv):
             "restarts_now": "",
         },
     )
-    run_dir, attempt = a["run_dir"], int(a["attempt"])
+    run_dir, started_as = a["run_dir"], int(a["attempt"])
     restarts = int(a["restarts"])
-    adir = _attempt_dir(run_dir, attempt)
+    adir = _attempt_dir(run_dir, started_as)  # the step's node records lie where it was started
+    attempt = _chain_end(run_dir, started_as)
     records = {}
     for path in glob.glob(os.path.join(glob.escape(adir), "nodes", "*.json")):
         record = _read_json(path)
@@ -393,7 +456,7 @@ def cmd_finish(argv):
         if int(record.get("restarts", restarts)) != restarts:
             continue
         records[str(record.get("node", os.path.basename(path)[:-5]))] = record
-    code, why = _combine(records, int(a["nnodes"]), int(a["srun_rc"]), _trainer_code(adir))
+    code, why = _combine(records, int(a["nnodes"]), int(a["srun_rc"]), _trainer_code(run_dir, started_as, attempt))
     control = _read_json(os.path.join(run_dir, "control.json")) or {}
     requested_stop = control.get("command") == "stop"
     slurm_requeued = a["restarts_now"].isdigit() and int(a["restarts_now"]) > restarts
@@ -421,9 +484,10 @@ def cmd_finish(argv):
     else:
         action = f"exit {code if 0 < code < 256 else 1}"
     _atomic_write_json(
-        os.path.join(adir, "slurm-exit.json"),
+        os.path.join(_attempt_dir(run_dir, attempt), "slurm-exit.json"),
         {
             "attempt": attempt,
+            "started_as": started_as,
             "code": code,
             "detail": why,
             "action": action.split()[0],
@@ -441,7 +505,7 @@ def cmd_finish(argv):
     return 0
 
 
-COMMANDS = {"next": cmd_next, "begin": cmd_begin, "agent": cmd_agent, "finish": cmd_finish}
+COMMANDS = {"next": cmd_next, "begin": cmd_begin, "agent": cmd_agent, "finish": cmd_finish, "last": cmd_last}
 
 
 def main(argv):
