@@ -17,6 +17,7 @@ torchrun itself exits 1 when a worker exits non-zero: read `attempts/<n>/exit.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
 
     import torch.distributed as dist
+    from cona.trainer.checkpoint import CheckpointSaveError
     from cona.trainer.distributed import init_distributed
     from cona.trainer.train import Trainer, TrainingDiverged
 
@@ -173,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
         _fail(str(e))
+    except CheckpointSaveError as e:  # the storage, not the input: exit 1 (relaunched), and say why in one line
+        if env.rank == 0:
+            with contextlib.suppress(OSError):  # the run directory may sit on the full disk too
+                write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
+            print(f"cona trainer: error: {e}", file=sys.stderr, flush=True)
+        status = 1
     except TrainingDiverged as e:  # a crash, not bad input: exit 1, but say why in one line
         if env.rank == 0:
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
