@@ -163,6 +163,9 @@ class Scheduler:
     def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
         if beats:
             self.state.last_heartbeat_time = time.time()
+        for hb in beats:
+            if hb.event == "checkpoint-skipped":  # the trainer resumed from an older checkpoint: say which and why
+                log_event(self.run_dir, "checkpoint-skipped", attempt=attempt.number, detail=hb.reason)
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
             self._log_switch_completed(done, attempt)
         if self.tensorboard is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 from cona.protocol.rundir import RunDir, SwitchPoints, read_jsonl
@@ -122,3 +121,61 @@ def test_truncated_shard_is_named(tmp_path):
     assert verify_checkpoint(copy) is None
     (copy / ".metadata").write_bytes(b"")
     assert ".metadata has 0 bytes, expected 1" in (verify_checkpoint(copy) or "")
+
+
+ONE = "dp=1,tp=1,pp=1,mbs=4,gbs=16"
+
+
+def _only_error_line(result) -> str:
+    """The trainer's one `error:` line; fails if it printed a traceback instead."""
+    assert "Traceback" not in result.stderr, describe(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cona trainer: error:")]
+    assert len(errors) == 1, describe(result)
+    return errors[0]
+
+
+def test_checkpoints_of_another_job_model_or_newer_cona_are_refused_in_one_line(tmp_path):
+    """Each would load (the same shapes) and train on from someone else's weights; each is refused, exit 2, with
+    the file and what to do."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path)
+    assert launch(run, nproc=0, strategy=ONE, job=job, max_steps=1).returncode == 0
+    state_file = RunDir(run).checkpoint_dir(1) / "trainer_state.json"
+
+    other_job = write_job(tmp_path, name="other.yaml")
+    other_job.write_text(other_job.read_text().replace("name: test-tiny-gpt", "name: someone-else"))
+    result = launch(run, nproc=0, strategy=ONE, job=other_job, max_steps=2)
+    assert result.returncode == 2
+    line = _only_error_line(result)
+    assert f"{state_file}: a checkpoint of job 'test-tiny-gpt', not of this job 'someone-else'" in line
+    assert "use a new --run-dir" in line
+
+    other_model = write_job(tmp_path, name="eps.yaml", model={"preset": "tiny-gpt", "norm_eps": 1e-6})
+    result = launch(run, nproc=0, strategy=ONE, job=other_model, max_steps=2)
+    assert result.returncode == 2
+    assert f"{state_file}: a checkpoint of another model: norm_eps 1e-05 (this job: 1e-06)" in _only_error_line(result)
+
+    # A newer cona's checkpoint: the manifest's sizes are kept right, so only the version can be the reason.
+    data = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**data, "version": 99}))
+    marker = state_file.parent / "COMPLETE"
+    manifest = json.loads(marker.read_text())
+    manifest["files"]["trainer_state.json"] = state_file.stat().st_size
+    marker.write_text(json.dumps(manifest))
+    result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=2)
+    assert result.returncode == 2
+    assert "written by a newer cona (trainer state version 99 > 1); upgrade cona" in _only_error_line(result)
+
+
+def test_deleted_shard_falls_back_to_the_older_checkpoint_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1, "keep": 5})
+    assert launch(run, nproc=0, strategy=ONE, job=job, max_steps=2).returncode == 0
+    shard = RunDir(run).checkpoint_dir(2) / "__0_0.distcp"
+    shard.unlink()
+    result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=3, attempt=1)
+    assert result.returncode == 0, describe(result)
+    resumed = [r for r in read_jsonl(run / "samples" / "1.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 1, "samples": 16}]
+    skipped = [hb for hb in read_jsonl(run / "heartbeats" / "1.jsonl")[0] if hb.get("event") == "checkpoint-skipped"]
+    assert [hb["reason"] for hb in skipped] == [f"skipping checkpoint {shard.parent}: __0_0.distcp is missing"]

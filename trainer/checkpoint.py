@@ -209,8 +209,38 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def resume_candidates(run_dir: RunDir) -> list[Path]:
-    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable."""
+TRAINER_STATE_VERSION = 1
+"""The `version` in trainer_state.json; a checkpoint with a larger one was written by a newer cona."""
+
+
+def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str | None:
+    """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
+    or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
+    it would train on from someone else's weights (or fail deep inside DCP), and skipping it would hide the mix-up."""
+    state_file = path / TRAINER_STATE
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return None  # verify_checkpoint already judged it
+    fix = f"use a new --run-dir for this job, or move {path} out of {path.parent}"
+    version = state.get("version", 0)
+    if isinstance(version, int) and version > TRAINER_STATE_VERSION:
+        return f"{state_file}: written by a newer cona (trainer state version {version} > {TRAINER_STATE_VERSION}); upgrade cona to resume it"
+    other = state.get("job_name")
+    if isinstance(other, str) and other and other != job_name:
+        return f"{state_file}: a checkpoint of job {other!r}, not of this job {job_name!r}; {fix}"
+    recorded = state.get("model")
+    if isinstance(recorded, dict):
+        differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])
+        if differs:
+            shown = ", ".join(f"{k} {recorded[k]!r} (this job: {model[k]!r})" for k in differs[:3])
+            return f"{state_file}: a checkpoint of another model: {shown}; {fix}"
+    return None
+
+
+def resume_candidates(run_dir: RunDir, skipped: list[str] | None = None) -> list[Path]:
+    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable, and
+    appends each warning to `skipped` (the trainer reports them in a heartbeat, the orchestrator in its events)."""
     if not run_dir.checkpoints.is_dir():
         return []
     candidates = []
@@ -220,6 +250,8 @@ def resume_candidates(run_dir: RunDir) -> list[Path]:
             candidates.append(path)
         elif not candidates:
             warn(f"skipping checkpoint {path}: {problem}")
+            if skipped is not None:
+                skipped.append(f"skipping checkpoint {path}: {problem}")
     return candidates
 
 

@@ -85,6 +85,8 @@ class TrainerState:
     last_control_seq: int = -1
     """The newest control.json seq acted on, so a relaunch does not act on it again."""
     rng_state: str = ""
+    version: int = ckpt.TRAINER_STATE_VERSION
+    """The layout of this record (`checkpoint.TRAINER_STATE_VERSION`); a newer one is refused, naming it."""
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The model section of the job (`ModelSpec`, resolved): makes the checkpoint self-describing, so `cona export`
     needs no job file."""
@@ -140,6 +142,8 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._at_switch_point = False
+        self._skipped: list[str] = []
+        """Rank 0: the checkpoints `resume` passed over and why, reported in `checkpoint-skipped` heartbeats."""
         """Set by `step`: the step crossed a switch point, so the trainer holds for the orchestrator's decision."""
         self.startup["model_ready"] = time.time()
 
@@ -173,11 +177,15 @@ class Trainer:
         """Load the newest intact checkpoint (any layout); fall back to older ones; fresh start if none."""
         shared: list[Any] = [None]
         if self.is_rank0:
-            found = ckpt.resume_candidates(self.run_dir)
+            found = ckpt.resume_candidates(self.run_dir, self._skipped)
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
-            shared = [([str(p) for p in found], bool(marked))]
-        dist.broadcast_object_list(shared, src=0)
-        paths, had_marked = shared[0]
+            model = self.job.model.model_dump(mode="json")
+            foreign = next((r for p in found if (r := ckpt.foreign_reason(p, job_name=self.job.name, model=model))), None)
+            shared = [([str(p) for p in found], bool(marked), foreign)]
+        dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
+        paths, had_marked, foreign = shared[0]
+        if foreign:
+            raise ConfigError(foreign)
         self.startup["load_start"] = time.time()
         for path in paths:
             failed = None
@@ -199,7 +207,9 @@ class Trainer:
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
-                ckpt.warn(f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})")
+                message = f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})"
+                ckpt.warn(message)
+                self._skipped.append(message)
         if had_marked:
             raise ConfigError(
                 f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
@@ -222,6 +232,8 @@ class Trainer:
             self.startup.setdefault("load_end", None)  # a fresh start loads nothing
             atomic_write_json(self.run_dir.attempt_dir(self.attempt) / "startup.json",
                               {**self.startup, "resumed_step": self.loaded_step})  # fmt: skip
+            for message in self._skipped:
+                self._heartbeat(event="checkpoint-skipped", reason=message)
             self._heartbeat(event="resume" if self.loaded_step is not None else "start")
         if s.step == 0 and not s.val_history:
             self.evaluate()
