@@ -107,6 +107,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if run_dir.run_yaml.exists():
             profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
         else:
+            # The policy is checked before the run exists: a run directory created from a bad schedule would be
+            # resumed, bad schedule and all, by the corrected command.
+            first_strategy(profile, job)
             create_run(run_dir=run_dir, profile=profile, job=job)
     from cona.orchestrator.scheduler import drive
 
@@ -436,6 +439,9 @@ def _one_line(message: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from cona.protocol.rundir import restrict_umask
+
+    restrict_umask()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DATA_PLANE_COMMANDS:
         try:

@@ -55,6 +55,14 @@ COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 
 
+def restrict_umask() -> None:
+    """Never create run-directory files that others may write: a world-writable control.json takes commands
+    from anyone, and a checkpoint's DCP metadata is unpickled on load. Called by every process that writes there
+    (`cona`, the trainer); keeps the user's stricter bits."""
+    current = os.umask(0o022)
+    os.umask(current | 0o022)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -56,6 +56,8 @@ point)."""
 KINDS = ("worker-kill", "torchrun-kill", "orchestrator-kill", "worker-stop", "preempt-term", "preempt-usr1")
 SLURM_KINDS = ("scancel", "requeue", "slurmd-kill", "slurmctld-restart")
 POINTS = ("step", "checkpoint", "switch", "decision")
+SECRETS = {"HF_TOKEN": "hf_fault_secret_0d1e", "AWS_SECRET_ACCESS_KEY": "aws_fault_secret_77a2"}
+"""Set in every run's environment: none may appear in any file of the run directory or in its output."""
 
 
 def settings(schedule: tuple[tuple[int, str], ...] = SCHEDULE, max_samples: int = MAX_SAMPLES) -> list[str]:
@@ -162,7 +164,7 @@ class Run:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **SECRETS}
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -356,12 +358,27 @@ def check_run(run: Run, reference: tuple[list[tuple[int, str]], dict[str, Any]])
                           f"parameters differ (max |Δ| {worst:.3g}); expected bit-identical")  # fmt: skip
     if not same_layouts and worst > 1e-5:
         raise FaultFailed(f"parameters differ by {worst:.3g} > 1e-5; strategies {sequence} vs {ref_sequence}")
+    check_files(run)
     deadline = time.monotonic() + 60
     while (left := run_processes(run.root)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
         raise FaultFailed(f"processes left after the run: {left}")
     return f"{'bit-identical' if same_layouts else f'max |Δ| {worst:.2g}'}, layouts {sequence}"
+
+
+def check_files(run: Run) -> None:
+    """No file of the run is world-writable, and no secret of the environment is in one or in the output."""
+    for path in [run.root, *run.root.rglob("*"), run.log]:
+        if path.is_symlink() or not path.exists():
+            continue
+        if path.stat().st_mode & 0o002:
+            raise FaultFailed(f"{path} is world-writable ({oct(path.stat().st_mode)})")
+        if path.is_file():
+            data = path.read_bytes()
+            for name, secret in SECRETS.items():
+                if secret.encode() in data:
+                    raise FaultFailed(f"{path} holds the value of ${name}")
 
 
 def reference_run(root: Path, name: str = "reference", extra: tuple[str, ...] = ()) -> tuple[list[tuple[int, str]], dict[str, Any]]:
@@ -373,6 +390,7 @@ def reference_run(root: Path, name: str = "reference", extra: tuple[str, ...] = 
         assert run.proc is not None
         if run.proc.wait(timeout=900) != 0:
             raise FaultFailed(f"the uninterrupted reference run failed\n{run.tail()}")
+        check_files(run)
     return layout_sequence(run.root), final_parameters(run.root)
 
 

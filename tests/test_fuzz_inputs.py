@@ -218,3 +218,14 @@ def test_corrupt_state_json_is_one_line_naming_it(tmp_path, text):
         code, _, err = run_cli(argv)
         line = assert_works_or_one_line(code, err, " ".join(argv))
         assert code == 2 and str(run.state_json) in line, (argv, err)
+
+
+def test_a_run_with_a_bad_schedule_leaves_no_run_directory(tmp_path):
+    """Refused before the run exists: otherwise the corrected command would resume the bad one's run.yaml."""
+    run = tmp_path / "r"
+    bad = "policy.schedule=[{samples: 0, strategy: 'dp=3,tp=1,pp=1,mbs=4,gbs=16'}]"
+    code, _, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", "policy.name=schedule",
+                            "--set", bad, "--run-dir", str(run)])  # fmt: skip
+    line = assert_works_or_one_line(code, err, bad)
+    assert code == 2 and "policy.schedule[0]" in line
+    assert not (run / "run.yaml").exists()

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cona.protocol.rundir import ExitCode, RunDir, process_exit_status
+from cona.protocol.rundir import ExitCode, RunDir, process_exit_status, restrict_umask
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
+    restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
     args = parse_args(argv)
     try:
         run_dir, job, strategy, attempt = load_inputs(args)
