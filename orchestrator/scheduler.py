@@ -137,14 +137,17 @@ class Scheduler:
             seq = existing.seq + 1  # `cona stop` may have written one meanwhile
         return seq
 
-    def _send(self, command: str, *, seq: int | None = None, reason: str = "", in_place: bool = False) -> int:
+    def _send(
+        self, command: str, *, seq: int | None = None, reason: str = "", in_place: bool = False, attempt: int | None = None
+    ) -> int:  # fmt: skip
         seq = self._next_seq() if seq is None else seq
-        self.run_dir.write_control(ControlRecord(seq=seq, command=command, reason=reason, in_place=in_place))
+        self.run_dir.write_control(ControlRecord(seq=seq, command=command, reason=reason, in_place=in_place,
+                                                 attempt=attempt))  # fmt: skip
         self.state.control_seq = seq
         return seq
 
-    def _send_switch(self, request: SwitchRequest, reason: str) -> None:
-        self._send("switch", seq=request.seq, reason=reason, in_place=request.in_place)
+    def _send_switch(self, request: SwitchRequest, reason: str, *, attempt: int) -> None:
+        self._send("switch", seq=request.seq, reason=reason, in_place=request.in_place, attempt=attempt)
 
     # ----------------------------------------------------------------------------------------------- heartbeats
 
@@ -206,7 +209,7 @@ class Scheduler:
         # again if it died in between).
         self.state.switch_requested = request
         self._save()
-        self._send_switch(request, decision.reason)
+        self._send_switch(request, decision.reason, attempt=attempt.number)
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
                   to=plan.target.to_dict(), reason=decision.reason, metrics=decision.metrics,
                   samples=self.live.samples, noise_scale=self.model.noise.value, switch_cost_s=plan.predicted_s,
@@ -269,7 +272,7 @@ class Scheduler:
         control = self.run_dir.read_control()
         if request is not None and (control is None or control.seq < request.seq):
             # The previous orchestrator decided a switch and died before the control record went out.
-            self._send_switch(request, "switch decided before an orchestrator restart")
+            self._send_switch(request, "switch decided before an orchestrator restart", attempt=attempt.number)
         if self.backend.adopt(attempt):
             log_event(self.run_dir, "adopt", attempt=attempt.number, backend_id=attempt.backend_id)
         else:

@@ -207,6 +207,10 @@ class ControlRecord:
     strategy) and will watch the same processes go on as it; the trainer rebuilds the model in place instead of
     exiting (its exit record then names `next_attempt` and `next_strategy`). Without it the trainer exits and the
     orchestrator launches the next attempt."""
+    attempt: int | None = None
+    """The attempt the command is for; None: whichever runs (`cona stop`, the time budget). A relaunched attempt
+    resumes from a checkpoint that may predate a switch it never received, and must not act on the switch meant
+    for the attempt before it (found by `python -m tests.faults`)."""
 
     COMMANDS = ("switch", "stop", "checkpoint")
 

@@ -77,3 +77,21 @@ def test_switch_points_round_trip_and_crossing():
     assert SwitchPoints.from_dict(json.loads(json.dumps(points.to_dict()))) == points
     assert points.crossed(192, 208) and points.crossed(184, 200) and not points.crossed(200, 216)
     assert not points.crossed(0, 16)
+
+
+def test_a_relaunched_attempt_ignores_the_switch_meant_for_the_one_before(tmp_path):
+    """Attempt 1 was killed while saving its switch checkpoint; attempt 2 resumes from an older checkpoint (its
+    last handled seq predates the switch) and must not act on attempt 1's switch record. `cona stop` (no attempt)
+    reaches whichever attempt runs."""
+    from cona.protocol.rundir import ControlRecord, RunDir
+    from cona.trainer.control import Action, ControlState
+
+    run = RunDir(tmp_path)
+    control = ControlState(last_seq=-1)
+    run.write_control(ControlRecord(seq=1, command="switch", in_place=True, attempt=1))
+    assert control.poll(run, 2) is Action.NONE
+    assert control.poll(run, 1) is Action.SWITCH
+    run.write_control(ControlRecord(seq=2, command="switch", attempt=2))
+    assert control.poll(run, 2) is Action.SWITCH
+    run.write_control(ControlRecord(seq=3, command="stop"))
+    assert control.poll(run, 7) is Action.STOP

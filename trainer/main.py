@@ -98,8 +98,29 @@ def _process_start_time() -> float | None:
         return None
 
 
+def _die_with_torchrun() -> None:
+    """Have the kernel SIGKILL this worker when torchrun, its parent, dies.
+
+    A torchrun killed outright (SIGKILL, the OOM killer) leaves its workers running, and they train on — an
+    in-place switch even goes on as the next attempt — while the orchestrator, which saw the attempt end, launches
+    the next one: two attempts at once, writing the same files (found by `python -m tests.faults`). Linux only, and
+    only under torchrun: a trainer run by hand has nobody to die with."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # torchrun died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     import time
+
+    _die_with_torchrun()
 
     startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
     restrict_umask()  # launched by hand or by Slurm, not only under `cona run`

@@ -287,7 +287,7 @@ class Trainer:
                 if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
                     self._heartbeat(event="hold", reason=reason)
                     beat = time.monotonic()
-                command = self.control.poll(self.run_dir)
+                command = self.control.poll(self.run_dir, self.attempt)
                 if command is not Action.NONE:
                     break
                 if time.monotonic() - started > self.switch_points.wait_s:
@@ -363,7 +363,7 @@ class Trainer:
             local_sq, local_adam = model.stats.local_terms()
         command, budget = Action.NONE, 0.0
         if self.is_rank0:
-            command = self.control.poll(self.run_dir)
+            command = self.control.poll(self.run_dir, self.attempt)
             max_time = self.job.target.max_time_s
             budget = 1.0 if max_time is not None and self._elapsed() >= max_time else 0.0
         weight = 1.0 / strategy.tp if model.computes_loss else 0.0
