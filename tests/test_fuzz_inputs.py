@@ -12,6 +12,7 @@ import copy
 import io
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -185,14 +186,15 @@ def test_hostile_run_directory_stays_inert_in_the_local_wrapper(tmp_path, name):
     from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
-    marker = tmp_path / "pwned"
+    root = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example: hypothesis reuses tmp_path
+    marker = root / "pwned"
     name = name.replace("{m}", str(marker)).replace("/", "_").replace("\0", "")
-    run = RunDir(tmp_path / "runs" / (name if name not in (".", "..") else "dot"))
+    run = RunDir(root / "runs" / (name if name not in (".", "..") else "dot"))
     backend = LocalBackend(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
     backend.python = "true"
     run.attempt_dir(1).mkdir(parents=True)
     wrapper = backend.wrapper(attempt=1, strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
-    result = subprocess.run(["/bin/sh", "-c", wrapper], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["/bin/sh", "-c", wrapper], cwd=root, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert not marker.exists(), f"{name!r} was executed"
     assert (run.attempt_dir(1) / "exit_code").read_text().strip() == "0"
