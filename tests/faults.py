@@ -405,10 +405,12 @@ class Result:
     ok: bool = False
 
 
-def run_group(root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float = 300) -> list[Result]:
-    """One run with `faults` (in window order), checked at the end."""
+def run_group(
+    root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float = 300, extra: tuple[str, ...] = ()
+) -> list[Result]:  # fmt: skip
+    """One run with `faults` (in window order), checked at the end; `extra`: more `cona run` flags."""
     name = "run-" + "-".join(str(f.index) for f in faults)
-    run = Run(root, name)
+    run = Run(root, name, extra)
     results = [Result(f) for f in faults]
     run.start()
     try:
