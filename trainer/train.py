@@ -142,9 +142,9 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._at_switch_point = False
+        """Set by `step`: the step crossed a switch point, so the trainer holds for the orchestrator's decision."""
         self._skipped: list[str] = []
         """Rank 0: the checkpoints `resume` passed over and why, reported in `checkpoint-skipped` heartbeats."""
-        """Set by `step`: the step crossed a switch point, so the trainer holds for the orchestrator's decision."""
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
