@@ -23,6 +23,7 @@ docs/reliability.md says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -125,11 +126,11 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
 
 
-def run_processes(run_root: Path, *, exclude: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
+def run_processes(run_root: Path) -> dict[int, str]:
     """Every live process whose command line names the run directory (orchestrator, wrapper, torchrun, workers)."""
     found = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) not in exclude:
+        if entry.name.isdigit():
             text = _cmdline(int(entry.name))
             if str(run_root) in text and _alive(int(entry.name)):
                 found[int(entry.name)] = text
@@ -269,20 +270,12 @@ def inject(run: Run, fault: Fault) -> str:
         # As Slurm and Kubernetes do: every process of the job gets the signal.
         sig = signal.SIGTERM if fault.kind == "preempt-term" else signal.SIGUSR1
         for pid in pids:
-            with _quiet():
+            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
                 os.kill(pid, sig)
         return f"{sig.name} to workers {pids}"
     victim = pids[fault.victim % len(pids)]
     os.kill(victim, signal.SIGKILL if fault.kind == "worker-kill" else signal.SIGSTOP)
     return f"{'SIGKILL' if fault.kind == 'worker-kill' else 'SIGSTOP'} to worker {victim}"
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
-        return kind is ProcessLookupError
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -432,7 +425,7 @@ def run_group(
             result.outcome = f"FAILED: {e}\n  replay: {replay}\n  run directory: {run.root}"
     finally:
         for pid in run_processes(run.root):  # a failed run must not leave processes for the next one
-            with _quiet():
+            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
     return results
