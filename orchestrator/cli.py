@@ -107,6 +107,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if run_dir.run_yaml.exists():
             profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
         else:
+            # The policy is checked before the run exists: a run directory created from a bad schedule would be
+            # resumed, bad schedule and all, by the corrected command.
+            first_strategy(profile, job)
             create_run(run_dir=run_dir, profile=profile, job=job)
     from cona.orchestrator.scheduler import drive
 
@@ -429,7 +432,16 @@ def run_data_plane(command: str, args: Sequence[str]) -> int:
     return subprocess.run([sys.executable, "-m", DATA_PLANE_COMMANDS[command], *args], check=False).returncode
 
 
+def _one_line(message: str) -> str:
+    """`message` on one line: a value quoted in it (a path, a `--set` pair) may hold a newline or another control
+    character of its own, shown escaped as Python would."""
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from cona.protocol.rundir import restrict_umask
+
+    restrict_umask()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DATA_PLANE_COMMANDS:
         try:
@@ -442,10 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UserError, ValueError) as e:
-        print(f"cona: error: {e}", file=sys.stderr)
+        print(f"cona: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except BackendError as e:
-        print(f"cona: error: {e}", file=sys.stderr)
+        print(f"cona: error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("cona: interrupted", file=sys.stderr)

@@ -237,6 +237,16 @@ class Policy(abc.ABC):
     def decide(self, ctx: DecisionContext) -> Decision:
         """Switch or stay, with the reason."""
 
+    def switch_points(self) -> list[int]:
+        """Sample counts at which this policy switches whatever it measures (a fixed schedule): the trainer holds
+        there for the decision, so the switch lands at the same step in every run. None for measuring policies."""
+        return []
+
+    def strategy_at(self, samples: int) -> Strategy | None:
+        """The strategy this policy prescribes for training from `samples` on, when it depends on nothing else (a
+        fixed schedule); None when the policy decides from measurements."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """The policy's running state as plain JSON data (settings come from the job, not from here)."""
         return {"name": self.name}
@@ -738,6 +748,13 @@ class SchedulePolicy(Policy):
         return index, start, strategy
 
     def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
+        return self.entry_at(samples)[2]
+
+    def switch_points(self) -> list[int]:
+        return [start for (start, strategy), (_, before) in zip(self.entries[1:], self.entries, strict=False)
+                if strategy != before]  # fmt: skip
+
+    def strategy_at(self, samples: int) -> Strategy:
         return self.entry_at(samples)[2]
 
     def decide(self, ctx: DecisionContext) -> Decision:

@@ -135,9 +135,9 @@ class ClusterProfile(StrictModel):
 
     name: str
     backend: Literal["local", "slurm", "kubernetes"]
-    nodes: int = Field(gt=0)
+    nodes: int = Field(gt=0, le=65536)  # bounded: the planner enumerates the world's divisors
     """Number of nodes the job may use."""
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=256)
     """Devices per node (processes per node for CPU runs)."""
     accelerator: AcceleratorSpec
     network: NetworkSpec = Field(default_factory=NetworkSpec)

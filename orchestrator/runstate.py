@@ -22,6 +22,7 @@ from cona.protocol.rundir import (
     atomic_write_text,
     read_json,
     read_jsonl,
+    restrict_umask,
 )
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, validate
@@ -39,6 +40,7 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
             "`python scripts/fetch_shakespeare.py data/shakespeare.txt`"
         )
     job.data.path = str(data_path.resolve())  # workers may start in another directory
+    restrict_umask()
     run_dir.root.mkdir(parents=True, exist_ok=True)
     document = {
         "created": time.time(),

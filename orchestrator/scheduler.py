@@ -31,7 +31,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
-from cona.protocol.rundir import ControlRecord, RunDir, read_jsonl
+from cona.protocol.rundir import ControlRecord, RunDir, SwitchPoints, read_jsonl
 from cona.protocol.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -149,14 +149,17 @@ class Scheduler:
             seq = existing.seq + 1  # `cona stop` may have written one meanwhile
         return seq
 
-    def _send(self, command: str, *, seq: int | None = None, reason: str = "", in_place: bool = False) -> int:
+    def _send(
+        self, command: str, *, seq: int | None = None, reason: str = "", in_place: bool = False, attempt: int | None = None
+    ) -> int:  # fmt: skip
         seq = self._next_seq() if seq is None else seq
-        self.run_dir.write_control(ControlRecord(seq=seq, command=command, reason=reason, in_place=in_place))
+        self.run_dir.write_control(ControlRecord(seq=seq, command=command, reason=reason, in_place=in_place,
+                                                 attempt=attempt))  # fmt: skip
         self.state.control_seq = seq
         return seq
 
-    def _send_switch(self, request: SwitchRequest, reason: str) -> None:
-        self._send("switch", seq=request.seq, reason=reason, in_place=request.in_place)
+    def _send_switch(self, request: SwitchRequest, reason: str, *, attempt: int) -> None:
+        self._send("switch", seq=request.seq, reason=reason, in_place=request.in_place, attempt=attempt)
 
     # ----------------------------------------------------------------------------------------------- heartbeats
 
@@ -175,6 +178,9 @@ class Scheduler:
     def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
         if beats:
             self.state.last_heartbeat_time = time.time()
+        for hb in beats:
+            if hb.event == "checkpoint-skipped":  # the trainer resumed from an older checkpoint: say which and why
+                log_event(self.run_dir, "checkpoint-skipped", attempt=attempt.number, detail=hb.reason)
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
             self._log_switch_completed(done, attempt)
         if self.tensorboard is not None:
@@ -220,7 +226,7 @@ class Scheduler:
         # again if it died in between).
         self.state.switch_requested = request
         self._save()
-        self._send_switch(request, decision.reason)
+        self._send_switch(request, decision.reason, attempt=attempt.number)
         log_event(self.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
                   to=plan.target.to_dict(), reason=decision.reason, metrics=decision.metrics,
                   samples=self.live.samples, noise_scale=self.model.noise.value, switch_cost_s=plan.predicted_s,
@@ -288,10 +294,35 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------------- the loop
 
+    def _write_switch_points(self) -> None:
+        """Tell the trainer where a fixed schedule switches (`SwitchPoints`), before any attempt can start.
+
+        It holds there until it reads the decision, so it waits longer than an orchestrator restart takes (its
+        `hold` heartbeats meanwhile keep it from being taken for a hung one)."""
+        points = self.model.policy.switch_points()
+        if not points:
+            self.run_dir.switch_points_json.unlink(missing_ok=True)
+            return
+        wait_s = max(120.0, 10 * self.job.policy.decision_interval_s)
+        self.run_dir.write_switch_points(SwitchPoints(samples=tuple(points), wait_s=wait_s))
+
+    def _relaunch_strategy(self, attempt: Attempt) -> Strategy:
+        """The strategy to relaunch `attempt` with after a crash, hang, preemption or disruption: its own, unless
+        the policy prescribes one for where training resumes (a schedule whose switch point the newest checkpoint
+        already reached, e.g. the switch checkpoint of a trainer killed before its exit record)."""
+        try:
+            state = self.run_dir.latest_trainer_state()
+        except (ValueError, OSError):  # unreadable: the trainer says which and falls back; so does the schedule
+            state = None
+        samples = state.get("samples", 0) if isinstance(state, dict) else 0
+        prescribed = self.model.policy.strategy_at(samples if isinstance(samples, int) else 0)
+        return prescribed if prescribed is not None else attempt.strategy
+
     def start_or_resume(self) -> Attempt | None:
         self._restore()
         if self.state.status == "done":
             return None
+        self._write_switch_points()
         if self.state.final:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
             log_event(self.run_dir, "resume-run", previous_status=self.state.status)
@@ -317,7 +348,7 @@ class Scheduler:
         control = self.run_dir.read_control()
         if request is not None and (control is None or control.seq < request.seq):
             # The previous orchestrator decided a switch and died before the control record went out.
-            self._send_switch(request, "switch decided before an orchestrator restart")
+            self._send_switch(request, "switch decided before an orchestrator restart", attempt=attempt.number)
         if self.backend.adopt(attempt):
             log_event(self.run_dir, "adopt", attempt=attempt.number, backend_id=attempt.backend_id)
         else:
@@ -498,7 +529,8 @@ class Scheduler:
             if requested is None:
                 # Every switch request is saved before it is sent, so nobody asked for this one: carry on as before.
                 log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)
-                return self._launch(attempt.strategy, previous=attempt, why="resume after an unrequested switch exit")
+                return self._launch(self._relaunch_strategy(attempt), previous=attempt,
+                                    why="resume after an unrequested switch exit")
             return self._follow_switch(attempt, requested.target, requested=requested, requested_at=requested.time)
         if status in (AttemptStatus.STOPPED, AttemptStatus.DISRUPTED) and self.state.stop_requested:
             # A disrupted attempt of a run asked to stop is not relaunched just to stop again.
@@ -509,7 +541,7 @@ class Scheduler:
         if status is AttemptStatus.STOPPED:
             # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
             self.state.restarts_in_row = 0
-            return self._launch(attempt.strategy, previous=attempt, why="resume after preemption")
+            return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="resume after preemption")
         if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
             return self._relaunch_disrupted(attempt, detail)
         if status is AttemptStatus.UNSTARTABLE:
@@ -528,7 +560,7 @@ class Scheduler:
                   restart=restarts, backoff_s=backoff)  # fmt: skip
         self._save()
         time.sleep(backoff)
-        return self._launch(attempt.strategy, previous=attempt, why=f"relaunch after {what}")
+        return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"relaunch after {what}")
 
     def _relaunch_disrupted(self, attempt: Attempt, detail: str) -> Attempt:
         """The cluster took a pod or node of `attempt` away: relaunch its strategy from the last complete checkpoint.
@@ -556,7 +588,7 @@ class Scheduler:
         log_event(self.run_dir, "disruption", attempt=attempt.number, detail=detail, checkpoint=checkpoint,
                   without_progress=count, restarts=self.state.restarts_in_row)  # fmt: skip
         self._save()
-        return self._launch(attempt.strategy, previous=attempt, why="relaunch after a disruption")
+        return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="relaunch after a disruption")
 
     def _fail(self, attempt: Attempt, reason: str) -> NoReturn:
         """End the run as failed with `reason` (one line), after `attempt`."""

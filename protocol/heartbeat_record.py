@@ -52,5 +52,26 @@ class Heartbeat:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Heartbeat:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """The record in `data`; TypeError for a missing field or a value of the wrong type (a garbage line that
+        happens to parse as JSON must be skipped by its reader, not crash the orchestrator later)."""
+        kwargs = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in data:
+                continue
+            value = data[field.name]
+            kind = str(field.type)
+            if value is None:
+                if "None" not in kind and field.name != "train_loss":  # a start record has no loss yet
+                    raise TypeError(f"heartbeat field {field.name} is null")
+            elif kind.startswith("dict"):
+                if not isinstance(value, dict):
+                    raise TypeError(f"heartbeat field {field.name} is not an object")
+            elif kind.startswith("str"):
+                if not isinstance(value, str):
+                    raise TypeError(f"heartbeat field {field.name} is not a string")
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"heartbeat field {field.name} is not a number: {value!r}"[:200])
+            elif kind.startswith("int") and not float(value).is_integer():
+                raise TypeError(f"heartbeat field {field.name} is not an integer: {value!r}")
+            kwargs[field.name] = int(value) if kind.startswith("int") else value
+        return cls(**kwargs)

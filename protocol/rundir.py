@@ -55,6 +55,14 @@ COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 
 
+def restrict_umask() -> None:
+    """Never create run-directory files that others may write: a world-writable control.json takes commands
+    from anyone, and a checkpoint's DCP metadata is unpickled on load. Called by every process that writes there
+    (`cona`, the trainer); keeps the user's stricter bits."""
+    current = os.umask(0o022)
+    os.umask(current | 0o022)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -199,12 +207,51 @@ class ControlRecord:
     strategy) and will watch the same processes go on as it; the trainer rebuilds the model in place instead of
     exiting (its exit record then names `next_attempt` and `next_strategy`). Without it the trainer exits and the
     orchestrator launches the next attempt."""
+    attempt: int | None = None
+    """The attempt the command is for; None: whichever runs (`cona stop`, the time budget). A relaunched attempt
+    resumes from a checkpoint that may predate a switch it never received, and must not act on the switch meant
+    for the attempt before it (found by `python -m tests.faults`)."""
 
     COMMANDS = ("switch", "stop", "checkpoint")
 
     def __post_init__(self) -> None:
         if self.command not in self.COMMANDS:
             raise ValueError(f"control command {self.command!r} is not one of {', '.join(self.COMMANDS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchPoints:
+    """`switch_points.json`: where a fixed schedule (`policy: schedule`) changes strategy, so that the switch
+    happens at the same step in every run, whatever the timing.
+
+    A trainer whose step crosses one of `samples` (start < point ≤ end) holds after that step — no next step —
+    until a new control record arrives (the orchestrator decides once it sees the step's heartbeat) or `wait_s`
+    passes; the switch therefore lands at the first step boundary at or past the point. Without the hold the
+    trainer would train on until the orchestrator's next decision, and the switch point would depend on timing."""
+
+    samples: tuple[int, ...] = ()
+    wait_s: float = 60.0
+    """How long a trainer holds at a point for the decision before it trains on (and warns)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"samples": list(self.samples), "wait_s": self.wait_s}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SwitchPoints:
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        samples = data.get("samples", [])
+        if not isinstance(samples, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                    for n in samples):  # fmt: skip
+            raise ValueError("`samples` must be a list of positive integers")
+        wait_s = data.get("wait_s", 60.0)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not wait_s > 0:
+            raise ValueError("`wait_s` must be a positive number")
+        return cls(samples=tuple(sorted(samples)), wait_s=float(wait_s))
+
+    def crossed(self, start: int, end: int) -> bool:
+        """Whether the step over samples [start, end) reaches a point it started before."""
+        return any(start < point <= end for point in self.samples)
 
 
 @dataclasses.dataclass
@@ -312,7 +359,7 @@ class RunDir:
     def read_control(self) -> ControlRecord | None:
         try:
             data = read_json(self.control_json)
-        except (json.JSONDecodeError, OSError):
+        except (ValueError, OSError):  # JSONDecodeError, and UnicodeDecodeError for bytes that are no text
             return None
         if not isinstance(data, dict):
             return None
@@ -321,6 +368,31 @@ class RunDir:
             return ControlRecord(**{k: v for k, v in data.items() if k in known})
         except (TypeError, ValueError):
             return None
+
+    @property
+    def switch_points_json(self) -> Path:
+        """`switch_points.json`: the sample counts at which the trainer must wait for the orchestrator's switch
+        decision (`SwitchPoints`), written by the orchestrator before it launches anything."""
+        return self.root / "switch_points.json"
+
+    def write_switch_points(self, points: SwitchPoints) -> None:
+        atomic_write_json(self.switch_points_json, points.to_dict())
+
+    def read_switch_points(self) -> SwitchPoints:
+        """The run's switch points; none when the file does not exist. A corrupt file raises ValueError naming it:
+        training past a point without the orchestrator's decision would break the schedule silently."""
+        try:
+            data = read_json(self.switch_points_json)
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            raise ValueError(f"{self.switch_points_json}: unreadable ({type(e).__name__}); "
+                             "delete it and resume with `cona run --resume` to have it written again") from None
+        if data is None:
+            return SwitchPoints()
+        try:
+            return SwitchPoints.from_dict(data)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{self.switch_points_json}: {e}; delete it and resume with `cona run --resume` to "
+                             "have it written again") from None
 
     def launch_file(self, attempt: int) -> Path:
         """`attempts/<n>/launch.json`: the orchestrator's `LaunchRecord` of attempt n (its only writer)."""

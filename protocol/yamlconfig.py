@@ -123,9 +123,10 @@ def validate(model: type[ModelT], data: dict[str, Any], *, source: str) -> Model
 
 
 class StrictModel(pydantic.BaseModel):
-    """Base of every config section: unknown keys are errors and every value is validated on assignment."""
+    """Base of every config section: unknown keys are errors and every value is validated on assignment. No
+    infinite or NaN number: none means anything here, and one reaches the cost model as a division by zero."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 _UNITS = {

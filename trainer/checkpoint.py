@@ -18,6 +18,7 @@ each newer directory it skips; a DCP read error falls back to the next older one
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import shutil
@@ -31,9 +32,58 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished directory); one line says where,
+    why, and from which checkpoint the run resumes. The partial directory is removed, so it holds no space."""
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """Whether `error` (or what it wraps: DCP gathers each rank's failure into a CheckpointException) is ENOSPC."""
+    seen: list[BaseException] = [error]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        seen += [c for c in (e.__cause__, e.__context__) if c is not None]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            seen += [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, BaseException | tuple)]
+    return False
+
+
+def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> str:
+    """The one-line reason for a failed save of `path`, with the space it needs when the disk is full."""
+    previous = run_dir.latest_checkpoint()
+    resumes = f"the run resumes from {previous}" if previous is not None else "there is no earlier checkpoint to resume from"
+    if error is None:
+        return f"cannot write checkpoint {path}: it failed on another rank (see its output); {resumes}"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    needed = None
+    if previous is not None:  # a checkpoint of this run is as large as the last one
+        try:
+            needed = sum(json.loads((previous / COMPLETE_MARKER).read_text())["files"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            needed = None
+    # torch.save's zip writer reports a short write as "unexpected pos", not as ENOSPC: the space left tells.
+    full = _is_disk_full(error) or (free is not None and needed is not None and free < needed) or free == 0
+    if not full:
+        first = str(error).splitlines()[0] if str(error) else ""
+        return f"cannot write checkpoint {path}: {type(error).__name__}: {first[:300]}; {resumes}"
+    free = free or 0
+    need = f"about {needed / 1e6:.1f} MB needed" if needed else "the size of one checkpoint needed"
+    return (f"cannot write checkpoint {path}: no space left on device ({free / 1e6:.1f} MB free there, {need}); "
+            f"free space or move storage.run_root, then resume; {resumes}")
 
 
 def warn(message: str) -> None:
@@ -89,10 +139,22 @@ def save_checkpoint(
         path.mkdir(parents=True)
     dist.barrier()
     state, _keys = _state(parts, optimizers)
-    dcp.save(state, checkpoint_id=str(path))
-    if rank == 0:
-        atomic_write_json(path / TRAINER_STATE, trainer_state)
-    dist.barrier()  # every rank's shards are on storage before the marker says so
+    error: BaseException | None = None
+    try:
+        dcp.save(state, checkpoint_id=str(path))
+        if rank == 0:
+            atomic_write_json(path / TRAINER_STATE, trainer_state)
+    # DCP's CheckpointException is a BaseException; every rank must learn of a failure on any of them, or the
+    # others would wait in the barrier below for ever.
+    except (Exception, CheckpointException) as e:
+        error = e
+    failed = torch.tensor([0.0 if error is None else 1.0], device=_device(parts))
+    dist.all_reduce(failed)  # also the barrier: every rank's shards are on storage before the marker says so
+    if failed.item() > 0:
+        reason = _save_failure(run_dir, path, error)  # before the removal: it measures the space left
+        if rank == 0:  # a partial directory holds space the next attempt needs, and is never resumed from
+            shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointSaveError(reason)
     if rank == 0:
         files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
         files.pop(COMPLETE_MARKER, None)
@@ -100,6 +162,14 @@ def save_checkpoint(
         _fsync_dir(path)
         prune_checkpoints(run_dir, keep=keep, newest=path)
     return path
+
+
+def _device(parts: list[torch.nn.Module]) -> torch.device:
+    """Where this rank's collectives run (a gloo group takes CPU tensors, NCCL CUDA ones)."""
+    for part in parts:
+        for param in part.parameters():
+            return param.device
+    return torch.device("cpu")
 
 
 def prune_checkpoints(run_dir: RunDir, *, keep: int, newest: Path) -> None:
@@ -139,8 +209,38 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def resume_candidates(run_dir: RunDir) -> list[Path]:
-    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable."""
+TRAINER_STATE_VERSION = 1
+"""The `version` in trainer_state.json; a checkpoint with a larger one was written by a newer cona."""
+
+
+def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str | None:
+    """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
+    or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
+    it would train on from someone else's weights (or fail deep inside DCP), and skipping it would hide the mix-up."""
+    state_file = path / TRAINER_STATE
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return None  # verify_checkpoint already judged it
+    fix = f"use a new --run-dir for this job, or move {path} out of {path.parent}"
+    version = state.get("version", 0)
+    if isinstance(version, int) and version > TRAINER_STATE_VERSION:
+        return f"{state_file}: written by a newer cona (trainer state version {version} > {TRAINER_STATE_VERSION}); upgrade cona to resume it"
+    other = state.get("job_name")
+    if isinstance(other, str) and other and other != job_name:
+        return f"{state_file}: a checkpoint of job {other!r}, not of this job {job_name!r}; {fix}"
+    recorded = state.get("model")
+    if isinstance(recorded, dict):
+        differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])
+        if differs:
+            shown = ", ".join(f"{k} {recorded[k]!r} (this job: {model[k]!r})" for k in differs[:3])
+            return f"{state_file}: a checkpoint of another model: {shown}; {fix}"
+    return None
+
+
+def resume_candidates(run_dir: RunDir, skipped: list[str] | None = None) -> list[Path]:
+    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable, and
+    appends each warning to `skipped` (the trainer reports them in a heartbeat, the orchestrator in its events)."""
     if not run_dir.checkpoints.is_dir():
         return []
     candidates = []
@@ -150,6 +250,8 @@ def resume_candidates(run_dir: RunDir) -> list[Path]:
             candidates.append(path)
         elif not candidates:
             warn(f"skipping checkpoint {path}: {problem}")
+            if skipped is not None:
+                skipped.append(f"skipping checkpoint {path}: {problem}")
     return candidates
 
 
@@ -177,7 +279,8 @@ def read_checkpoint_tensors(path: Path | str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "full.pt"
         dcp_to_torch_save(str(path), str(target))
-        full = torch.load(target, weights_only=False)
+        # Only tensors and plain containers: weights_only refuses anything that would run code on load.
+        full = torch.load(target, weights_only=True)
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:

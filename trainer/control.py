@@ -44,10 +44,11 @@ class ControlState:
     signal_name: str | None = None
     _signalled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def poll(self, run_dir: RunDir) -> Action:
-        """The command of a new control record, or NONE. Reads one small file; call on rank 0 only."""
+    def poll(self, run_dir: RunDir, attempt: int | None = None) -> Action:
+        """The command of a new control record for `attempt` (or for any attempt), or NONE. Reads one small file;
+        call on rank 0 only."""
         record = run_dir.read_control()
-        if record is None or record.seq <= self.last_seq:
+        if record is None or record.seq <= self.last_seq or (None not in (record.attempt, attempt) and record.attempt != attempt):
             self.pending = None
             return Action.NONE
         self.pending = record

@@ -17,6 +17,7 @@ torchrun itself exits 1 when a worker exits non-zero: read `attempts/<n>/exit.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cona.protocol.rundir import ExitCode, RunDir, process_exit_status
+from cona.protocol.rundir import ExitCode, RunDir, process_exit_status, restrict_umask
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -97,10 +98,32 @@ def _process_start_time() -> float | None:
         return None
 
 
+def _die_with_torchrun() -> None:
+    """Have the kernel SIGKILL this worker when torchrun, its parent, dies.
+
+    A torchrun killed outright (SIGKILL, the OOM killer) leaves its workers running, and they train on — an
+    in-place switch even goes on as the next attempt — while the orchestrator, which saw the attempt end, launches
+    the next one: two attempts at once, writing the same files (found by `python -m tests.faults`). Linux only, and
+    only under torchrun: a trainer run by hand has nobody to die with."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # torchrun died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     import time
 
+    _die_with_torchrun()
+
     startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
+    restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
     args = parse_args(argv)
     try:
         run_dir, job, strategy, attempt = load_inputs(args)
@@ -146,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
 
     import torch.distributed as dist
+    from cona.trainer.checkpoint import CheckpointSaveError
     from cona.trainer.distributed import init_distributed
     from cona.trainer.train import Trainer, TrainingDiverged
 
@@ -173,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
         _fail(str(e))
+    except CheckpointSaveError as e:  # the storage, not the input: exit 1 (relaunched), and say why in one line
+        if env.rank == 0:
+            with contextlib.suppress(OSError):  # the run directory may sit on the full disk too
+                write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
+            print(f"cona trainer: error: {e}", file=sys.stderr, flush=True)
+        status = 1
     except TrainingDiverged as e:  # a crash, not bad input: exit 1, but say why in one line
         if env.rank == 0:
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)

@@ -37,6 +37,7 @@ from cona.protocol.rundir import (
     ExitCode,
     ExitRecord,
     RunDir,
+    SwitchPoints,
     atomic_write_json,
 )
 from cona.protocol.samples_log import log_resume, log_step
@@ -51,6 +52,7 @@ from cona.trainer.parallel import ParallelModel
 from torch.profiler import record_function
 
 PROGRESS_INTERVAL_S = 10.0
+HOLD_HEARTBEAT_S = 5.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -83,6 +85,8 @@ class TrainerState:
     last_control_seq: int = -1
     """The newest control.json seq acted on, so a relaunch does not act on it again."""
     rng_state: str = ""
+    version: int = ckpt.TRAINER_STATE_VERSION
+    """The layout of this record (`checkpoint.TRAINER_STATE_VERSION`); a newer one is refused, naming it."""
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The model section of the job (`ModelSpec`, resolved): makes the checkpoint self-describing, so `cona export`
     needs no job file."""
@@ -133,6 +137,14 @@ class Trainer:
         """Set when `run` returns SWITCH for an in-place switch: the strategy to rebuild with in these processes."""
         # Only the Adam-aware noise estimator reads the preconditioned norms; they are most of the statistics' cost.
         self._wants_adam = self.job.heartbeat.adam_stats
+        try:  # every rank reads it, so a corrupt file stops all of them alike, before any collective
+            self.switch_points: SwitchPoints = self.run_dir.read_switch_points()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._at_switch_point = False
+        """Set by `step`: the step crossed a switch point, so the trainer holds for the orchestrator's decision."""
+        self._skipped: list[str] = []
+        """Rank 0: the checkpoints `resume` passed over and why, reported in `checkpoint-skipped` heartbeats."""
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
@@ -165,11 +177,15 @@ class Trainer:
         """Load the newest intact checkpoint (any layout); fall back to older ones; fresh start if none."""
         shared: list[Any] = [None]
         if self.is_rank0:
-            found = ckpt.resume_candidates(self.run_dir)
+            found = ckpt.resume_candidates(self.run_dir, self._skipped)
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
-            shared = [([str(p) for p in found], bool(marked))]
-        dist.broadcast_object_list(shared, src=0)
-        paths, had_marked = shared[0]
+            model = self.job.model.model_dump(mode="json")
+            foreign = next((r for p in found if (r := ckpt.foreign_reason(p, job_name=self.job.name, model=model))), None)
+            shared = [([str(p) for p in found], bool(marked), foreign)]
+        dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
+        paths, had_marked, foreign = shared[0]
+        if foreign:
+            raise ConfigError(foreign)
         self.startup["load_start"] = time.time()
         for path in paths:
             failed = None
@@ -191,7 +207,9 @@ class Trainer:
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
-                ckpt.warn(f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})")
+                message = f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})"
+                ckpt.warn(message)
+                self._skipped.append(message)
         if had_marked:
             raise ConfigError(
                 f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
@@ -214,6 +232,8 @@ class Trainer:
             self.startup.setdefault("load_end", None)  # a fresh start loads nothing
             atomic_write_json(self.run_dir.attempt_dir(self.attempt) / "startup.json",
                               {**self.startup, "resumed_step": self.loaded_step})  # fmt: skip
+            for message in self._skipped:
+                self._heartbeat(event="checkpoint-skipped", reason=message)
             self._heartbeat(event="resume" if self.loaded_step is not None else "start")
         if s.step == 0 and not s.val_history:
             self.evaluate()
@@ -232,6 +252,9 @@ class Trainer:
                 return self.finish(ExitCode.DONE, f"target val_perplexity {target} reached")
             if budget:
                 return self.finish(ExitCode.DONE, "target max_time_s reached")
+            # At the run's last step there is nothing left to switch for.
+            if self._at_switch_point and action not in (Action.SWITCH, Action.STOP) and self._budget_reached() is None:
+                action = max(action, self._hold())
             if action in (Action.SWITCH, Action.STOP):
                 record = self.control.mark_handled() if self.is_rank0 else None
                 if action == Action.SWITCH:
@@ -247,6 +270,43 @@ class Trainer:
                     reason = f"checkpoint (control seq {record.seq if record else '?'})"
                 self.save()
                 self._heartbeat(event="checkpoint", reason=reason)
+
+    def _hold(self) -> Action:
+        """Wait after a step that crossed a switch point until the orchestrator's decision arrives (`SwitchPoints`).
+
+        Rank 0 says where it stands (a `hold` heartbeat: the orchestrator decides from heartbeats) and polls
+        control.json; the others wait in the all-reduce that then shares the command and the signal flags, as a
+        step's does. A signal ends the wait at once (a preemption must not wait for a decision). A `hold` heartbeat
+        every HOLD_HEARTBEAT_S shows a restarted orchestrator a live trainer, not a hung one."""
+        command = Action.NONE
+        if self.is_rank0:
+            reason = f"switch point reached at samples {self.state.samples}"
+            started = time.monotonic()
+            beat = -math.inf
+            while not self.control.signalled:
+                if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
+                    self._heartbeat(event="hold", reason=reason)
+                    beat = time.monotonic()
+                command = self.control.poll(self.run_dir, self.attempt)
+                if command is not Action.NONE:
+                    break
+                if time.monotonic() - started > self.switch_points.wait_s:
+                    print(f"cona trainer: warning: no decision from the orchestrator {self.switch_points.wait_s:.0f}s "
+                          f"after the switch point at samples {self.state.samples}; training on", flush=True)  # fmt: skip
+                    break
+                time.sleep(0.05)
+        vector = torch.tensor([
+            float(command),
+            1.0 if self.control.signal_name == "SIGTERM" else 0.0,
+            1.0 if self.control.signal_name == "SIGUSR1" else 0.0,
+        ], dtype=torch.float64, device=self.env.device)  # fmt: skip
+        dist.all_reduce(vector)
+        command_v, sigterm, sigusr1 = vector.tolist()
+        signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
+        self._signalled_now = bool(signalled)
+        if signalled:
+            self._signal_reason = "signal " + ", ".join(f"{name} ({n} rank{'s' * (n > 1)})" for name, n in signalled.items())
+        return decide(command_code=command_v, signal_count=sigterm + sigusr1)
 
     def _in_place_target(self, record: Any) -> Strategy | None:
         """The strategy to continue with in these processes, agreed by all ranks; None to exit for a relaunch.
@@ -303,7 +363,7 @@ class Trainer:
             local_sq, local_adam = model.stats.local_terms()
         command, budget = Action.NONE, 0.0
         if self.is_rank0:
-            command = self.control.poll(self.run_dir)
+            command = self.control.poll(self.run_dir, self.attempt)
             max_time = self.job.target.max_time_s
             budget = 1.0 if max_time is not None and self._elapsed() >= max_time else 0.0
         weight = 1.0 / strategy.tp if model.computes_loss else 0.0
@@ -314,13 +374,16 @@ class Trainer:
             torch.tensor(1.0 if self.control.signal_name == "SIGTERM" else 0.0, dtype=torch.float64, device=self.env.device),
             torch.tensor(1.0 if self.control.signal_name == "SIGUSR1" else 0.0, dtype=torch.float64, device=self.env.device),
             torch.tensor(budget, dtype=torch.float64, device=self.env.device),
+            # Rank 0 alone decides whether this step crossed a switch point, so every rank holds after the same step.
+            torch.tensor(1.0 if self.is_rank0 and self.switch_points.crossed(start, end) else 0.0,
+                         dtype=torch.float64, device=self.env.device),
         ]).to(torch.float64)  # fmt: skip
         with record_function("cona.all_reduce"):
             dist.all_reduce(vector)
             values = vector.tolist()
-        loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, sigterm, sigusr1, budget_v = (
-            values
-        )
+        (loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, sigterm, sigusr1, budget_v,
+         hold_v) = values  # fmt: skip
+        self._at_switch_point = hold_v > 0
         signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
         self._signalled_now = bool(signalled)
         if signalled:  # the same text on every rank

@@ -158,9 +158,31 @@ class LocalBackend(Backend):
         recorded = attempt.extra.get("start_time")
         return recorded is None or recorded == _process_start_time(pid)
 
+    def _stray_workers(self) -> list[int]:
+        """Trainer processes of this run directory that outlived their torchrun (killed outright)."""
+        marker = f"--run-dir\0{self.run_dir.root.resolve()}\0".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    argv = (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if marker in argv and b"cona.trainer" in argv and b"torch.distributed.run" not in argv and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+        return found
+
     def poll(self, attempt: Attempt) -> Outcome:
         if self._ours_and_alive(attempt):
             return Outcome(AttemptStatus.RUNNING)
+        # Never report an attempt ended while a worker of it still trains: the next launch would run beside it.
+        # (The trainer asks to die with torchrun; this is for a kernel or launcher that does not.)
+        deadline = time.time() + 15
+        while (strays := self._stray_workers()) and time.time() < deadline:
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
         exit_file = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number))) / EXIT_CODE_FILE
         try:
             code = int(exit_file.read_text().strip())

@@ -1,0 +1,233 @@
+"""Fuzzed input (hypothesis): job specs and profiles mutated from the shipped ones, `--set` pairs and command-line
+flags with bad values. Each either works or exits 2 with one `error:` line — never a traceback, never exit 1.
+Hostile strings in everything that reaches a shell command stay inert: the local backend's wrapper is rendered and
+run with a marker file that must not appear.
+
+In-process (`cona.orchestrator.cli.main`), so a few hundred examples take seconds."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cona.orchestrator import cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO
+
+PROFILE = REPO / "slurm" / "profiles" / "local-cpu.yaml"
+JOB = REPO / "examples" / "tiny-gpt.yaml"
+# CI draws the same 60 examples a test every time (derandomize: a failure there is no accident of the draw);
+# CONA_FUZZ_EXAMPLES=N draws N fresh ones, to look for more (docs/reliability.md).
+EXAMPLES = int(os.environ.get("CONA_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="CONA_FUZZ_EXAMPLES" not in os.environ,
+                database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+
+HOSTILE = ["$(touch {m})", "`touch {m}`", "; touch {m}; #", "' ; touch {m} ; '", '" ; touch {m} ; "', "\\", "%", "{m}"]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """`cona ARGV` in this process: (exit code, stdout, stderr); argparse's exits come back as codes."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_works_or_one_line(code: int, err: str, what: str) -> str:
+    """0, or 2 with exactly one `error:` line (argparse adds its usage lines above it); returns that line."""
+    assert "Traceback" not in err, f"{what}: traceback\n{err}"
+    assert code in (0, 2), f"{what}: exit {code}\n{err}"
+    if code == 0:
+        return ""
+    lines = [line for line in err.strip().splitlines() if "error:" in line]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], f"{what}: not one error line\n{err}"
+    return lines[0]
+
+
+def leaf_paths(data: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(data, dict):
+        return [prefix] * bool(prefix) + [p for k, v in data.items() for p in leaf_paths(v, (*prefix, str(k)))]
+    return [prefix]
+
+
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=30), st.sampled_from(HOSTILE),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.sampled_from([0, -1, 1, 2**31, 1e308, -1e-308, "", " ", "null", "1e999", "nan"]),
+)  # fmt: skip
+
+
+def mutated(document: dict[str, Any], draw) -> tuple[dict[str, Any], str]:
+    """`document` with one field removed, retyped or set to an extreme or hostile value; and which."""
+    data = copy.deepcopy(document)
+    path = draw(st.sampled_from(leaf_paths(data)))
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    if draw(st.booleans()) and len(path) > 0:
+        node.pop(path[-1], None)
+        return data, f"removed {'.'.join(path)}"
+    value = draw(VALUES)
+    if isinstance(value, str) and "{m}" in value:
+        value = value.replace("{m}", "/tmp/cona-fuzz-marker")
+    node[path[-1]] = value
+    return data, f"{'.'.join(path)}={value!r}"
+
+
+def _write(tmp_path: Path, name: str, data: dict[str, Any]) -> Path:
+    path = tmp_path / name
+    # allow_unicode: a surrogate or control character would not survive YAML; keep what YAML can carry
+    path.write_text(yaml.safe_dump(data, allow_unicode=False))
+    return path
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_job_specs_work_or_name_the_field(tmp_path, data):
+    document = yaml.safe_load(JOB.read_text())
+    job, what = mutated(document, data.draw)
+    path = _write(tmp_path, "job.yaml", job)
+    code, _, err = run_cli(["render", "local", "--profile", str(PROFILE), "--job", str(path), "--run-dir", str(tmp_path / "r")])
+    line = assert_works_or_one_line(code, err, what)
+    if line:  # it names the file or a field, or (no strategy fits) the command that says why for each
+        assert str(path) in line or "policy" in line or "cona plan --all" in line or any(
+            part in line for part in what.split("=")[0].removeprefix("removed ").split(".")
+        ), f"{what}: {line}"
+    assert not Path("/tmp/cona-fuzz-marker").exists()
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_profiles_work_or_name_the_field(tmp_path, data):
+    document = yaml.safe_load(PROFILE.read_text())
+    profile, what = mutated(document, data.draw)
+    path = _write(tmp_path, "profile.yaml", profile)
+    code, _, err = run_cli(["render", "local", "--profile", str(path), "--job", str(JOB), "--run-dir", str(tmp_path / "r")])
+    assert_works_or_one_line(code, err, what)
+    assert not Path("/tmp/cona-fuzz-marker").exists()
+
+
+KEYS = st.one_of(st.text(max_size=20), st.sampled_from(
+    ["optimizer.lr", "batch.max_gbs", "policy.schedule", "policy.name", "target", "model.preset", "a..b", ".", "=",
+     "eval.interval_samples", "checkpoint.keep", "policy.decision_interval_s", "seed", "name"]))  # fmt: skip
+
+
+@FUZZ
+@given(key=KEYS, separator=st.sampled_from(["=", "", "==", " = "]), value=st.one_of(st.text(max_size=30), st.sampled_from(
+    ["[", "{a: [", "!!python/object:os.system", "*x", "1e999", "-1", "null", "[]", "{}"])))  # fmt: skip
+def test_set_pairs_work_or_say_what_is_wrong(tmp_path, key, value, separator):
+    pair = f"{key}{separator}{value}"
+    code, _, err = run_cli(["render", "local", "--profile", str(PROFILE), "--job", str(JOB), "--set", pair,
+                            "--run-dir", str(tmp_path / "r")])  # fmt: skip
+    assert_works_or_one_line(code, err, f"--set {pair!r}")
+
+
+BAD = st.one_of(st.text(max_size=15), st.sampled_from(["-1", "0", "1e9", "nan", "", "--", "-h2", "x" * 300]))
+
+
+@FUZZ
+@given(flag=st.sampled_from([
+    ["plan", "--profile", str(PROFILE), "--job", str(JOB), "--top", "{}"],
+    ["plan", "--profile", str(PROFILE), "--job", str(JOB), "--gbs", "{}"],
+    ["plan", "--profile", "{}", "--job", str(JOB)],
+    ["plan", "--profile", str(PROFILE), "--job", "{}"],
+    ["plan", "--profile", str(PROFILE), "--profile-set", "{}", "--job", str(JOB)],
+    ["render", "local", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", "/nonexistent/{}"],
+    ["run", "--resume", "/nonexistent/{}"],
+    ["status", "/nonexistent/{}"],
+    ["stop", "/nonexistent/{}"],
+    ["report", "/nonexistent/{}"],
+]), value=BAD)  # fmt: skip
+def test_cli_flags_with_bad_values(flag, value):
+    argv = [part.replace("{}", value) for part in flag]
+    code, _, err = run_cli(argv)
+    assert_works_or_one_line(code, err, " ".join(argv))
+    assert not Path("/nonexistent").exists()
+
+
+@FUZZ
+@given(value=BAD)
+def test_policy_flag_works_or_says_what_is_valid(value):
+    """`cona run --policy VALUE`, without starting a run: the flag's own translation (`cli._policy_overrides`)."""
+    for policy in (value, f"fixed:{value}"):
+        try:
+            overrides = cli._policy_overrides(policy)
+        except cli.UserError as e:
+            assert "\n" not in str(e) and "--policy" in str(e)
+            continue
+        code, _, err = run_cli(["render", "local", "--profile", str(PROFILE), "--job", str(JOB),
+                                *[a for o in overrides for a in ("--set", o)]])  # fmt: skip
+        assert_works_or_one_line(code, err, f"--policy {policy!r}")
+
+
+@FUZZ
+@given(name=st.one_of(st.sampled_from(HOSTILE), st.text(alphabet=st.characters(blacklist_categories=["Cs", "Cc"]),
+                                                         min_size=1, max_size=20)))  # fmt: skip
+def test_hostile_run_directory_stays_inert_in_the_local_wrapper(tmp_path, name):
+    """The local backend's shell wrapper with a hostile run directory, run for real (with `true` as Python): the
+    marker never appears and the exit code lands in the attempt directory, where the backend reads it."""
+    from cona.orchestrator.backends.local.backend import LocalBackend
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.protocol.rundir import RunDir
+    from cona.protocol.strategy import Strategy
+
+    root = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example: hypothesis reuses tmp_path
+    marker = root / "pwned"
+    name = name.replace("{m}", str(marker)).replace("/", "_").replace("\0", "")
+    run = RunDir(root / "runs" / (name if name not in (".", "..") else "dot"))
+    backend = LocalBackend(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    backend.python = "true"
+    run.attempt_dir(1).mkdir(parents=True)
+    wrapper = backend.wrapper(attempt=1, strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
+    result = subprocess.run(["/bin/sh", "-c", wrapper], cwd=root, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists(), f"{name!r} was executed"
+    assert (run.attempt_dir(1) / "exit_code").read_text().strip() == "0"
+
+
+def test_status_of_something_that_is_no_run_is_one_line(tmp_path):
+    code, _, err = run_cli(["status", str(tmp_path / "nothing")])
+    assert code == 2 and assert_works_or_one_line(code, err, "status")
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"version": 99}', "\x00\xff"])
+def test_corrupt_state_json_is_one_line_naming_it(tmp_path, text):
+    """`cona status` and `cona run --resume` on a run whose state.json is corrupt: the file named, exit 2."""
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.runstate import create_run
+    from cona.protocol.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    run.state_json.write_bytes(text.encode("latin-1"))
+    for argv in (["status", str(run.root)], ["run", "--resume", str(run.root)]):
+        code, _, err = run_cli(argv)
+        line = assert_works_or_one_line(code, err, " ".join(argv))
+        assert code == 2 and str(run.state_json) in line, (argv, err)
+
+
+def test_a_run_with_a_bad_schedule_leaves_no_run_directory(tmp_path):
+    """Refused before the run exists: otherwise the corrected command would resume the bad one's run.yaml."""
+    run = tmp_path / "r"
+    bad = "policy.schedule=[{samples: 0, strategy: 'dp=3,tp=1,pp=1,mbs=4,gbs=16'}]"
+    code, _, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", "policy.name=schedule",
+                            "--set", bad, "--run-dir", str(run)])  # fmt: skip
+    line = assert_works_or_one_line(code, err, bad)
+    assert code == 2 and "policy.schedule[0]" in line
+    assert not (run / "run.yaml").exists()

@@ -1,0 +1,181 @@
+"""Storage faults: a disk that fills up during a checkpoint save, and run-directory files that are torn, corrupt or
+from somewhere else. Each is refused with one line naming the file and what to do, or skipped safely and said so;
+none leaves the run without a usable checkpoint or in a crash loop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from cona.protocol.rundir import RunDir, SwitchPoints, read_jsonl
+
+from tests.trainer_helpers import describe, launch, write_job
+
+DP2 = "dp=2,tp=1,pp=1,mbs=4,gbs=16"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """`run/checkpoints` on a tmpfs of 8 MB: room for one checkpoint of the tiny GPT (5.4 MB), not two."""
+    mount = tmp_path / "run" / "checkpoints"
+    mount.mkdir(parents=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.distributed
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_is_needed(tmp_path, small_disk):
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1000, "keep": 3})
+    first = launch(run, nproc=2, strategy=DP2, job=job, max_steps=2)
+    assert first.returncode == 0, describe(first)
+    kept = RunDir(run).checkpoint_dir(2)
+    assert verify_checkpoint(kept) is None
+
+    second = launch(run, nproc=2, strategy=DP2, job=job, max_steps=4, attempt=1)
+    assert second.returncode != 0, describe(second)
+    reason = second.exit.reason if second.exit else ""
+    assert "no space left on device" in reason and str(RunDir(run).checkpoint_dir(4)) in reason, describe(second)
+    assert "MB needed" in reason and f"resumes from {kept}" in reason, reason
+    errors = [line for line in second.stderr.splitlines() if line.startswith("cona trainer: error:")]
+    assert errors == [f"cona trainer: error: {reason}"], describe(second)
+    # The previous checkpoint is intact, the partial one gone (it would hold the space the next attempt needs).
+    assert verify_checkpoint(kept) is None
+    assert not RunDir(run).checkpoint_dir(4).exists()
+
+    # With room again the next attempt resumes from the kept checkpoint, and no sample is lost or repeated.
+    subprocess.run(["mount", "-o", "remount,size=32m", str(small_disk)], check=True)
+    third = launch(run, nproc=2, strategy=DP2, job=job, max_steps=4, attempt=2)
+    assert third.returncode == 0, describe(third)
+    resumed = [r for r in read_jsonl(run / "samples" / "2.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 2, "samples": 32}]
+    from cona.protocol.samples_log import audit_samples
+
+    assert audit_samples(RunDir(run))[-1] == (48, 64)
+
+
+def test_corrupt_switch_points_are_refused_naming_the_file(tmp_path):
+    run = RunDir(tmp_path)
+    run.switch_points_json.write_text('{"samples": [200, "x"]}')
+    with pytest.raises(ValueError, match=r"switch_points\.json: `samples` must be a list of positive integers; delete it"):
+        run.read_switch_points()
+    run.switch_points_json.write_text("\x00\xff garbage")
+    with pytest.raises(ValueError, match=r"switch_points\.json: unreadable"):
+        run.read_switch_points()
+    run.switch_points_json.unlink()
+    assert run.read_switch_points() == SwitchPoints()
+
+
+def test_trainer_refuses_a_corrupt_switch_points_file_in_one_line(tmp_path):
+    """Before any collective: exit 2 with the file named, no traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    RunDir(run).switch_points_json.write_text("[1, 2")
+    job = write_job(tmp_path)
+    result = launch(run, nproc=0, strategy="dp=1,tp=1,pp=1,mbs=4,gbs=16", job=job, max_steps=1)
+    assert result.returncode == 2, describe(result)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"cona trainer: error: {RunDir(run).switch_points_json}")
+
+
+def test_torn_and_garbage_heartbeat_lines_are_skipped(tmp_path):
+    """The scheduler's reader takes whole JSON objects only: a torn tail waits, garbage and non-objects are
+    skipped, and the offset never passes a line that is still being written."""
+    path = tmp_path / "hb.jsonl"
+    good = json.dumps({"step": 1, "samples": 16})
+    path.write_bytes(f"{good}\nnot json\n[1, 2]\n\x00\xfe\n{good}\n{{\"step\": 2, \"sam".encode())
+    records, offset = read_jsonl(path)
+    assert records == [json.loads(good)] * 2
+    assert offset == path.read_bytes().rfind(b"\n") + 1
+    with path.open("ab") as f:
+        f.write(b'ples": 32}\n')
+    more, _ = read_jsonl(path, offset=offset)
+    assert more == [{"step": 2, "samples": 32}]
+
+
+def test_corrupt_control_json_is_ignored_not_fatal(tmp_path):
+    run = RunDir(tmp_path)
+    for text in ("{", "[]", '{"seq": 3, "command": "rm -rf /"}', "\x00\xff"):
+        run.control_json.write_bytes(text.encode("latin-1"))
+        assert run.read_control() is None
+
+
+def test_truncated_shard_is_named(tmp_path):
+    """A shard cut short after the marker was written: the checkpoint is skipped with the file and sizes named."""
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    source = tmp_path / "step-00000001"
+    source.mkdir()
+    (source / ".metadata").write_bytes(b"x")
+    (source / "trainer_state.json").write_text('{"step": 1}')
+    (source / "COMPLETE").write_text(json.dumps({"step": 1, "files": {".metadata": 1, "trainer_state.json": 11}}))
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    assert verify_checkpoint(copy) is None
+    (copy / ".metadata").write_bytes(b"")
+    assert ".metadata has 0 bytes, expected 1" in (verify_checkpoint(copy) or "")
+
+
+ONE = "dp=1,tp=1,pp=1,mbs=4,gbs=16"
+
+
+def _only_error_line(result) -> str:
+    """The trainer's one `error:` line; fails if it printed a traceback instead."""
+    assert "Traceback" not in result.stderr, describe(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cona trainer: error:")]
+    assert len(errors) == 1, describe(result)
+    return errors[0]
+
+
+def test_checkpoints_of_another_job_model_or_newer_cona_are_refused_in_one_line(tmp_path):
+    """Each would load (the same shapes) and train on from someone else's weights; each is refused, exit 2, with
+    the file and what to do."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path)
+    assert launch(run, nproc=0, strategy=ONE, job=job, max_steps=1).returncode == 0
+    state_file = RunDir(run).checkpoint_dir(1) / "trainer_state.json"
+
+    other_job = write_job(tmp_path, name="other.yaml")
+    other_job.write_text(other_job.read_text().replace("name: test-tiny-gpt", "name: someone-else"))
+    result = launch(run, nproc=0, strategy=ONE, job=other_job, max_steps=2)
+    assert result.returncode == 2
+    line = _only_error_line(result)
+    assert f"{state_file}: a checkpoint of job 'test-tiny-gpt', not of this job 'someone-else'" in line
+    assert "use a new --run-dir" in line
+
+    other_model = write_job(tmp_path, name="eps.yaml", model={"preset": "tiny-gpt", "norm_eps": 1e-6})
+    result = launch(run, nproc=0, strategy=ONE, job=other_model, max_steps=2)
+    assert result.returncode == 2
+    assert f"{state_file}: a checkpoint of another model: norm_eps 1e-05 (this job: 1e-06)" in _only_error_line(result)
+
+    # A newer cona's checkpoint: the manifest's sizes are kept right, so only the version can be the reason.
+    data = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**data, "version": 99}))
+    marker = state_file.parent / "COMPLETE"
+    manifest = json.loads(marker.read_text())
+    manifest["files"]["trainer_state.json"] = state_file.stat().st_size
+    marker.write_text(json.dumps(manifest))
+    result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=2)
+    assert result.returncode == 2
+    assert "written by a newer cona (trainer state version 99 > 1); upgrade cona" in _only_error_line(result)
+
+
+def test_deleted_shard_falls_back_to_the_older_checkpoint_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1, "keep": 5})
+    assert launch(run, nproc=0, strategy=ONE, job=job, max_steps=2).returncode == 0
+    shard = RunDir(run).checkpoint_dir(2) / "__0_0.distcp"
+    shard.unlink()
+    result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=3, attempt=1)
+    assert result.returncode == 0, describe(result)
+    resumed = [r for r in read_jsonl(run / "samples" / "1.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 1, "samples": 16}]
+    skipped = [hb for hb in read_jsonl(run / "heartbeats" / "1.jsonl")[0] if hb.get("event") == "checkpoint-skipped"]
+    assert [hb["reason"] for hb in skipped] == [f"skipping checkpoint {shard.parent}: __0_0.distcp is missing"]
