@@ -125,6 +125,13 @@ def test_a_pod_pending_past_the_elastic_timeout_is_a_lost_node_but_a_bad_image_i
     outcome = backend.poll(attempt)
     assert outcome.lost_nodes == tuple(f"pod {p}" for p in pods), outcome
     assert outcome.detail.startswith(f"pod {pods[0]} Pending ") and INSUFFICIENT in outcome.detail
+    # An attempt on `min_nodes` (one pod) waits for its pod: fewer nodes are not to be had.
+    single = backend.launch(attempt=3, strategy=ONE)
+    k8s.make_pods(single.backend_id, NS, phase="Pending", conditions=unschedulable)
+    backend.poll(single)
+    time.sleep(0.6)
+    outcome = backend.poll(single)
+    assert (outcome.status, outcome.lost_nodes) == (AttemptStatus.PENDING, ()), outcome
     # An image that cannot be pulled: no node would run it (the run fails past `pending_timeout_s` instead).
     attempt2 = backend.launch(attempt=2, strategy=TWO)
     k8s.make_pods(attempt2.backend_id, NS, phase="Pending", container_waiting={"reason": "ErrImagePull"})

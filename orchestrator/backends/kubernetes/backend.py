@@ -35,7 +35,7 @@ from cona.orchestrator.backends.kubernetes.api import REQUEST_TIMEOUT_S, KubeApi
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
 from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
-from cona.orchestrator.elastic import is_elastic
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -220,9 +220,12 @@ class KubernetesBackend(Backend):
         fits = [n for n in table if n <= usable]
         return table[max(fits) if fits else min(table)]
 
-    def _lost(self, pods: list[Any]) -> tuple[tuple[str, ...], str]:
-        """The nodes the attempt lost and why, as one line: those of its pods that are gone or NotReady, and, for
-        each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`)."""
+    def _lost(self, pods: list[Any], strategy: Strategy) -> tuple[tuple[str, ...], str]:
+        """The nodes the attempt of `strategy` lost and why, as one line: those of its pods that are gone or
+        NotReady, and, for each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`).
+        An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had."""
+        assert self.profile is not None
+        may_shrink = nodes_of(strategy, self.profile) > node_range(self.profile)[0]
         states = self.nodes(fresh=False)
         now = time.monotonic()
         lost: list[str] = []
@@ -241,7 +244,7 @@ class KubernetesBackend(Backend):
             if node or phase not in (None, "Pending"):
                 continue
             reason, stuck = self._pending_reason(pod)
-            if stuck:  # an image that cannot be pulled: no node would run it (`pending_timeout_s` fails the run)
+            if stuck or not may_shrink:  # an image that cannot be pulled: no node would run it (`pending_timeout_s` fails the run)
                 continue
             seen.add(name)
             since = self._pending_since.setdefault(name, now)
@@ -424,7 +427,8 @@ class KubernetesBackend(Backend):
         disrupted = self._disruption(pods)
         # Before the exit record: a peer's loss makes the trainer record a crash, which is the lost node's doing.
         if self.elastic and not complete and (recorded is None or Outcome.of_exit(recorded.exit_code, who="").status is AttemptStatus.CRASHED):
-            lost, why = self._lost(pods)
+            chosen = attempt.extra.get("elastic_strategy")
+            lost, why = self._lost(pods, Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy)
             if lost:
                 status = AttemptStatus.CRASHED if failed or recorded is not None else AttemptStatus.RUNNING
                 return Outcome(status, recorded.exit_code if recorded else None, why, lost_nodes=lost)
