@@ -211,10 +211,12 @@ class LocalBackend(Backend):
     def _lost(self, strategy: Strategy) -> tuple[tuple[str, ...], str]:
         """An elastic run's nodes whose devices are gone (the `devices` file says fewer than `strategy` runs on),
         each named by its devices, and why."""
+        if not self.elastic:
+            return (), ""
         assert self.profile is not None
         per_node = self.profile.gpus_per_node
         have = self.devices()
-        if not self.elastic or have >= strategy.world_size:
+        if have >= strategy.world_size:
             return (), ""
         nodes = -(-strategy.world_size // per_node)
         left = have // per_node
