@@ -49,6 +49,10 @@ def test_the_devices_file_is_the_machine_now(tmp_path):
     assert backend.available_nodes(attempt) == 1
     outcome = backend.poll(attempt)
     assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("devices 2-3",), outcome
+    # Two processes are the smallest plan (min_nodes 1): nothing smaller to shrink to, the attempt goes on.
+    (backend.run_dir.root / DEVICES_FILE).write_text("1")
+    assert backend.poll(Attempt(number=2, strategy=Strategy.parse("dp=2,tp=1,pp=1,mbs=8,gbs=16"),
+                                backend_id="0")).lost_nodes == ()  # fmt: skip
     (backend.run_dir.root / DEVICES_FILE).write_text("two")
     with pytest.raises(BackendError, match=r"devices: 'two' is not a device count; write one integer \(0 to 4\)"):
         backend.devices()

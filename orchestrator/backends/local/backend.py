@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.elastic import is_elastic
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.rundir import RunDir
@@ -150,8 +150,8 @@ class LocalBackend(Backend):
     ) -> Attempt:  # fmt: skip
         planned = strategy
         if elastic and len(elastic) > 1 and self.elastic:
-            # The table's strategy for the whole nodes there are devices for (the smallest when fewer: it then
-            # fails to start and the run retries, as on any machine short of devices).
+            # The table's strategy for the whole nodes there are devices for; the smallest when there are fewer
+            # (nothing smaller is planned: a worker without its device crashes, and the run retries as after any).
             nodes = self.available_nodes(Attempt(number=attempt, strategy=strategy)) or 0
             fits = [n for n in elastic if n <= nodes]
             strategy = elastic[max(fits) if fits else min(elastic)]
@@ -210,13 +210,14 @@ class LocalBackend(Backend):
 
     def _lost(self, strategy: Strategy) -> tuple[tuple[str, ...], str]:
         """An elastic run's nodes whose devices are gone (the `devices` file says fewer than `strategy` runs on),
-        each named by its devices, and why."""
+        each named by its devices, and why. An attempt on `min_nodes` has nowhere smaller to go: it goes on (a
+        device really gone makes it crash, handled as any crash), rather than being relaunched as it is, again."""
         if not self.elastic:
             return (), ""
         assert self.profile is not None
         per_node = self.profile.gpus_per_node
         have = self.devices()
-        if have >= strategy.world_size:
+        if have >= strategy.world_size or nodes_of(strategy, self.profile) <= node_range(self.profile)[0]:
             return (), ""
         nodes = -(-strategy.world_size // per_node)
         left = have // per_node
