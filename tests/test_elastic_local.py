@@ -8,6 +8,7 @@ import json
 import pytest
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, BackendError
 from cona.orchestrator.backends.local.backend import DEVICES_FILE, LocalBackend
+from cona.orchestrator.live import status_summary
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.runstate import read_events, read_state, request_stop
 from cona.protocol.rundir import RunDir
@@ -94,6 +95,8 @@ def test_fewer_devices_shrink_the_run_and_their_return_grows_it_back(tmp_path):
         assert shrink["lost"] == ["devices 2-3"] and shrink["nodes"] == 1, shrink
         one = Strategy.from_dict(shrink["to"])
         assert one.world_size == 2 and one != Strategy.parse(S4)
+        summary = status_summary(run_dir)  # `cona status`: the range, the plans, what the devices file says
+        assert summary["elastic"]["devices_file"] == "2" and [p["nodes"] for p in summary["elastic"]["plans"]] == [1, 2]
         wait_for(lambda: steps(2) >= 3 + int(shrink["checkpoint"].rsplit("-", 1)[-1]), timeout=180,
                  what="three steps on two processes", detail=output)  # fmt: skip
         (run_dir.root / DEVICES_FILE).unlink()
