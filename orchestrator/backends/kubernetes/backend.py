@@ -12,7 +12,8 @@ Service. What differs per kind (API, condition types, the trainer container's na
 `workloads.py`.
 
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, jobsets or trainjobs,
-create/delete on services (Indexed Jobs only), list on pods. An API error becomes a one-line `BackendError` naming
+create/delete on services (Indexed Jobs only), list on pods; an elastic run also lists Nodes, which the optional
+ClusterRole of `manifests/elastic/nodes.yaml` grants (without it, 403: the backend does without). An API error becomes a one-line `BackendError` naming
 the object and what to do.
 
 The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light,
@@ -180,6 +181,7 @@ class KubernetesBackend(Backend):
         server without nodes is not a cluster that lost them all). `fresh=False`: a listing up to
         `NODE_LIST_EVERY_S` old will do (polls)."""
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         now = time.monotonic()
         if not fresh and self._node_cache is not None and now - self._node_cache[0] < NODE_LIST_EVERY_S:
@@ -192,6 +194,9 @@ class KubernetesBackend(Backend):
                 raise BackendError(f"kubernetes: list nodes failed ({e.status}): {api_message(e)}; check the "
                                    "API server and the kubeconfig") from None  # fmt: skip
             states = None
+        except HTTPError as e:
+            raise BackendError(f"kubernetes: list nodes failed ({one_line(str(e))}); check that the API server "
+                               "answers") from None  # fmt: skip
         else:
             per_pod = self.profile.gpus_per_node if self.profile is not None else 1
             states = {
@@ -244,7 +249,8 @@ class KubernetesBackend(Backend):
             if node or phase not in (None, "Pending"):
                 continue
             reason, stuck = self._pending_reason(pod)
-            if stuck or not may_shrink:  # an image that cannot be pulled: no node would run it (`pending_timeout_s` fails the run)
+            # An image that cannot be pulled is not a node's fault (`pending_timeout_s` fails the run instead).
+            if stuck or not may_shrink:
                 continue
             seen.add(name)
             since = self._pending_since.setdefault(name, now)
