@@ -104,7 +104,9 @@ def test_a_pod_whose_node_is_gone_or_notready_reports_the_node_lost(k8s, tmp_pat
     outcome = backend.poll(attempt)
     assert outcome.lost_nodes == ("b",) and outcome.status is AttemptStatus.RUNNING, outcome
     assert outcome.detail.startswith(f"node b of pod {pods[0]} is {'gone' if how == 'deleted' else 'NotReady'}")
-    # A crash the trainer recorded because its peer went away is the lost node's doing, not a crash of its own.
+    # A crash the trainer recorded because its peer went away is the lost node's doing, not a crash of its own;
+    # the Nodes are listed afresh for it, whatever the poll's cache holds.
+    backend._node_cache = (time.monotonic(), {"a": NodeState(True, True), "b": NodeState(True, True)})
     run_dir.write_exit(1, ExitRecord(exit_code=1, name="CRASH", reason="peer", step=3, time=time.time()))
     assert backend.poll(attempt).lost_nodes == ("b",)
     # A protocol exit is what it says, whatever happened to the node after it.

@@ -225,13 +225,15 @@ class KubernetesBackend(Backend):
         fits = [n for n in table if n <= usable]
         return table[max(fits) if fits else min(table)]
 
-    def _lost(self, pods: list[Any], strategy: Strategy) -> tuple[tuple[str, ...], str]:
+    def _lost(self, pods: list[Any], strategy: Strategy, *, ended: bool) -> tuple[tuple[str, ...], str]:
         """The nodes the attempt of `strategy` lost and why, as one line: those of its pods that are gone or
         NotReady, and, for each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`).
-        An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had."""
+        An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had. `ended`: the workload
+        failed or the trainer recorded a crash; the Nodes are listed afresh then, since a lost node's peers crash
+        within seconds and a cached listing would call that a crash of the trainer."""
         assert self.profile is not None
         may_shrink = nodes_of(strategy, self.profile) > node_range(self.profile)[0]
-        states = self.nodes(fresh=False)
+        states = self.nodes(fresh=ended)
         now = time.monotonic()
         lost: list[str] = []
         why: list[str] = []
@@ -434,7 +436,8 @@ class KubernetesBackend(Backend):
         # Before the exit record: a peer's loss makes the trainer record a crash, which is the lost node's doing.
         if self.elastic and not complete and (recorded is None or Outcome.of_exit(recorded.exit_code, who="").status is AttemptStatus.CRASHED):
             chosen = attempt.extra.get("elastic_strategy")
-            lost, why = self._lost(pods, Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy)
+            running = Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy
+            lost, why = self._lost(pods, running, ended=bool(failed) or recorded is not None)
             if lost:
                 status = AttemptStatus.CRASHED if failed or recorded is not None else AttemptStatus.RUNNING
                 return Outcome(status, recorded.exit_code if recorded else None, why, lost_nodes=lost)
