@@ -180,8 +180,19 @@ def _world(run_dir: RunDir, profile: ClusterProfile, strategy: Strategy | None) 
             "min_nodes": nodes[0], "max_nodes": nodes[-1],
             "plans": [p.to_dict() for p in plan.plans] if plan else [],
             "planned_because": plan.reason if plan else None,
+            "devices_file": _devices_file(run_dir) if profile.backend == "local" else None,
         }  # fmt: skip
     return out
+
+
+def _devices_file(run_dir: RunDir) -> str | None:
+    """What a local elastic run's `devices` file says (the devices the machine has now), as written; None: none."""
+    from cona.orchestrator.backends.local.backend import DEVICES_FILE
+
+    try:
+        return (run_dir.root / DEVICES_FILE).read_text().strip()[:20]
+    except OSError:
+        return None
 
 
 def print_status(summary: dict[str, Any]) -> None:
@@ -204,7 +215,8 @@ def print_status(summary: dict[str, Any]) -> None:
         print(f"world      {summary['world_size']} devices on {summary['nodes']} node(s)")
     elastic = summary.get("elastic")
     if elastic:
-        print(f"elastic    {elastic['min_nodes']}-{elastic['max_nodes']} nodes"
+        devices = f"; devices file: {elastic['devices_file']}" if elastic.get("devices_file") is not None else ""
+        print(f"elastic    {elastic['min_nodes']}-{elastic['max_nodes']} nodes{devices}"
               + (f"; planned at {elastic['planned_because']}:" if elastic["planned_because"] else ""))  # fmt: skip
         for p in elastic["plans"]:
             chosen = _short(p["strategy"]) if p["strategy"] else "nothing feasible (waits)"

@@ -269,6 +269,10 @@ class Scheduler:
         self._absorb(attempt, self._tail_heartbeats(attempt))
         if not outcome.status.finished:
             self.backend.cancel(attempt)
+        try:  # what the attempt still holds (Kubernetes: its pods on the nodes left) is freed for the next one
+            self.backend.release(attempt)
+        except BackendError as e:
+            log_event(self.run_dir, "release-failed", attempt=attempt.number, detail=str(e))
         lost = ",".join(outcome.lost_nodes)
         left = max(nodes_of(attempt.strategy, self.profile) - len(outcome.lost_nodes), node_range(self.profile)[0])
         plan = self._replan(f"lost node {lost}")

@@ -16,7 +16,10 @@ endpoint (pod 0's hostname: `<job>-0.<service>`, `<jobset>-<replicatedJob>-0-0.<
 `127.0.0.1:<a free port of this workload>`. Pod and workload status follow the processes (Running;
 Succeeded/Failed with the exit code; Job Complete or JobSet Completed, or Failed and its other pods killed, as
 `backoffLimit: 0` and `maxRestarts: 0` would); deleting the workload kills its processes. `disrupt_pod` and
-`crash_worker` inject faults. TrainJobs are not run (their torch runtime is not emulated).
+`crash_worker` inject faults. Nodes exist only if a test creates them (`add_node`): then each new pod is bound to a
+Ready, schedulable node that no running pod holds (`spec.nodeName`; one pod a node, as one trainer pod takes a
+node's GPUs), and `lose_node` plays a node that vanishes: its Node object is deleted and its pods' processes
+killed, while their API objects stay as they were (no kubelet is left to report them). TrainJobs are not run (their torch runtime is not emulated).
 
 Known limits of the emulator: label and field selectors are ignored (the backend filters pods itself), no
 uid/resourceVersion/status is filled in, PUT and deletecollection answer 404, watches never end on their own.
@@ -281,6 +284,15 @@ class Emulator:
             self._controller = JobController(self, Path(workdir), env=env).start()
         return self._controller
 
+    def add_node(self, name: str, *, resource: str, count: int, ready: bool = True, unschedulable: bool = False,
+                 labels: dict[str, str] | None = None) -> None:  # fmt: skip
+        """Create a Node with `count` of `resource` allocatable, as a kubelet registering would."""
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels or {}},
+                "spec": {"unschedulable": unschedulable},
+                "status": {"allocatable": {resource: str(count)}, "capacity": {resource: str(count)},
+                           "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}  # fmt: skip
+        self._kubelet()[0].create_node(body)
+
     def write_kubeconfig(self, path: Path, *, token: str, namespace: str = "default") -> Path:
         """A kubeconfig for the emulator (plain http) whose requests carry `Bearer <token>`: the emulator does not
         check it, but `requests_by(token)` tells the callers apart (the laptop's CLI, the orchestrator pod)."""
@@ -376,6 +388,10 @@ class PodProcess:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
+    node: str | None = None
+    """The Node it was bound to (`spec.nodeName`), when the test created Nodes."""
+    lost: bool = False
+    """Its node vanished (`lose_node`): its processes are dead, nothing reports it any more."""
 
 
 @dataclass
@@ -510,6 +526,7 @@ class JobController:
             hostname = [f"{name}-{index}" for index in range(count)]
         container = spec["containers"][0]
         running.container = container["name"]
+        free = self._free_nodes(core)
         for index in range(count):
             pod_name = f"{hostname[index]}-{os.urandom(3).hex()[:5]}"
             labels = {**(template["metadata"].get("labels") or {}), **added,
@@ -526,13 +543,14 @@ class JobController:
             env[POD_MARKER] = pod_name
             cwd = Path(tempfile.mkdtemp(prefix=f"{pod_name}-", dir=self.workdir))
             log = cwd / "container.log"
+            node = free[index] if index < len(free) else None
             running.pods.append(PodProcess(name=pod_name, index=index, proc=self._spawn(argv, env, cwd, log), log=log,
-                                           argv=argv, env=env))  # fmt: skip
+                                           argv=argv, env=env, node=node))  # fmt: skip
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": pod_name, "namespace": namespace, "labels": labels, "annotations": annotations},
-                "spec": spec,
+                "spec": {**spec, "nodeName": node} if node else spec,
                 "status": {
                     "phase": "Running",
                     "startTime": _now(),
@@ -542,6 +560,16 @@ class JobController:
             }
             core.create_namespaced_pod(namespace, pod)
         return running
+
+    def _free_nodes(self, core: Any) -> list[str]:
+        """The Ready, schedulable Nodes that no pod of a running workload holds, by name."""
+        held = {p.node for j in self.jobs.values() if not j.finished and not j.deleted for p in j.pods if not p.lost}
+        free = []
+        for node in core.list_node().items:
+            ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
+            if ready and not (node.spec and node.spec.unschedulable) and node.metadata.name not in held:
+                free.append(node.metadata.name)
+        return sorted(free)
 
     @staticmethod
     def _spawn(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
@@ -589,7 +617,7 @@ class JobController:
                              "ready": True, "state": {"running": {"startedAt": _now()}}}  # fmt: skip
                 core.patch_namespaced_pod(pod.name, running.namespace, {"status": {"containerStatuses": [restarted]}})
                 continue
-            if code is not None and not pod.reported:
+            if code is not None and not pod.reported and not pod.lost:
                 self._report(core, running, pod, code)
         ended = [p for p in running.pods if p.reported]
         failed = [p for p in ended if p.proc.returncode != 0 and not p.disrupted]
@@ -597,7 +625,7 @@ class JobController:
             # backoffLimit 0 (or a FailJob rule): the Job fails and its other pods are terminated.
             self._kill(running)
             for pod in running.pods:
-                if not pod.reported:
+                if not pod.reported and not pod.lost:
                     self._report(core, running, pod, pod.proc.wait(30))
             code = failed[0].proc.returncode
             reason = "PodFailurePolicy" if code in (2, 42, 43, 44) else "BackoffLimitExceeded"
@@ -667,6 +695,18 @@ class JobController:
                          "message": "Eviction API: evicting", "lastTransitionTime": _now()}  # fmt: skip
             self._report(core, running, pod, code, conditions=[condition])
         return pod.name
+
+    def lose_node(self, node: str) -> list[str]:
+        """The node vanishes: its Node object is deleted and the processes of the pods on it killed; their pod
+        objects stay as they were (Running), as no kubelet is left to update them. The names of those pods."""
+        core, _ = self.emulator._kubelet()
+        core.delete_node(node)
+        with self._lock:
+            pods = [p for j in self.jobs.values() for p in j.pods if p.node == node and not p.lost]
+            for pod in pods:
+                pod.lost = True
+                kill_pod(pod)
+        return [pod.name for pod in pods]
 
     def crash_worker(self, job: str, index: int = 0) -> int:
         """kill -9 one trainer worker (a child of torchrun) of pod `index` of `job`; its pid."""

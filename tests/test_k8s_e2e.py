@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cona.orchestrator.runstate import read_state, request_stop
+from cona.protocol.strategy import Strategy
 from kubernetes import client
 
 from tests.cli_run import CliRun
@@ -225,3 +227,40 @@ def test_kubernetes_expansion_of_command_values():
     env = {"JOB_COMPLETION_INDEX": "1", "A": "x"}
     assert expand("--node-rank=$(JOB_COMPLETION_INDEX)", env) == "--node-rank=1"
     assert expand("$$(A) $(A) $(B) $$$(A) $ a$", env) == "$(A) x $(B) $x $ a$"
+
+
+def test_a_lost_node_shrinks_the_run_to_the_plan_for_the_nodes_left(k8s_run):
+    """An elastic run (`min_nodes: 1`) on two emulated Nodes: node b vanishes mid-run (Node deleted, its pod's
+    processes killed, the pod left as it was): the run goes on from the last complete checkpoint in one pod, on
+    node a, with the strategy planned for one node, until it is stopped. No failure is counted; the samples are
+    exactly 0..N−1 across both attempts. (Growing back is the scheduler's, as on every backend: the local e2e
+    test covers it; `available_nodes` here is unit-tested in tests/test_k8s_elastic.py.)"""
+    for node in ("a", "b"):
+        k8s_run.k8s.add_node(node, resource="cona.dev/cpu", count=2)
+    schedule = f"[{{samples: 0, strategy: '{S4}'}}]"  # the policy's own plan for two nodes, and nothing else
+    k8s_run.start("--profile-set", "min_nodes=1", "--set", "policy.name=schedule", "--set",
+                  f"policy.schedule={schedule}", "--set", "target.max_samples=100000")  # fmt: skip
+    k8s_run.wait(lambda: k8s_run.launch(1).get("job_name"), 120, "attempt 1's launch")
+    job = k8s_run.launch(1)["job_name"]
+    assert Strategy.from_dict(k8s_run.launch(1)["strategy"]) == Strategy.parse(S4)
+    k8s_run.wait(lambda: k8s_run.run.latest_checkpoint() is not None and steps(k8s_run, 1) >= 12, 180,
+                 "attempt 1: a checkpoint and step 12")  # fmt: skip
+    running = k8s_run.controller.jobs[(NAMESPACE, job)]
+    assert sorted(p.node for p in running.pods) == ["a", "b"]
+    (lost_pod,) = k8s_run.controller.lose_node("b")
+    shrink = k8s_run.wait(lambda: k8s_run.events("shrink"), 120, "the run to shrink after losing node b")[0]
+    assert shrink["lost"] == ["b"] and shrink["nodes"] == 1, shrink
+    assert f"node b of pod {lost_pod} is gone" in shrink["reason"], shrink
+    one = Strategy.from_dict(shrink["to"])
+    assert one.world_size == 2 and one != Strategy.parse(S4)
+    k8s_run.wait(lambda: steps(k8s_run, 2) >= 3, 180, "three steps on one node")
+    second = k8s_run.controller.jobs[(NAMESPACE, k8s_run.launch(2)["job_name"])]
+    assert [p.node for p in second.pods] == ["a"] and Strategy.from_dict(k8s_run.launch(2)["strategy"]) == one
+    assert Strategy.from_dict(heartbeats(k8s_run.run, 2)[0]["strategy"]) == one
+    request_stop(k8s_run.run)
+    assert k8s_run.proc is not None and k8s_run.proc.wait(timeout=200) == 0, k8s_run.logs()
+    state = read_state(k8s_run.run)
+    assert state.status == "stopped", k8s_run.logs()
+    assert not k8s_run.events("failure") and state.restarts_in_row == 0, k8s_run.logs()
+    assert [e["status"] for e in k8s_run.events("attempt-end")] == ["lost-node", "stopped"], k8s_run.logs()
+    assert_samples(k8s_run, state.live["samples"])

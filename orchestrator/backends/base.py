@@ -108,7 +108,9 @@ class Outcome:
     """The strategy the attempt actually runs when it is not the one it was launched with: an elastic launch
     started on another node count and runs the planning table's strategy for it."""
     lost_nodes: tuple[str, ...] = ()
-    """Nodes of the attempt the cluster has lost (Slurm: DOWN or FAIL): an elastic run replans for the others."""
+    """Nodes of the attempt the cluster has lost (Slurm: DOWN or FAIL; Kubernetes: a pod's Node gone or NotReady, or
+    `pod <name>` Pending past `kubernetes.elastic_pending_timeout_s`; local: `devices a-b` no longer in the run
+    directory's `devices` file): an elastic run replans for the others."""
 
     @classmethod
     def of_exit(cls, code: int | None, *, who: str) -> Outcome:
@@ -154,8 +156,9 @@ class Backend(abc.ABC):
 
         `elastic` (an elastic run's planning table, {node count: strategy}, `strategy` among them): the attempt may
         start on any of these node counts, whatever the cluster gives, with that count's strategy; `poll` then
-        reports the strategy it runs (`Outcome.strategy`). A backend that cannot start on a node count it does not
-        know in advance (local, Kubernetes) launches `strategy`.
+        reports the strategy it runs (`Outcome.strategy`). Slurm lets the allocation decide; Kubernetes counts the
+        Nodes a pod could run on, local the devices its `devices` file leaves; a backend that cannot tell launches
+        `strategy`.
         """
 
     @abc.abstractmethod

@@ -12,7 +12,8 @@ Service. What differs per kind (API, condition types, the trainer container's na
 `workloads.py`.
 
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, jobsets or trainjobs,
-create/delete on services (Indexed Jobs only), list on pods. An API error becomes a one-line `BackendError` naming
+create/delete on services (Indexed Jobs only), list on pods; an elastic run also lists Nodes, which the optional
+ClusterRole of `manifests/elastic/nodes.yaml` grants (without it, 403: the backend does without). An API error becomes a one-line `BackendError` naming
 the object and what to do.
 
 The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light,
@@ -24,23 +25,25 @@ emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cl
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.api import REQUEST_TIMEOUT_S, KubeApi, api_message, one_line
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
 from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
+from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
     from cona.orchestrator.job import Job
     from cona.orchestrator.profile import ClusterProfile
     from cona.protocol.rundir import RunDir
-    from cona.protocol.strategy import Strategy
 
 LOG_TAIL_LINES = 500
 """Lines of each pod's log kept in the attempt's directory when the attempt ends."""
@@ -51,6 +54,8 @@ IMAGE_WAITING_REASONS = frozenset({
     "RegistryUnavailable", "SignatureValidationFailed",
 })  # fmt: skip
 """The kubelet's waiting reasons of a container whose image cannot be pulled or used."""
+NODE_LIST_EVERY_S = 5.0
+"""Elastic runs: how often `poll` lists the cluster's Nodes (one cluster-wide call) to see lost ones."""
 STUCK_WAITING_REASONS = IMAGE_WAITING_REASONS | {
     "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError", "PreStartHookError",
 }  # fmt: skip
@@ -85,6 +90,41 @@ def _pod_condition(pod: Any, kind: str) -> Any | None:
     return None
 
 
+def _quantity(value: Any) -> float:
+    """A Kubernetes quantity of a countable resource (`4`, `4000m`) as a number; 0 when it is not one."""
+    text = str(value or "0").strip()
+    try:
+        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return 0.0
+
+
+def node_usable(node: Any, *, selector: dict[str, str], resource: str, per_pod: int) -> bool:
+    """Whether a trainer pod of the run could be scheduled on `node` (as far as the Node object says): its Ready
+    condition is True, it is not cordoned (`spec.unschedulable`), its labels match the profile's `node_selector`
+    and it has at least `per_pod` of `resource` allocatable. What other workloads use of it is not counted: a pod
+    that then stays Pending ends the attempt after `kubernetes.elastic_pending_timeout_s`, as a lost node."""
+    status, spec, meta = node.status, node.spec, node.metadata
+    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or [])) if status else False
+    if not ready or (spec is not None and spec.unschedulable):
+        return False
+    labels = (meta.labels or {}) if meta else {}
+    if any(labels.get(k) != v for k, v in selector.items()):
+        return False
+    allocatable = (status.allocatable or {}) if status else {}
+    return _quantity(allocatable.get(resource)) >= per_pod
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeState:
+    """What an elastic run needs to know of one Node."""
+
+    ready: bool
+    """Its Ready condition is True: the kubelet reports, the pods on it run."""
+    usable: bool
+    """A trainer pod of the run could be scheduled there (`node_usable`)."""
+
+
 class KubernetesBackend(Backend):
     """Runs each attempt as a workload with one pod per node: an Indexed Job plus the headless Service of its
     rendezvous, a JobSet, or a TrainJob (`kubernetes.workload`).
@@ -94,6 +134,14 @@ class KubernetesBackend(Backend):
     scheduler relaunches it from the last complete checkpoint without counting a failure, and `poll` first deletes
     the Job of such an attempt if it is still active, so its other pods free their GPUs before the next attempt
     is created.
+
+    Elastic runs (`min_nodes` < `nodes`): `launch` starts the planning table's strategy for the number of nodes a
+    trainer pod could be scheduled on now (Ready, not cordoned, matching `node_selector`, with the GPUs
+    allocatable: `node_usable`), and `poll` reports it (`Outcome.strategy`); a pod whose node is gone or NotReady,
+    or that stays Pending past `kubernetes.elastic_pending_timeout_s`, ends the attempt with `Outcome.lost_nodes`,
+    so the scheduler replans for the pods that can run; `available_nodes` counts the usable nodes, so the run
+    grows back when the policy says it pays. Nodes are cluster-scoped: reading them takes the ClusterRole of
+    `manifests/elastic/nodes.yaml`; without it only the pending timeout shrinks a run, and it never grows.
     """
 
     name = "kubernetes"
@@ -113,10 +161,106 @@ class KubernetesBackend(Backend):
         self.spec = profile.kubernetes
         self.namespace = self.spec.namespace
         self.api = KubeApi(self.namespace, api_client)
+        self._pending_since: dict[str, float] = {}
+        """Elastic runs: since when (monotonic) each pod of the attempt polled has been seen Pending, unscheduled."""
+        self._node_cache: tuple[float, dict[str, NodeState] | None] | None = None
+        """(when, what) `nodes()` last listed: polls list Nodes at most every `NODE_LIST_EVERY_S`."""
 
     @property
     def pending_timeout_s(self) -> float:
         return self.spec.pending_timeout_s
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may train on fewer nodes than the profile's `nodes` (`min_nodes` below it)."""
+        return self.profile is not None and is_elastic(self.profile)
+
+    def nodes(self, *, fresh: bool = True) -> dict[str, NodeState] | None:
+        """{name: state} of the cluster's Nodes; None when the backend cannot tell: Nodes are cluster-scoped and
+        listing them is refused without `manifests/elastic/nodes.yaml` (403), or the API lists none (an API
+        server without nodes is not a cluster that lost them all). `fresh=False`: a listing up to
+        `NODE_LIST_EVERY_S` old will do (polls)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        now = time.monotonic()
+        if not fresh and self._node_cache is not None and now - self._node_cache[0] < NODE_LIST_EVERY_S:
+            return self._node_cache[1]
+        core, _ = self._apis()
+        try:
+            listed = core.list_node(_request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as e:
+            if e.status != 403:
+                raise BackendError(f"kubernetes: list nodes failed ({e.status}): {api_message(e)}; check the "
+                                   "API server and the kubeconfig") from None  # fmt: skip
+            states = None
+        except HTTPError as e:
+            raise BackendError(f"kubernetes: list nodes failed ({one_line(str(e))}); check that the API server "
+                               "answers") from None  # fmt: skip
+        else:
+            per_pod = self.profile.gpus_per_node if self.profile is not None else 1
+            states = {
+                node.metadata.name: NodeState(
+                    ready=node_usable(node, selector={}, resource=self.spec.gpu_resource, per_pod=0),
+                    usable=node_usable(node, selector=self.spec.node_selector, resource=self.spec.gpu_resource,
+                                       per_pod=per_pod),
+                )
+                for node in listed.items
+            } or None  # fmt: skip
+        self._node_cache = (now, states)
+        return states
+
+    def available_nodes(self, attempt: Attempt) -> int | None:
+        """The nodes a trainer pod could be scheduled on now (`node_usable`), the attempt's own among them."""
+        states = self.nodes()  # asked once per decision interval: a fresh listing
+        return None if states is None else sum(s.usable for s in states.values())
+
+    def _start_on(self, table: dict[int, Strategy], planned: Strategy) -> Strategy:
+        """The strategy an elastic launch starts: the table's for the most nodes that can run a pod now (the
+        smallest node count when fewer: its pods wait for nodes); `planned` when the Nodes cannot be read."""
+        states = self.nodes()
+        if states is None:
+            return planned
+        usable = sum(s.usable for s in states.values())
+        fits = [n for n in table if n <= usable]
+        return table[max(fits) if fits else min(table)]
+
+    def _lost(self, pods: list[Any], strategy: Strategy, *, ended: bool) -> tuple[tuple[str, ...], str]:
+        """The nodes the attempt of `strategy` lost and why, as one line: those of its pods that are gone or
+        NotReady, and, for each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`).
+        An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had. `ended`: the workload
+        failed or the trainer recorded a crash; the Nodes are listed afresh then, since a lost node's peers crash
+        within seconds and a cached listing would call that a crash of the trainer."""
+        assert self.profile is not None
+        may_shrink = nodes_of(strategy, self.profile) > node_range(self.profile)[0]
+        states = self.nodes(fresh=ended)
+        now = time.monotonic()
+        lost: list[str] = []
+        why: list[str] = []
+        seen = set()
+        for pod in pods:
+            name = pod.metadata.name
+            node = pod.spec.node_name if pod.spec else None
+            phase = pod.status.phase if pod.status else None
+            if node and states is not None and phase not in ("Succeeded",):
+                state = states.get(node)
+                if (state is None or not state.ready) and node not in lost:
+                    lost.append(node)
+                    why.append(f"node {node} of pod {name} {'is gone' if state is None else 'is NotReady'}")
+                continue
+            if node or phase not in (None, "Pending"):
+                continue
+            reason, stuck = self._pending_reason(pod)
+            # An image that cannot be pulled is not a node's fault (`pending_timeout_s` fails the run instead).
+            if stuck or not may_shrink:
+                continue
+            seen.add(name)
+            since = self._pending_since.setdefault(name, now)
+            if now - since >= self.spec.elastic_pending_timeout_s:
+                lost.append(f"pod {name}")
+                why.append(f"pod {name} Pending {now - since:.0f}s ({reason})")
+        self._pending_since = {k: v for k, v in self._pending_since.items() if k in seen}
+        return tuple(lost), "; ".join(why)
 
     @property
     def api_client(self) -> Any:
@@ -171,10 +315,16 @@ class KubernetesBackend(Backend):
         self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
         elastic: dict[int, Strategy] | None = None,
     ) -> Attempt:  # fmt: skip
-        # `elastic` is not used yet: the Job's pods ask for the node count of `strategy`.
+        planned = strategy
+        if elastic and len(elastic) > 1:
+            # As many pods as there are nodes to run them, with the table's strategy for that many.
+            strategy = self._start_on(elastic, planned)
+        self._pending_since = {}
         # Rendered first (pure): a profile value that cannot be rendered leaves no launch record behind.
         objects = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
                                  run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
+        # The scheduler knows the attempt by the strategy it planned; `poll` reports the one it runs.
+        chosen = {"elastic_strategy": strategy.to_dict()} if strategy != planned else {}
         kind = self._kind()
         *services, main = objects  # an Indexed Job comes after its Service; a JobSet or TrainJob alone
         name = main["metadata"]["name"]
@@ -196,14 +346,14 @@ class KubernetesBackend(Backend):
                 self._call("delete", "services", service_name, core.delete_namespaced_service, service_name,
                            self.namespace, missing_ok=True)  # fmt: skip
                 raise
-            return Attempt(number=attempt, strategy=strategy, backend_id=name, started_at=time.time(),
-                           extra={"namespace": self.namespace, "service": service_name})  # fmt: skip
+            return Attempt(number=attempt, strategy=planned, backend_id=name, started_at=time.time(),
+                           extra={"namespace": self.namespace, "service": service_name, **chosen})  # fmt: skip
         assert not services, [obj["kind"] for obj in objects]  # JobSet (and TrainJob's JobSet) make their Service
         # `job_name` names the workload whatever its kind (the launch record's field predates the other kinds).
         self.write_launch(attempt, strategy, namespace=self.namespace, job_name=name, workload=kind.workload)
         workload.create(main)
-        return Attempt(number=attempt, strategy=strategy, backend_id=name, started_at=time.time(),
-                       extra={"namespace": self.namespace, "workload": kind.workload})  # fmt: skip
+        return Attempt(number=attempt, strategy=planned, backend_id=name, started_at=time.time(),
+                       extra={"namespace": self.namespace, "workload": kind.workload, **chosen})  # fmt: skip
 
     def _pods(self, workload: WorkloadApi, name: str) -> list[Any]:
         core, _ = self._apis()
@@ -250,6 +400,13 @@ class KubernetesBackend(Backend):
         return None
 
     def poll(self, attempt: Attempt) -> Outcome:
+        outcome = self._poll(attempt)
+        chosen = attempt.extra.get("elastic_strategy")
+        if isinstance(chosen, dict) and Strategy.from_dict(chosen) != attempt.strategy:
+            outcome = dataclasses.replace(outcome, strategy=Strategy.from_dict(chosen))
+        return outcome
+
+    def _poll(self, attempt: Attempt) -> Outcome:
         """Where the attempt stands, from the workload's conditions, its pods and the trainer's exit record.
 
         Workload gone → the trainer's record if it wrote one, else CRASHED (`the Job is gone`, or JobSet,
@@ -260,7 +417,9 @@ class KubernetesBackend(Backend):
         the workload's reason. A TrainJob whose trainer wrote its exit record and one of whose pods failed has ended
         too, before its runtime's Job replaces the pod: it is deleted. Otherwise a Pending pod (or none yet) →
         PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
-        (`STUCK_WAITING_REASONS`), else RUNNING.
+        (`STUCK_WAITING_REASONS`), else RUNNING. An elastic run's attempt that is not complete and whose trainer
+        recorded no protocol exit, one of whose pods lost its node or stays Pending past
+        `elastic_pending_timeout_s` (`_lost`), reports `lost_nodes` (CRASHED if its workload failed, else as it is).
         """
         kind = self._kind(attempt)
         workload = self._workload(kind)
@@ -274,6 +433,14 @@ class KubernetesBackend(Backend):
         complete, failed = true_condition(conditions, kind.succeeded), true_condition(conditions, kind.failed)
         pods = self._pods(workload, name)
         disrupted = self._disruption(pods)
+        # Before the exit record: a peer's loss makes the trainer record a crash, which is the lost node's doing.
+        if self.elastic and not complete and (recorded is None or Outcome.of_exit(recorded.exit_code, who="").status is AttemptStatus.CRASHED):
+            chosen = attempt.extra.get("elastic_strategy")
+            running = Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy
+            lost, why = self._lost(pods, running, ended=bool(failed) or recorded is not None)
+            if lost:
+                status = AttemptStatus.CRASHED if failed or recorded is not None else AttemptStatus.RUNNING
+                return Outcome(status, recorded.exit_code if recorded else None, why, lost_nodes=lost)
         if recorded is not None and (complete or failed or disrupted):
             return Outcome.of_exit(recorded.exit_code, who="trainer")
         if recorded is not None and kind.retries_pods and any(pod.status and pod.status.phase == "Failed" for pod in pods):

@@ -48,6 +48,12 @@ class KubernetesSpec(StrictModel):
     `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), while an
     unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) goes on waiting — the cluster's
     queue, like Slurm's — and `cona status` shows for how long and why."""
+    elastic_pending_timeout_s: float = Field(default=300.0, gt=0)
+    """Elastic runs only (`min_nodes` < `nodes`): how long one pod of a running attempt may stay Pending (not
+    scheduled: its node is gone, cordoned or full) before the attempt ends as if that pod's node were lost, so the
+    run replans for the pods that can run (`Outcome.lost_nodes`). Counted from the first poll that saw the pod
+    Pending (an orchestrator restart starts it again). Shorter than `pending_timeout_s`, which never shrinks a run;
+    a pod that waits for something waiting does not bring (an image that cannot be pulled) is not a lost node."""
     shm_size: str | None = None
     """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""
     orchestrator_cpu: str = "500m"

@@ -4,11 +4,19 @@ Each launch runs in its own process session under a tiny shell wrapper that reco
 `attempts/<n>/exit_code`, so an orchestrator that was killed and restarted can still tell how the attempt ended.
 An in-place switch keeps the processes: the next attempt is the same process group, and its exit code lands in the
 directory of the attempt that launched it (`extra.launched_as`).
+
+Elastic runs (`min_nodes` < `nodes`; the machine described as `nodes` × `gpus_per_node`, e.g. 2 × 2 for 4 GPUs):
+the devices the machine has now are the profile's, unless the run directory's `devices` file says fewer (one
+integer: `echo 2 > runs/<name>/devices` when two GPUs are taken away, `rm` it when they are back). It is read at
+each launch and poll: fewer devices than the attempt runs on end it as lost (`Outcome.lost_nodes`, whole nodes of
+`gpus_per_node` devices), the scheduler replans and relaunches the table's strategy for what is left, and
+`available_nodes` lets the run grow back when the devices return and the policy says it pays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -17,13 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Outcome
+from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
 EXIT_CODE_FILE = "exit_code"
+DEVICES_FILE = "devices"
+"""In the run directory: how many devices an elastic run has now, when fewer than the profile's (one integer)."""
 
 
 def _process_start_time(pid: int) -> str | None:
@@ -81,6 +92,37 @@ class LocalBackend(Backend):
         self.extra_env = dict(extra_env or {})
         self._children: dict[int, subprocess.Popen] = {}
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may train on fewer nodes than the profile's `nodes` (`min_nodes` below it)."""
+        return self.profile is not None and is_elastic(self.profile)
+
+    def devices(self) -> int:
+        """The devices this machine offers the run now: the run directory's `devices` file, else the profile's."""
+        assert self.profile is not None
+        path = self.run_dir.root / DEVICES_FILE
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            return self.profile.num_gpus
+        except OSError as e:
+            raise BackendError(f"{path}: cannot be read ({e.strerror}); write the number of devices there or remove it") from None
+        try:
+            count = int(text)
+            if count < 0:
+                raise ValueError
+        except ValueError:
+            raise BackendError(f"{path}: {text[:40]!r} is not a device count; write one integer (0 to "
+                               f"{self.profile.num_gpus}) or remove the file") from None  # fmt: skip
+        return min(count, self.profile.num_gpus)
+
+    def available_nodes(self, attempt: Attempt) -> int | None:
+        """Whole nodes of `gpus_per_node` among the devices there are now (`devices`)."""
+        if not self.elastic:
+            return None
+        assert self.profile is not None
+        return self.devices() // self.profile.gpus_per_node
+
     def command(self, *, attempt: int, strategy: Strategy) -> list[str]:
         return [
             self.python, "-m", "torch.distributed.run",
@@ -106,7 +148,13 @@ class LocalBackend(Backend):
         self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
         elastic: dict[int, Strategy] | None = None,
     ) -> Attempt:  # fmt: skip
-        # `elastic` is not used: this machine's devices are known, the scheduler plans for them (`strategy`).
+        planned = strategy
+        if elastic and len(elastic) > 1 and self.elastic:
+            # The table's strategy for the whole nodes there are devices for; the smallest when there are fewer
+            # (nothing smaller is planned: a worker without its device crashes, and the run retries as after any).
+            nodes = self.available_nodes(Attempt(number=attempt, strategy=strategy)) or 0
+            fits = [n for n in elastic if n <= nodes]
+            strategy = elastic[max(fits) if fits else min(elastic)]
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         self.write_launch(attempt, strategy)
@@ -124,12 +172,14 @@ class LocalBackend(Backend):
                 env=env, start_new_session=True, cwd=str(self.run_dir.root),
             )  # fmt: skip
         self._children[proc.pid] = proc
+        # The scheduler knows the attempt by the strategy it planned; `poll` reports the one it runs.
+        chosen = {"elastic_strategy": strategy.to_dict()} if strategy != planned else {}
         return Attempt(
             number=attempt,
-            strategy=strategy,
+            strategy=planned,
             backend_id=str(proc.pid),
             started_at=time.time(),
-            extra={"start_time": _process_start_time(proc.pid), "log": str(log)},
+            extra={"start_time": _process_start_time(proc.pid), "log": str(log), **chosen},
         )
 
     supports_in_place_switch = True
@@ -172,7 +222,35 @@ class LocalBackend(Backend):
                     found.append(int(entry.name))
         return found
 
+    def _lost(self, strategy: Strategy) -> tuple[tuple[str, ...], str]:
+        """An elastic run's nodes whose devices are gone (the `devices` file says fewer than `strategy` runs on),
+        each named by its devices, and why. An attempt on `min_nodes` has nowhere smaller to go: it goes on (a
+        device really gone makes it crash, handled as any crash), rather than being relaunched as it is, again."""
+        if not self.elastic:
+            return (), ""
+        assert self.profile is not None
+        per_node = self.profile.gpus_per_node
+        have = self.devices()
+        if have >= strategy.world_size or nodes_of(strategy, self.profile) <= node_range(self.profile)[0]:
+            return (), ""
+        nodes = -(-strategy.world_size // per_node)
+        left = have // per_node
+        lost = tuple(f"devices {n * per_node}-{(n + 1) * per_node - 1}" for n in range(left, nodes))
+        return lost, f"{DEVICES_FILE} file: {have} device(s), the attempt runs on {strategy.world_size}"
+
     def poll(self, attempt: Attempt) -> Outcome:
+        chosen = attempt.extra.get("elastic_strategy")
+        running = Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy
+        outcome = self._poll(attempt)
+        if not outcome.status.finished or outcome.status is AttemptStatus.CRASHED:
+            lost, why = self._lost(running)
+            if lost:
+                outcome = dataclasses.replace(outcome, lost_nodes=lost, detail=why)
+        if running != attempt.strategy:
+            outcome = dataclasses.replace(outcome, strategy=running)
+        return outcome
+
+    def _poll(self, attempt: Attempt) -> Outcome:
         if self._ours_and_alive(attempt):
             return Outcome(AttemptStatus.RUNNING)
         # Never report an attempt ended while a worker of it still trains: the next launch would run beside it.

@@ -207,8 +207,11 @@ class SlurmBackend(Backend):
 
     No attempt ends DISRUPTED here (yet): a node failure or a preemption with PreemptMode=REQUEUE requeues the job,
     which the attempt follows as PENDING without ending; a preemption that signals the job ends it STOPPED after a
-    checkpoint, which is not counted as a failure either. Only a poll that catches the job RUNNING on a DOWN node,
-    or a job that ended NODE_FAIL or PREEMPTED without an exit record, ends CRASHED and counts against
+    checkpoint, which is not counted as a failure either. In an elastic run (`min_nodes` < `nodes`) a lost node is
+    a shrink, not a failure: a poll that finds a node of the job DOWN (the job running, requeued, or ended with it)
+    reports it in `Outcome.lost_nodes`, and the scheduler replans for the nodes left (`Scheduler._shrink`, no
+    restart counted). In a run that is not elastic, a poll that catches the job RUNNING on a DOWN node, or a job
+    that ended NODE_FAIL or PREEMPTED without an exit record, ends CRASHED and counts against
     `policy.max_restarts`; calling those DISRUPTED would be right, but changes what the real-cluster tests
     (`tests/test_slurm_e2e.py`, `tests/test_slurm_cluster.py`) expect, so it waits until they can run with it.
     """
