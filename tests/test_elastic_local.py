@@ -26,7 +26,7 @@ from tests.test_orchestrator_e2e import (
     heartbeats,
     wait_for,
 )
-from tests.test_slurm_elastic import _losses, _relaunched_losses
+from tests.test_slurm_e2e import losses, relaunched_losses
 
 S4 = "dp=4,tp=1,pp=1,mbs=4,gbs=16"
 ELASTIC = ["--profile-set", "nodes=2", "--profile-set", "gpus_per_node=2", "--profile-set", "min_nodes=1"]
@@ -120,4 +120,4 @@ def test_fewer_devices_shrink_the_run_and_their_return_grows_it_back(tmp_path):
     resume = next(json.loads(x)["resume"] for x in samples_file(run_dir, 2).read_text().splitlines() if '"resume"' in x)
     assert shrink["checkpoint"] == run_dir.checkpoint_dir(resume).name and resume >= 10, shrink
     upto = resume + 3
-    assert _losses(run_dir, 2, upto) == _relaunched_losses(run_dir, tmp_path, step=resume, strategy=one, upto=upto)
+    assert losses(run_dir, 2, upto) == relaunched_losses(run_dir, tmp_path, step=resume, strategy=one, upto=upto)

@@ -195,25 +195,35 @@ def test_cona_policy_switches_in_place_inside_the_allocation(slurm_run, tmp_path
     # The same checkpoint, relaunched by hand under the new strategy: the same losses step by step.
     run_dir, switched = slurm_run.run, slurm_run.run.read_exit(1)
     step, target = switched.step, switched.next_strategy
-    trained = {hb["step"]: hb["train_loss"] for hb in heartbeats(run_dir, 2)
-               if hb.get("event") in (None, "eval") and hb["train_loss"] is not None}  # fmt: skip
+    trained = losses(run_dir, 2, upto=None)
     upto = min(step + 4, max(trained))
     assert upto > step, trained
-    fresh = RunDir(tmp_path / "relaunch")
+    relaunched = relaunched_losses(run_dir, tmp_path, step=step, strategy=target, upto=upto)
+    assert sorted(relaunched) == list(range(step + 1, upto + 1))
+    assert {k: trained[k] for k in relaunched} == relaunched
+
+
+def losses(run: RunDir, attempt: int, upto: int | None) -> dict[int, float]:
+    """The training loss of each step of `attempt` (up to step `upto`), from its heartbeats."""
+    return {hb["step"]: hb["train_loss"] for hb in heartbeats(run, attempt)
+            if hb.get("event") in (None, "eval") and hb["train_loss"] is not None
+            and (upto is None or hb["step"] <= upto)}  # fmt: skip
+
+
+def relaunched_losses(run: RunDir, tmp: Path, *, step: int, strategy: Strategy, upto: int) -> dict[int, float]:
+    """The losses of a fresh torchrun of `strategy` from `run`'s checkpoint at `step`, by hand, up to step `upto`."""
+    fresh = RunDir(tmp / "relaunch")
     fresh.checkpoints.mkdir(parents=True)
-    (fresh.root / "run.yaml").write_text((run_dir.root / "run.yaml").read_text())
-    shutil.copytree(run_dir.checkpoint_dir(step), fresh.checkpoint_dir(step))
+    (fresh.root / "run.yaml").write_text((run.root / "run.yaml").read_text())
+    shutil.copytree(run.checkpoint_dir(step), fresh.checkpoint_dir(step))
     by_hand = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={target.world_size}",
-         "-m", "cona.trainer", "--run-dir", str(fresh.root), "--strategy", str(target), "--attempt", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={strategy.world_size}",
+         "-m", "cona.trainer", "--run-dir", str(fresh.root), "--strategy", str(strategy), "--attempt", "2",
          "--max-steps", str(upto)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
         text=True, timeout=240,
     )  # fmt: skip
     assert fresh.read_exit(2) is not None and fresh.read_exit(2).name == "STOPPED", by_hand.stderr[-3000:]
-    relaunched = {hb["step"]: hb["train_loss"] for hb in heartbeats(fresh, 2)
-                  if hb.get("event") in (None, "eval") and hb["train_loss"] is not None}  # fmt: skip
-    assert sorted(relaunched) == list(range(step + 1, upto + 1))
-    assert {k: trained[k] for k in relaunched} == relaunched
+    return losses(fresh, 2, upto)
 
 
 def test_schedule_to_fewer_nodes_resubmits_with_one_node(slurm_run):

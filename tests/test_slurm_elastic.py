@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,13 +19,20 @@ from pathlib import Path
 import pytest
 from cona.orchestrator.elastic import read_plan
 from cona.orchestrator.runstate import read_state
-from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import REPO
 from tests.test_orchestrator_e2e import heartbeats, wait_for
 from tests.test_slurm_cluster import LOCAL_CLUSTER, _sh, cluster  # noqa: F401 (the cluster fixture)
-from tests.test_slurm_e2e import S4, _step_processes, assert_samples, sets, slurm_run  # noqa: F401 (fixture)
+from tests.test_slurm_e2e import (  # noqa: F401 (slurm_run: the fixture)
+    S4,
+    _step_processes,
+    assert_samples,
+    losses,
+    relaunched_losses,
+    sets,
+    slurm_run,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
@@ -79,27 +85,6 @@ def _on_two_nodes(run) -> int | None:
     current = max((e["attempt"] for e in launches), default=0)
     started = run.attempt_json(current, "slurm.json") if current else {}
     return current if len(str(started.get("nodelist", "")).split(",")) == 2 else None
-
-
-def _losses(run: RunDir, attempt: int, upto: int) -> dict[int, float]:
-    return {hb["step"]: hb["train_loss"] for hb in heartbeats(run, attempt)
-            if hb.get("event") in (None, "eval") and hb["train_loss"] is not None and hb["step"] <= upto}  # fmt: skip
-
-
-def _relaunched_losses(run: RunDir, tmp: Path, *, step: int, strategy: Strategy, upto: int) -> dict[int, float]:
-    """The losses of a fresh torchrun of `strategy` from `run`'s checkpoint at `step`, by hand, up to step `upto`."""
-    fresh = RunDir(tmp / "relaunch")
-    fresh.checkpoints.mkdir(parents=True)
-    (fresh.root / "run.yaml").write_text((run.root / "run.yaml").read_text())
-    shutil.copytree(run.checkpoint_dir(step), fresh.checkpoint_dir(step))
-    by_hand = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={strategy.world_size}",
-         "-m", "cona.trainer", "--run-dir", str(fresh.root), "--strategy", str(strategy), "--attempt", "2",
-         "--max-steps", str(upto)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=240,
-    )  # fmt: skip
-    assert fresh.read_exit(2) is not None and fresh.read_exit(2).name == "STOPPED", by_hand.stderr[-3000:]
-    return _losses(fresh, 2, upto)
 
 
 def test_an_elastic_job_that_gets_one_node_starts_on_the_strategy_planned_for_one_node(slurm_run, n2_drained):  # noqa: F811
@@ -189,5 +174,5 @@ def test_a_lost_node_shrinks_the_run_and_the_returning_node_grows_it_back(slurm_
     assert_samples(slurm_run, state.live["samples"])
     # The shrunk attempt resumed the checkpoint exactly: the losses of a relaunch from it, step by step.
     upto = resume + 3
-    assert _losses(slurm_run.run, after, upto) == _relaunched_losses(slurm_run.run, tmp_path, step=resume, strategy=one,
+    assert losses(slurm_run.run, after, upto) == relaunched_losses(slurm_run.run, tmp_path, step=resume, strategy=one,
                                                                      upto=upto)

@@ -93,8 +93,8 @@ def test_a_completed_switch_is_measured_under_its_kind(setup, tmp_path):
     target = Strategy(dp=2, tp=1, pp=2, mbs=16, gbs=64)
     model.switch_started(requested_at=100.0, to_attempt=2, kind=SwitchKind.IN_PLACE, predicted_s=1.0)
     resume = Heartbeat.from_dict({
-        "step": 10, "samples": 160, "time": 101.5, "event": "resume", "attempt": 2, "strategy": target.short(),
-        "tokens": 0, "train_loss": None, "lr": None, "step_time_s": None, "samples_per_s": None,
+        "step": 10, "samples": 160, "time": 101.5, "event": "resume", "attempt": 2, "strategy": target.to_dict(),
+        "tokens": 0, "train_loss": None, "lr": 0.0, "step_time_s": 0.0, "samples_per_s": 0.0,
     })  # fmt: skip
     (done,) = model.absorb(2, target, [resume])
     assert (done.attempt, done.kind, done.predicted_s) == (2, SwitchKind.IN_PLACE, 1.0)
