@@ -563,7 +563,10 @@ class JobController:
 
     def _free_nodes(self, core: Any) -> list[str]:
         """The Ready, schedulable Nodes that no pod of a running workload holds, by name."""
-        held = {p.node for j in self.jobs.values() if not j.finished and not j.deleted for p in j.pods if not p.lost}
+        # A node is held by a pod whose container still runs: a pod of the previous attempt that has exited frees its
+        # node even before its Job object is marked finished or deleted (the next attempt's pods are created then).
+        held = {p.node for j in self.jobs.values() if not j.finished and not j.deleted for p in j.pods
+                if not p.lost and p.proc.poll() is None}  # fmt: skip
         free = []
         for node in core.list_node().items:
             ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
