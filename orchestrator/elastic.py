@@ -100,6 +100,13 @@ class ElasticPlan:
                    time=float(data.get("time", 0.0)))  # fmt: skip
 
 
+def table_choice(table: dict[int, Strategy], nodes: int) -> Strategy:
+    """The strategy of `table` ({node count: strategy}) for the most nodes up to `nodes`; the smallest node count's
+    when there are fewer (nothing smaller is planned: its launch waits for nodes, or crashes and is retried)."""
+    fits = [n for n in table if n <= nodes]
+    return table[max(fits) if fits else min(table)]
+
+
 def world_candidates(candidates: list[Candidate], devices: int) -> list[Candidate]:
     """The feasible candidates that use exactly `devices` devices."""
     return [c for c in candidates if c.feasible and c.strategy.world_size == devices]

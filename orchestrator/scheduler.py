@@ -214,7 +214,7 @@ class Scheduler:
             return
         if plan.target.world_size > attempt.strategy.world_size:
             log_event(self.run_dir, "grow", attempt=attempt.number, nodes=nodes_of(plan.target, self.profile),
-                      available_nodes=max(w for w in worlds or [0]) // self.profile.gpus_per_node,
+                      available_nodes=max(worlds or [0]) // self.profile.gpus_per_node,
                       reason=plan.decision.reason)  # fmt: skip
         decision = plan.decision
         request = SwitchRequest(time=now, seq=self._next_seq(), source=attempt.strategy, target=plan.target,

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cona.orchestrator.backends.local.backend import process_alive
+
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "slurm" / "profiles" / "local-cpu.yaml"
 JOB = REPO / "examples" / "tiny-gpt.yaml"
@@ -118,21 +120,13 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
-
-
 def run_processes(run_root: Path) -> dict[int, str]:
     """Every live process whose command line names the run directory (orchestrator, wrapper, torchrun, workers)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             text = _cmdline(int(entry.name))
-            if str(run_root) in text and _alive(int(entry.name)):
+            if str(run_root) in text and process_alive(int(entry.name)):
                 found[int(entry.name)] = text
     return found
 

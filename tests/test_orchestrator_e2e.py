@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.backends.local.backend import process_alive
 from cona.orchestrator.job import load_job
 from cona.orchestrator.runstate import read_events, read_state
 from cona.protocol.rundir import RunDir
@@ -87,14 +88,6 @@ def worker_pids(run_dir: Path) -> list[int]:
         if "-m cona.trainer" in text and str(run_dir) in text and "torch.distributed.run" not in text and "/bin/sh" not in text:
             pids.append(int(proc.name))
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
 
 
 def assert_attempts_never_overlap(run_dir: RunDir) -> None:
@@ -242,7 +235,7 @@ def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
     assert [e["kind"] for e in events if e["event"] == "failure"] == ["hang"]
     # The cancel took every worker of the hung attempt down, the frozen one and those waiting on it in a collective
     # (torchrun runs each worker in a session of its own; they would otherwise outlive it, orphaned).
-    assert not _alive(victim) and worker_pids(run_dir.root) == []
+    assert not process_alive(victim) and worker_pids(run_dir.root) == []
     assert_attempts_never_overlap(run_dir)
     assert assert_samples_exact(run_dir) == 1600
 

@@ -63,6 +63,10 @@ class AttemptStatus(enum.Enum):
         return mapping.get(code, cls.CRASHED)  # type: ignore[call-overload]
 
 
+ELASTIC_STRATEGY = "elastic_strategy"
+"""The `Attempt.extra` key of the strategy an elastic launch started with, when not the planned one."""
+
+
 @dataclasses.dataclass
 class Attempt:
     """One launch of the trainer under one strategy. `backend_id` is what the backend needs to find it again."""
@@ -73,6 +77,18 @@ class Attempt:
     """Local: the torchrun PID. Slurm: the job id (plus the run-dir key). Kubernetes: the Job name."""
     started_at: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def running(self) -> Strategy:
+        """The strategy the attempt runs: `strategy`, the one the scheduler planned, unless an elastic launch
+        started it on another node count with the table's strategy for that count (`started_as`)."""
+        chosen = self.extra.get(ELASTIC_STRATEGY)
+        return Strategy.from_dict(chosen) if isinstance(chosen, dict) else self.strategy
+
+    @staticmethod
+    def started_as(started: Strategy, planned: Strategy) -> dict[str, Any]:
+        """The `extra` entry of an elastic launch that started `started` instead of `planned` (empty if not)."""
+        return {ELASTIC_STRATEGY: started.to_dict()} if started != planned else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -36,7 +36,7 @@ from cona.orchestrator.backends.kubernetes.api import REQUEST_TIMEOUT_S, KubeApi
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
 from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
-from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -221,9 +221,7 @@ class KubernetesBackend(Backend):
         states = self.nodes()
         if states is None:
             return planned
-        usable = sum(s.usable for s in states.values())
-        fits = [n for n in table if n <= usable]
-        return table[max(fits) if fits else min(table)]
+        return table_choice(table, sum(s.usable for s in states.values()))
 
     def _lost(self, pods: list[Any], strategy: Strategy, *, ended: bool) -> tuple[tuple[str, ...], str]:
         """The nodes the attempt of `strategy` lost and why, as one line: those of its pods that are gone or
@@ -324,7 +322,7 @@ class KubernetesBackend(Backend):
         objects = render_attempt(profile=self.profile, strategy=strategy, attempt=attempt,  # type: ignore[arg-type]
                                  run_dir=self._pod_run_dir(), job=self.job)  # fmt: skip
         # The scheduler knows the attempt by the strategy it planned; `poll` reports the one it runs.
-        chosen = {"elastic_strategy": strategy.to_dict()} if strategy != planned else {}
+        chosen = Attempt.started_as(strategy, planned)
         kind = self._kind()
         *services, main = objects  # an Indexed Job comes after its Service; a JobSet or TrainJob alone
         name = main["metadata"]["name"]
@@ -401,9 +399,8 @@ class KubernetesBackend(Backend):
 
     def poll(self, attempt: Attempt) -> Outcome:
         outcome = self._poll(attempt)
-        chosen = attempt.extra.get("elastic_strategy")
-        if isinstance(chosen, dict) and Strategy.from_dict(chosen) != attempt.strategy:
-            outcome = dataclasses.replace(outcome, strategy=Strategy.from_dict(chosen))
+        if attempt.running != attempt.strategy:
+            outcome = dataclasses.replace(outcome, strategy=attempt.running)
         return outcome
 
     def _poll(self, attempt: Attempt) -> Outcome:
@@ -435,9 +432,7 @@ class KubernetesBackend(Backend):
         disrupted = self._disruption(pods)
         # Before the exit record: a peer's loss makes the trainer record a crash, which is the lost node's doing.
         if self.elastic and not complete and (recorded is None or Outcome.of_exit(recorded.exit_code, who="").status is AttemptStatus.CRASHED):
-            chosen = attempt.extra.get("elastic_strategy")
-            running = Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy
-            lost, why = self._lost(pods, running, ended=bool(failed) or recorded is not None)
+            lost, why = self._lost(pods, attempt.running, ended=bool(failed) or recorded is not None)
             if lost:
                 status = AttemptStatus.CRASHED if failed or recorded is not None else AttemptStatus.RUNNING
                 return Outcome(status, recorded.exit_code if recorded else None, why, lost_nodes=lost)

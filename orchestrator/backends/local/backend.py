@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.elastic import is_elastic, node_range, nodes_of
+from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.rundir import RunDir
@@ -68,7 +68,8 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -152,9 +153,7 @@ class LocalBackend(Backend):
         if elastic and len(elastic) > 1 and self.elastic:
             # The table's strategy for the whole nodes there are devices for; the smallest when there are fewer
             # (nothing smaller is planned: a worker without its device crashes, and the run retries as after any).
-            nodes = self.available_nodes(Attempt(number=attempt, strategy=strategy)) or 0
-            fits = [n for n in elastic if n <= nodes]
-            strategy = elastic[max(fits) if fits else min(elastic)]
+            strategy = table_choice(elastic, self.available_nodes(Attempt(number=attempt, strategy=strategy)) or 0)
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         self.write_launch(attempt, strategy)
@@ -173,7 +172,7 @@ class LocalBackend(Backend):
             )  # fmt: skip
         self._children[proc.pid] = proc
         # The scheduler knows the attempt by the strategy it planned; `poll` reports the one it runs.
-        chosen = {"elastic_strategy": strategy.to_dict()} if strategy != planned else {}
+        chosen = Attempt.started_as(strategy, planned)
         return Attempt(
             number=attempt,
             strategy=planned,
@@ -203,7 +202,7 @@ class LocalBackend(Backend):
     def _ours_and_alive(self, attempt: Attempt) -> bool:
         pid = int(attempt.backend_id)
         self._reap(pid)
-        if not _alive(pid):
+        if not process_alive(pid):
             return False
         recorded = attempt.extra.get("start_time")
         return recorded is None or recorded == _process_start_time(pid)
@@ -218,7 +217,7 @@ class LocalBackend(Backend):
                     argv = (entry / "cmdline").read_bytes()
                 except OSError:
                     continue
-                if marker in argv and b"cona.trainer" in argv and b"torch.distributed.run" not in argv and _alive(int(entry.name)):
+                if marker in argv and b"cona.trainer" in argv and b"torch.distributed.run" not in argv and process_alive(int(entry.name)):
                     found.append(int(entry.name))
         return found
 
@@ -239,8 +238,7 @@ class LocalBackend(Backend):
         return lost, f"{DEVICES_FILE} file: {have} device(s), the attempt runs on {strategy.world_size}"
 
     def poll(self, attempt: Attempt) -> Outcome:
-        chosen = attempt.extra.get("elastic_strategy")
-        running = Strategy.from_dict(chosen) if isinstance(chosen, dict) else attempt.strategy
+        running = attempt.running
         outcome = self._poll(attempt)
         if not outcome.status.finished or outcome.status is AttemptStatus.CRASHED:
             lost, why = self._lost(running)
@@ -280,7 +278,7 @@ class LocalBackend(Backend):
         tree = {p: _process_start_time(p) for p in _descendants(pid)}
 
         def still_ours(p: int) -> bool:  # alive, and not a new process that got a recycled PID
-            return _alive(p) and _process_start_time(p) == tree[p]
+            return process_alive(p) and _process_start_time(p) == tree[p]
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
