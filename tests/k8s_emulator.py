@@ -469,6 +469,17 @@ class JobController:
             meta = obj["metadata"]
             listed[(meta["namespace"], meta["name"])] = ("jobset", (meta.get("annotations") or {}).get(STARTED))
         with self._lock:
+            # Deletions first: a workload deleted and the next one created between two ticks (a switch, a shrink)
+            # frees its nodes before the new pods are placed, as the real scheduler would see them freed.
+            for key, running in self.jobs.items():
+                if key not in listed:
+                    if not running.deleted:
+                        # Deleted (foreground): its processes are killed and its pods go, finished or not.
+                        self._kill(running)
+                        for pod in running.pods:
+                            with contextlib.suppress(Exception):
+                                core.delete_namespaced_pod(pod.name, running.namespace)
+                    running.finished = running.deleted = True
             for key, (workload, started) in listed.items():
                 previous = self.jobs.get(key)
                 if previous is not None and not previous.deleted and started != previous.uid:
@@ -482,16 +493,8 @@ class JobController:
                 if previous is None or previous.deleted:
                     self.jobs[key] = self._start_job(core, key[1], key[0], workload)
             for key, running in self.jobs.items():
-                if key not in listed:
-                    if not running.deleted:
-                        # Deleted (foreground): its processes are killed and its pods go, finished or not.
-                        self._kill(running)
-                        for pod in running.pods:
-                            with contextlib.suppress(Exception):
-                                core.delete_namespaced_pod(pod.name, running.namespace)
-                    running.finished = running.deleted = True
-                    continue
-                self._update(core, batch, running)
+                if key in listed:
+                    self._update(core, batch, running)
 
     def _start_job(self, core: Any, name: str, namespace: str, workload: str) -> RunningJob:
         """Create the workload's pods and start their commands (Job: `<job>-<index>` in the Service named by the
