@@ -295,18 +295,23 @@ class Trainer:
                           f"after the switch point at samples {self.state.samples}; training on", flush=True)  # fmt: skip
                     break
                 time.sleep(0.05)
-        vector = torch.tensor([
-            float(command),
-            1.0 if self.control.signal_name == "SIGTERM" else 0.0,
-            1.0 if self.control.signal_name == "SIGUSR1" else 0.0,
-        ], dtype=torch.float64, device=self.env.device)  # fmt: skip
+        vector = torch.tensor([float(command), *self._signal_flags()], dtype=torch.float64, device=self.env.device)
         dist.all_reduce(vector)
         command_v, sigterm, sigusr1 = vector.tolist()
+        self._note_signals(sigterm, sigusr1)
+        return decide(command_code=command_v, signal_count=sigterm + sigusr1)
+
+    def _signal_flags(self) -> tuple[float, float]:
+        """This rank's SIGTERM and SIGUSR1 flags, for the all-reduce (a step's or a hold's) that sums them."""
+        return (1.0 if self.control.signal_name == "SIGTERM" else 0.0,
+                1.0 if self.control.signal_name == "SIGUSR1" else 0.0)  # fmt: skip
+
+    def _note_signals(self, sigterm: float, sigusr1: float) -> None:
+        """Keep the summed signal flags as the same reason text on every rank (`signal SIGTERM (2 ranks)`)."""
         signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
         self._signalled_now = bool(signalled)
         if signalled:
             self._signal_reason = "signal " + ", ".join(f"{name} ({n} rank{'s' * (n > 1)})" for name, n in signalled.items())
-        return decide(command_code=command_v, signal_count=sigterm + sigusr1)
 
     def _in_place_target(self, record: Any) -> Strategy | None:
         """The strategy to continue with in these processes, agreed by all ranks; None to exit for a relaunch.
@@ -371,8 +376,7 @@ class Trainer:
             loss_sum * weight / max(1, count), local_sq, local_adam, global_sq, global_adam,
             tied_post - tied_pre,
             torch.tensor(float(command), dtype=torch.float64, device=self.env.device),
-            torch.tensor(1.0 if self.control.signal_name == "SIGTERM" else 0.0, dtype=torch.float64, device=self.env.device),
-            torch.tensor(1.0 if self.control.signal_name == "SIGUSR1" else 0.0, dtype=torch.float64, device=self.env.device),
+            *(torch.tensor(flag, dtype=torch.float64, device=self.env.device) for flag in self._signal_flags()),
             torch.tensor(budget, dtype=torch.float64, device=self.env.device),
             # Rank 0 alone decides whether this step crossed a switch point, so every rank holds after the same step.
             torch.tensor(1.0 if self.is_rank0 and self.switch_points.crossed(start, end) else 0.0,
@@ -384,10 +388,7 @@ class Trainer:
         (loss, local_sq_v, local_adam_v, global_sq_v, global_adam_v, tied_fix, command_v, sigterm, sigusr1, budget_v,
          hold_v) = values  # fmt: skip
         self._at_switch_point = hold_v > 0
-        signalled = {name: int(n) for name, n in (("SIGTERM", sigterm), ("SIGUSR1", sigusr1)) if n}
-        self._signalled_now = bool(signalled)
-        if signalled:  # the same text on every rank
-            self._signal_reason = "signal " + ", ".join(f"{name} ({n} rank{'s' * (n > 1)})" for name, n in signalled.items())
+        self._note_signals(sigterm, sigusr1)
         clip_sq = global_sq_v + tied_fix
         if not (math.isfinite(loss) and math.isfinite(clip_sq)):
             raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
