@@ -146,7 +146,10 @@ def test_a_lost_node_shrinks_the_run_and_the_returning_node_grows_it_back(slurm_
         assert shrink["lost"] == ["n2"] and shrink["nodes"] == 1, shrink
         one = Strategy.from_dict(shrink["to"])
         assert one.world_size == 2 and one != Strategy.parse(S4)
-        after = max(e["attempt"] for e in slurm_run.events("launch"))
+        # The shrink is logged before the next attempt's launch: name that attempt, then wait for its launch.
+        after = shrink["attempt"] + 1
+        slurm_run.wait(lambda: [e for e in slurm_run.events("launch") if e["attempt"] == after], 240,
+                       "the shrunk attempt's launch")  # fmt: skip
         resume = slurm_run.wait(lambda: slurm_run.resumes(after), 240, "the shrunk attempt's resume")[0]["resume"]
         slurm_run.wait(lambda: slurm_run.steps(after) >= resume + 3, 240, "three steps on one node")
     finally:
