@@ -90,3 +90,18 @@ def test_growing_is_a_switch_taken_only_when_it_pays(tmp_path, cost_s, grows):
         assert plan is None or plan.target.world_size == 2, plan
     alone = model.decide(now=200.0, current=current, strategy_since=0.0, elapsed_s=200.0, worlds={2})
     assert alone is None or alone.target.world_size == 2
+
+
+def test_the_table_follows_the_policy_on_when_the_noise_estimate_counts(tmp_path, monkeypatch):
+    """An estimate that exists but that the policy does not trust yet (blend weight 0) changes nothing: each world
+    is planned at the start batch, as the policy itself holds it; once trusted, the estimate ranks every batch."""
+    model, _ = _model(tmp_path)
+    before = plan_table(model, reason="start", time=1.0)
+    monkeypatch.setattr(type(model.noise), "value", property(lambda self: 1e5))  # a huge B_noise: larger batches
+    assert model.policy.noise_weight == 0
+    held = plan_table(model, reason="estimate not trusted", time=2.0)
+    assert held.plans == before.plans
+    assert all(p.strategy is not None and p.strategy.gbs == model.job.batch.base_gbs for p in held.plans)
+    model.policy._noise_weight = 1.0  # what the policy's evaluations set once the estimate is stable
+    trusted = plan_table(model, reason="estimate trusted", time=3.0)
+    assert all(p.strategy is not None and p.strategy.gbs > model.job.batch.base_gbs for p in trusted.plans)
