@@ -418,45 +418,61 @@ def run_group(
         for result in results:
             result.outcome = f"FAILED: {e}\n  replay: {replay}\n  run directory: {run.root}"
     finally:
-        for pid in run_processes(run.root):  # a failed run must not leave processes for the next one
-            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
+        kill_run(run.root)
     return results
+
+
+def kill_run(run_root: Path) -> None:
+    """A failed run must not leave processes for the next one."""
+    for pid in run_processes(run_root):
+        with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+
+
+def groups(faults: list[Fault]) -> dict[int, list[Fault]]:
+    """The runs of `faults`: faults 2k and 2k + 1 share run k, in window order."""
+    runs: dict[int, list[Fault]] = {}
+    for fault in sorted(faults, key=lambda f: f.index):
+        runs.setdefault(fault.index // 2, []).append(fault)
+    return runs
 
 
 def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Path) -> list[Result]:
     faults = [draw(seed, i, kinds) for i in indices]
     reference = reference_run(root)
-    groups: dict[int, list[Fault]] = {}
-    for fault in faults:
-        groups.setdefault(fault.index // 2, []).append(fault)
     results = []
-    for number, group in sorted(groups.items()):
+    for number, group in sorted(groups(faults).items()):
         print(f"run {number}: {', '.join(f.describe() for f in group)}", flush=True)
-        results += run_group(root, sorted(group, key=lambda f: f.index), reference, seed=seed)
+        results += run_group(root, group, reference, seed=seed)
         print(f"  → {results[-1].outcome.splitlines()[0]}", flush=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tests import faults_k8s  # it builds on this module
+
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=4, help="how many faults (two to a run)")
     parser.add_argument("--fault", type=int, action="append", help="replay these fault numbers of --seed alone")
-    parser.add_argument("--backend", default="local", choices=["local", "slurm"])
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), metavar="KIND",
-                        help=f"fault kinds to draw from (local: {', '.join(KINDS)})")  # fmt: skip
+    parser.add_argument("--backend", default="local", choices=["local", "slurm", "kubernetes"],
+                        help="kubernetes: the API emulator of tests/k8s_emulator.py (tests/faults_k8s.py)")
+    parser.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                        help=f"fault kinds to draw from (local: {', '.join(KINDS)}; kubernetes: those and "
+                             f"{', '.join(faults_k8s.K8S_KINDS)})")  # fmt: skip
     parser.add_argument("--out", type=Path, help="where the runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     if args.backend == "slurm":
         print(f"python -m tests.faults: error: --backend slurm ({', '.join(SLURM_KINDS)}) is not wired yet; "
               "see docs/reliability.md", file=sys.stderr)  # fmt: skip
         return 2
-    unknown = sorted(set(args.kinds) - set(KINDS))
+    valid = faults_k8s.KINDS if args.backend == "kubernetes" else KINDS
+    kinds = tuple(args.kinds or valid)
+    unknown = sorted(set(kinds) - set(valid))
     if unknown:
-        print(f"python -m tests.faults: error: --kinds {', '.join(unknown)}: not a local fault kind; valid: "
-              f"{', '.join(KINDS)}", file=sys.stderr)  # fmt: skip
+        print(f"python -m tests.faults: error: --kinds {', '.join(unknown)}: not a {args.backend} fault kind; valid: "
+              f"{', '.join(valid)}", file=sys.stderr)  # fmt: skip
         return 2
     if args.count < 1:
         print("python -m tests.faults: error: --count must be at least 1", file=sys.stderr)
@@ -465,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     indices = args.fault or list(range(args.count))
     started = time.monotonic()
-    results = run_suite(seed=args.seed, indices=indices, kinds=tuple(args.kinds), root=root)
+    suite = faults_k8s.run_suite if args.backend == "kubernetes" else run_suite
+    results = suite(seed=args.seed, indices=indices, kinds=kinds, root=root)
     failed = [r for r in results if not r.ok]
     print(f"\nseed {args.seed}: {len(results) - len(failed)} of {len(results)} faults passed in "
           f"{time.monotonic() - started:.0f} s (runs in {root})")  # fmt: skip

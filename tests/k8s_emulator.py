@@ -15,8 +15,9 @@ Kubernetes does (`$$` → `$`, JOB_COMPLETION_INDEX = the pod's index), `python`
 endpoint (pod 0's hostname: `<job>-0.<service>`, `<jobset>-<replicatedJob>-0-0.<subdomain>`) →
 `127.0.0.1:<a free port of this workload>`. Pod and workload status follow the processes (Running;
 Succeeded/Failed with the exit code; Job Complete or JobSet Completed, or Failed and its other pods killed, as
-`backoffLimit: 0` and `maxRestarts: 0` would); deleting the workload kills its processes. `disrupt_pod` and
-`crash_worker` inject faults. Nodes exist only if a test creates them (`add_node`): then each new pod is bound to a
+`backoffLimit: 0` and `maxRestarts: 0` would); deleting the workload kills its processes. `disrupt_pod`,
+`crash_worker` and `delete_pod` inject faults; a pod deleted through the API while it runs is terminated as the
+kubelet does it (SIGTERM to the container's main process, SIGKILL after its grace period) and its end fails the Job. Nodes exist only if a test creates them (`add_node`): then each new pod is bound to a
 Ready, schedulable node that no running pod holds (`spec.nodeName`; one pod a node, as one trainer pod takes a
 node's GPUs), and `lose_node` plays a node that vanishes: its Node object is deleted and its pods' processes
 killed, while their API objects stay as they were (no kubelet is left to report them). TrainJobs are not run (their torch runtime is not emulated).
@@ -392,6 +393,11 @@ class PodProcess:
     """The Node it was bound to (`spec.nodeName`), when the test created Nodes."""
     lost: bool = False
     """Its node vanished (`lose_node`): its processes are dead, nothing reports it any more."""
+    deleted_at: float | None = None
+    """When its API object was deleted (`kubectl delete pod`) while it ran (monotonic): the kubelet's graceful
+    termination is under way, and the Job controller counts its end without a pod object to report it on."""
+    grace_s: float = 30.0
+    """The pod's `terminationGracePeriodSeconds` (Kubernetes' default 30 s)."""
 
 
 @dataclass
@@ -492,9 +498,27 @@ class JobController:
                     previous.finished = previous.deleted = True
                 if previous is None or previous.deleted:
                     self.jobs[key] = self._start_job(core, key[1], key[0], workload)
+            self._terminate_deleted_pods(core, [r for key, r in self.jobs.items() if key in listed and not r.finished])
             for key, running in self.jobs.items():
                 if key in listed:
                     self._update(core, batch, running)
+
+    def _terminate_deleted_pods(self, core: Any, live: list[RunningJob]) -> None:
+        """The kubelet's part of a pod deleted through the API while it runs: SIGTERM to the container's main process
+        (torchrun, which passes it on to its workers), SIGKILL to whatever of the pod is left after its grace period.
+        (The real Job controller keeps the object, terminating, until its finalizer goes; kmock removes it at once.)"""
+        running_pods = [(r, p) for r in live for p in r.pods if not p.reported and not p.lost]
+        if not running_pods:
+            return
+        present = {(p.metadata.namespace, p.metadata.name) for p in core.list_pod_for_all_namespaces().items}
+        now = time.monotonic()
+        for running, pod in running_pods:
+            if pod.deleted_at is None and (running.namespace, pod.name) not in present:
+                pod.deleted_at = now
+                with contextlib.suppress(ProcessLookupError):
+                    pod.proc.send_signal(signal.SIGTERM)
+            elif pod.deleted_at is not None and now > pod.deleted_at + pod.grace_s and pod.proc.poll() is None:
+                kill_pod(pod)
 
     def _start_job(self, core: Any, name: str, namespace: str, workload: str) -> RunningJob:
         """Create the workload's pods and start their commands (Job: `<job>-<index>` in the Service named by the
@@ -547,8 +571,10 @@ class JobController:
             cwd = Path(tempfile.mkdtemp(prefix=f"{pod_name}-", dir=self.workdir))
             log = cwd / "container.log"
             node = free[index] if index < len(free) else None
+            grace = spec.get("terminationGracePeriodSeconds")
             running.pods.append(PodProcess(name=pod_name, index=index, proc=self._spawn(argv, env, cwd, log), log=log,
-                                           argv=argv, env=env, node=node))  # fmt: skip
+                                           argv=argv, env=env, node=node,
+                                           grace_s=30.0 if grace is None else float(grace)))  # fmt: skip
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -613,7 +639,7 @@ class JobController:
         for pod in running.pods:
             code = pod.proc.poll()
             if code is not None and code != 0 and running.restart_policy == "OnFailure" and not pod.disrupted and (
-                pod.restarts < running.backoff_limit
+                pod.deleted_at is None and pod.restarts < running.backoff_limit
             ):
                 # The kubelet restarts the container in the same pod (the real one backs off; 1 s here).
                 pod.restarts += 1
@@ -646,6 +672,8 @@ class JobController:
     def _report(self, core: Any, running: RunningJob, pod: PodProcess, code: int, *,
                 conditions: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
         pod.reported = True
+        if pod.deleted_at is not None:
+            return  # no object left to report on: the Job controller counts the end all the same
         exit_code = code if code >= 0 else 128 - code  # killed by a signal: 128 + its number, as a container
         state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                 "finishedAt": _now()}}  # fmt: skip
@@ -700,6 +728,16 @@ class JobController:
             condition = {"type": "DisruptionTarget", "status": "True", "reason": reason,
                          "message": "Eviction API: evicting", "lastTransitionTime": _now()}  # fmt: skip
             self._report(core, running, pod, code, conditions=[condition])
+        return pod.name
+
+    def delete_pod(self, job: str, index: int = 0) -> str:
+        """`kubectl delete pod` on pod `index` of `job`, through the API as a user would (not the kubelet's client):
+        the next tick terminates it gracefully (`_terminate_deleted_pods`). Its name."""
+        running = self.wait_job(job)
+        pod = running.pods[index]
+        from kubernetes import client
+
+        client.CoreV1Api(self.emulator.api_client("kubectl")).delete_namespaced_pod(pod.name, running.namespace)
         return pod.name
 
     def lose_node(self, node: str) -> list[str]:

@@ -264,3 +264,27 @@ def test_a_lost_node_shrinks_the_run_to_the_plan_for_the_nodes_left(k8s_run):
     assert not k8s_run.events("failure") and state.restarts_in_row == 0, k8s_run.logs()
     assert [e["status"] for e in k8s_run.events("attempt-end")] == ["lost-node", "stopped"], k8s_run.logs()
     assert_samples(k8s_run, state.live["samples"])
+
+
+def test_a_deleted_pod_ends_its_attempt_and_the_run_resumes_from_the_checkpoint(k8s_run):
+    """`kubectl delete pod` on one pod of a running attempt: the kubelet sends SIGTERM to its torchrun, whose workers
+    take it as a preemption with every other rank (the signal flags are summed each step): they checkpoint and
+    exit; the Job fails without the pod, and the next attempt goes on from that checkpoint, samples exact."""
+    k8s_run.start("--policy", f"fixed:{S4}", "--set", "target.max_samples=800")
+    k8s_run.wait(lambda: k8s_run.launch(1).get("job_name"), 120, "attempt 1's launch")
+    job = k8s_run.launch(1)["job_name"]
+    k8s_run.wait(lambda: k8s_run.run.latest_checkpoint() is not None and steps(k8s_run, 1) >= 12, 180,
+                 "a checkpoint and step 12")  # fmt: skip
+    deleted = k8s_run.controller.delete_pod(job, 1)
+    state = k8s_run.finish()
+    pod = next(p for p in k8s_run.controller.jobs[(NAMESPACE, job)].pods if p.name == deleted)
+    assert pod.deleted_at is not None and pod.proc.returncode is not None
+    ends = k8s_run.events("attempt-end")
+    # Stopped at a step boundary with a checkpoint (exit 43), well inside the grace period: not a crash.
+    assert (ends[0]["attempt"], ends[0]["status"], ends[0]["exit_code"]) == (1, "stopped", 43), ends
+    assert not k8s_run.events("failure") and state.restarts_in_row == 0, k8s_run.logs()
+    assert k8s_run.events("launch")[1]["reason"] == "resume after preemption"
+    resumed = [h for h in heartbeats(k8s_run.run, 2) if h.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] == ends[0]["step"], resumed  # from the checkpoint the SIGTERM wrote
+    assert ends[-1]["status"] == "done" and state.live["samples"] >= 800
+    assert_samples(k8s_run, state.live["samples"])
