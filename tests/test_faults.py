@@ -60,3 +60,12 @@ def test_slurm_backend_is_refused_with_one_line(capsys):
     assert faults.main(["--backend", "slurm"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "not wired yet" in err
+
+
+def test_a_kind_of_another_backend_is_refused_with_the_valid_ones(capsys):
+    assert faults.main(["--backend", "local", "--kinds", "pod-delete"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pod-delete: not a local fault kind" in err and "worker-kill" in err
+    assert faults.main(["--backend", "kubernetes", "--kinds", "worker-kill", "bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bogus: not a kubernetes fault kind" in err and "pod-delete" in err
