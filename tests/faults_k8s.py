@@ -84,17 +84,11 @@ def inject(run: KubernetesRun, fault: Fault) -> str:
     if fault.kind not in K8S_KINDS:
         return faults.inject(run, fault)
     controller = run.k8s.controller
-
-    def live_jobs() -> list[Any]:
-        names = run.job_names()
-        with controller._lock:  # the controller thread adds Jobs as they are created
-            running = [controller.jobs[k] for k in list(controller.jobs) if k[1] in names]
-        return [j for j in running if not j.finished and not j.deleted]
-
     # Between two attempts (a switch is a relaunch here) the fault hits the next attempt's pods as they start.
-    if not run.wait_until(lambda: bool(live_jobs()), timeout=120, what="a running Job of the run"):
+    if not run.wait_until(lambda: bool(controller.running(run.job_names())), timeout=120,
+                          what="a running Job of the run"):  # fmt: skip
         return "run ended first"
-    jobs = live_jobs()
+    jobs = controller.running(run.job_names())
     if not jobs:
         return "the Job ended first"
     job = jobs[-1]

@@ -730,6 +730,12 @@ class JobController:
             self._report(core, running, pod, code, conditions=[condition])
         return pod.name
 
+    def running(self, names: list[str]) -> list[RunningJob]:
+        """The workloads of these names that run now (started, not finished, not deleted), in the order named."""
+        with self._lock:  # the controller's thread adds workloads as they are created
+            found = {n: j for (_, n), j in self.jobs.items() if n in names and not j.finished and not j.deleted}
+        return [found[n] for n in names if n in found]
+
     def delete_pod(self, job: str, index: int = 0) -> str:
         """`kubectl delete pod` on pod `index` of `job`, through the API as a user would (not the kubelet's client):
         the next tick terminates it gracefully (`_terminate_deleted_pods`). Its name."""

@@ -189,32 +189,43 @@ def steps(run: K8sRun, attempt: int) -> int:
     return max((h.get("step", 0) for h in heartbeats(run.run, attempt)), default=0)
 
 
-def test_a_crashed_worker_and_a_disrupted_pod_are_relaunched_from_the_checkpoint(k8s_run):
+def test_a_crashed_worker_a_disrupted_pod_and_a_deleted_pod_are_relaunched_from_the_checkpoint(k8s_run):
     """Attempt 1: a trainer worker of pod 0 is killed (-9): torchrun fails, the pod fails, the Job fails
     (backoffLimit 0): a crash. Attempt 2: pod 1 is evicted (DisruptionTarget): the backend deletes the Job and the
-    attempt ends disrupted, which is not a failure: the run's restart counter shows only the crash. Each time the
-    next attempt resumes from the last checkpoint and the samples audit stays exact."""
+    attempt ends disrupted, which is not a failure: the run's restart counter shows only the crash. Attempt 3: pod 1
+    is deleted (`kubectl delete pod`): the kubelet sends SIGTERM to its torchrun, whose workers take it as a
+    preemption together with every other rank (the signal flags are summed each step): they checkpoint and exit
+    43, and the Job fails without the pod. Each time the next attempt resumes from the last checkpoint and the
+    samples audit stays exact."""
+    k8s_run.finish_timeout_s = 400  # four attempts, each starting torchrun in two pods
     k8s_run.start("--policy", f"fixed:{S4}")
-    evicted = ""
-    for attempt in (1, 2):
+    evicted = deleted = ""
+    for attempt in (1, 2, 3):
         k8s_run.wait(lambda a=attempt: k8s_run.launch(a).get("job_name"), 120, f"attempt {attempt}'s launch")
         job = k8s_run.launch(attempt)["job_name"]
         k8s_run.wait(lambda a=attempt: k8s_run.run.latest_checkpoint() is not None and steps(k8s_run, a) >= 12 * a,
                      180, f"attempt {attempt}: a checkpoint and step {12 * attempt}")  # fmt: skip
         if attempt == 1:
             k8s_run.controller.crash_worker(job, 0)
-        else:
+        elif attempt == 2:
             evicted = k8s_run.controller.disrupt_pod(job, 1)
+        else:
+            deleted = k8s_run.controller.delete_pod(job, 1)
     state = k8s_run.finish()
     ends = k8s_run.events("attempt-end")
-    assert [(e["attempt"], e["status"]) for e in ends[:2]] == [(1, "crashed"), (2, "disrupted")], ends
+    assert [(e["attempt"], e["status"]) for e in ends[:3]] == [(1, "crashed"), (2, "disrupted"), (3, "stopped")], ends
     assert ends[1]["detail"] == f"pod {evicted}: EvictionByEvictionAPI (Eviction API: evicting)", ends[1]
-    assert [e["attempt"] for e in k8s_run.events("failure")] == [1]
+    assert [e["attempt"] for e in k8s_run.events("failure")] == [1]  # the crash only: not the eviction or deletion
     assert [(e["attempt"], e["detail"]) for e in k8s_run.events("disruption")] == [(2, ends[1]["detail"])]
-    assert state.restarts_in_row == 1  # the crash only
-    assert [e["reason"] for e in k8s_run.events("launch")][1:3] == ["relaunch after crashed", "relaunch after a disruption"]
-    assert ends[-1]["status"] == "done" and len(k8s_run.events("launch")) >= 3
-    for attempt in (1, 2):
+    assert [e["reason"] for e in k8s_run.events("launch")][1:4] == [
+        "relaunch after crashed", "relaunch after a disruption", "resume after preemption"]  # fmt: skip
+    # The deleted pod: stopped at a step boundary with a checkpoint (exit 43), well inside its grace period.
+    pod = next(p for p in k8s_run.controller.jobs[(NAMESPACE, k8s_run.launch(3)["job_name"])].pods if p.name == deleted)
+    assert pod.deleted_at is not None and pod.proc.returncode is not None and ends[2]["exit_code"] == 43
+    resumed = [h for h in heartbeats(k8s_run.run, 4) if h.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] == ends[2]["step"], resumed  # from the checkpoint the SIGTERM wrote
+    assert ends[-1]["status"] == "done" and len(k8s_run.events("launch")) >= 4
+    for attempt in (1, 2, 3):
         running = k8s_run.controller.jobs[(NAMESPACE, k8s_run.launch(attempt)["job_name"])]
         assert running.finished and all(pod.proc.poll() is not None for pod in running.pods)
     assert state.live["samples"] >= 1600
@@ -263,28 +274,4 @@ def test_a_lost_node_shrinks_the_run_to_the_plan_for_the_nodes_left(k8s_run):
     assert state.status == "stopped", k8s_run.logs()
     assert not k8s_run.events("failure") and state.restarts_in_row == 0, k8s_run.logs()
     assert [e["status"] for e in k8s_run.events("attempt-end")] == ["lost-node", "stopped"], k8s_run.logs()
-    assert_samples(k8s_run, state.live["samples"])
-
-
-def test_a_deleted_pod_ends_its_attempt_and_the_run_resumes_from_the_checkpoint(k8s_run):
-    """`kubectl delete pod` on one pod of a running attempt: the kubelet sends SIGTERM to its torchrun, whose workers
-    take it as a preemption with every other rank (the signal flags are summed each step): they checkpoint and
-    exit; the Job fails without the pod, and the next attempt goes on from that checkpoint, samples exact."""
-    k8s_run.start("--policy", f"fixed:{S4}", "--set", "target.max_samples=800")
-    k8s_run.wait(lambda: k8s_run.launch(1).get("job_name"), 120, "attempt 1's launch")
-    job = k8s_run.launch(1)["job_name"]
-    k8s_run.wait(lambda: k8s_run.run.latest_checkpoint() is not None and steps(k8s_run, 1) >= 12, 180,
-                 "a checkpoint and step 12")  # fmt: skip
-    deleted = k8s_run.controller.delete_pod(job, 1)
-    state = k8s_run.finish()
-    pod = next(p for p in k8s_run.controller.jobs[(NAMESPACE, job)].pods if p.name == deleted)
-    assert pod.deleted_at is not None and pod.proc.returncode is not None
-    ends = k8s_run.events("attempt-end")
-    # Stopped at a step boundary with a checkpoint (exit 43), well inside the grace period: not a crash.
-    assert (ends[0]["attempt"], ends[0]["status"], ends[0]["exit_code"]) == (1, "stopped", 43), ends
-    assert not k8s_run.events("failure") and state.restarts_in_row == 0, k8s_run.logs()
-    assert k8s_run.events("launch")[1]["reason"] == "resume after preemption"
-    resumed = [h for h in heartbeats(k8s_run.run, 2) if h.get("event") == "resume"]
-    assert resumed and resumed[0]["step"] == ends[0]["step"], resumed  # from the checkpoint the SIGTERM wrote
-    assert ends[-1]["status"] == "done" and state.live["samples"] >= 800
     assert_samples(k8s_run, state.live["samples"])
