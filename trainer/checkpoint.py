@@ -74,7 +74,8 @@ def _first_failure(error: BaseException) -> BaseException:
 
 def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> str:
     """The one-line reason for a failed save of `path`, with the space it needs when the disk is full."""
-    previous = run_dir.latest_checkpoint()
+    # Not `path` itself: its marker may be written when only the fsync after it failed, and it is removed.
+    previous = next((p for p in reversed(run_dir.complete_checkpoints()) if p != path), None)
     resumes = f"the run resumes from {previous}" if previous is not None else "there is no earlier checkpoint to resume from"
     if error is None:
         return f"cannot write checkpoint {path}: it failed on another rank (see its output); {resumes}"
