@@ -31,7 +31,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import Heartbeat
-from cona.protocol.rundir import ControlRecord, RunDir, SwitchPoints, read_jsonl
+from cona.protocol.rundir import HOLD_TIMEOUT_REASON, ControlRecord, RunDir, SwitchPoints, read_jsonl
 from cona.protocol.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -302,7 +302,8 @@ class Scheduler:
         """Tell the trainer where a fixed schedule switches (`SwitchPoints`), before any attempt can start.
 
         It holds there until it reads the decision, so it waits longer than an orchestrator restart takes (its
-        `hold` heartbeats meanwhile keep it from being taken for a hung one)."""
+        `hold` heartbeats meanwhile keep it from being taken for a hung one); past `wait_s` it checkpoints and exits
+        SWITCH with `HOLD_TIMEOUT_REASON`, and `_handle_end` relaunches at the point."""
         points = self.model.policy.switch_points()
         if not points:
             self.run_dir.switch_points_json.unlink(missing_ok=True)
@@ -530,6 +531,13 @@ class Scheduler:
         if status is AttemptStatus.SWITCHED:
             self.state.restarts_in_row = 0
             requested = self.state.switch_requested
+            exit_record = self.run_dir.read_exit(attempt.number)
+            if requested is None and exit_record is not None and exit_record.reason.startswith(HOLD_TIMEOUT_REASON):
+                # The trainer held at a switch point longer than the switch points' wait_s (this orchestrator was
+                # down or slow) and checkpointed there: relaunch at the point under the schedule's strategy.
+                log_event(self.run_dir, "hold-timeout", attempt=attempt.number, detail=exit_record.reason)
+                return self._launch(self._relaunch_strategy(attempt), previous=attempt,
+                                    why="relaunch at the switch point after the trainer's hold timed out")
             if requested is None:
                 # Every switch request is saved before it is sent, so nobody asked for this one: carry on as before.
                 log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)

@@ -24,7 +24,8 @@ class ExitCode(enum.IntEnum):
     DONE = 0
     """Target or budget reached; final checkpoint written."""
     SWITCH = 42
-    """Checkpointed at a step boundary on a `switch` command; relaunch with the new strategy."""
+    """Checkpointed at a step boundary on a `switch` command; relaunch with the new strategy. Also after a hold at
+    a switch point that timed out (reason `HOLD_TIMEOUT_REASON`): relaunch there with the schedule's strategy."""
     STOPPED = 43
     """Checkpointed on a `stop` command, SIGTERM or SIGUSR1 (preemption, time limit); resume later."""
     BAD_WORLD = 44
@@ -36,6 +37,12 @@ class ExitCode(enum.IntEnum):
 MAX_STEPS_REASON = "max_steps"
 """The exit reason of a trainer that stopped at its own `--max-steps` (after its checkpoint)."""
 
+HOLD_TIMEOUT_REASON = "hold at the switch point timed out"
+"""How the exit reason of a trainer whose hold at a switch point (`SwitchPoints`) got no decision within `wait_s`
+begins. It exits SWITCH after a checkpoint at the point: training on under the old strategy would move the switch
+off its exact step, and exiting as for a switch is what every backend already relaunches from (the orchestrator
+takes the schedule's strategy for where training resumes; on Slurm the job waits for that launch)."""
+
 
 def process_exit_status(code: int, *, reason: str) -> int:
     """The status the trainer process exits with for the exit record (`code`, `reason`): the one place that
@@ -45,7 +52,10 @@ def process_exit_status(code: int, *, reason: str) -> int:
     run ended where its user said, so the process exits 0 and torchrun reports success instead of printing its
     ChildFailedError dump. The exit record keeps STOPPED (43): whoever must tell "stopped" from "done" (the
     orchestrator's backends) reads the record first and the process status only without one
-    (`RunDir.attempt_exit_code`)."""
+    (`RunDir.attempt_exit_code`).
+
+    A hold at a switch point that timed out (`HOLD_TIMEOUT_REASON`) keeps SWITCH (42), as any switch does: the
+    orchestrator must relaunch at the point, so it must not look like a normal end."""
     if code == ExitCode.STOPPED and reason == MAX_STEPS_REASON:
         return int(ExitCode.DONE)
     return int(code)
@@ -225,13 +235,15 @@ class SwitchPoints:
     happens at the same step in every run, whatever the timing.
 
     A trainer whose step crosses one of `samples` (start < point ≤ end) holds after that step — no next step —
-    until a new control record arrives (the orchestrator decides once it sees the step's heartbeat) or `wait_s`
-    passes; the switch therefore lands at the first step boundary at or past the point. Without the hold the
-    trainer would train on until the orchestrator's next decision, and the switch point would depend on timing."""
+    until a switch or stop arrives (the orchestrator decides once it sees the step's heartbeat; a `checkpoint`
+    command is served and the hold goes on) or `wait_s` passes (then it checkpoints and exits SWITCH with
+    `HOLD_TIMEOUT_REASON`, for a relaunch at the point); the switch therefore lands at the first step boundary at or
+    past the point. Without the hold the trainer would train on until the orchestrator's next decision, and the
+    switch point would depend on timing."""
 
     samples: tuple[int, ...] = ()
     wait_s: float = 60.0
-    """How long a trainer holds at a point for the decision before it trains on (and warns)."""
+    """How long a trainer holds at a point for the decision before it exits for a relaunch there."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"samples": list(self.samples), "wait_s": self.wait_s}

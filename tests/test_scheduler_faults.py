@@ -95,3 +95,26 @@ def test_a_relaunched_attempt_ignores_the_switch_meant_for_the_one_before(tmp_pa
     assert control.poll(run, 2) is Action.SWITCH
     run.write_control(ControlRecord(seq=3, command="stop"))
     assert control.poll(run, 7) is Action.STOP
+
+
+def test_a_trainer_whose_hold_timed_out_is_relaunched_at_the_switch_point(tmp_path):
+    """The trainer checkpointed at the switch point 208 and exited SWITCH with the hold-timeout reason (no decision
+    came): the orchestrator relaunches there under the schedule's next strategy, counting no restart."""
+    from cona.protocol.rundir import HOLD_TIMEOUT_REASON, ExitCode, ExitRecord
+
+    sched, backend = make_scheduler(tmp_path, *SCHEDULE)
+    attempt = sched.start_or_resume()
+    assert attempt is not None and attempt.strategy == A
+    checkpoint = sched.run_dir.checkpoint_dir(13)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"step": 13, "samples": 208}))
+    (checkpoint / COMPLETE_MARKER).write_text("{}")
+    reason = f"{HOLD_TIMEOUT_REASON}: no decision 120s after samples 208; relaunch there under the schedule's strategy"
+    sched.run_dir.write_exit(1, ExitRecord(exit_code=int(ExitCode.SWITCH), name="SWITCH", reason=reason, step=13, time=0.0))
+    nxt = sched._handle_end(attempt, AttemptStatus.SWITCHED, int(ExitCode.SWITCH), reason)
+    assert nxt is not None and nxt.strategy == B
+    assert backend.launched[-1] == (2, B)
+    assert sched.state.restarts_in_row == 0
+    events = read_events(sched.run_dir)
+    assert [e["detail"] for e in events if e["event"] == "hold-timeout"] == [reason]
+    assert "switch-unrequested" not in [e["event"] for e in events]

@@ -5,6 +5,7 @@ none leaves the run without a usable checkpoint or in a crash loop."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -14,6 +15,7 @@ from cona.protocol.rundir import RunDir, SwitchPoints, read_jsonl
 from tests.trainer_helpers import describe, launch, write_job
 
 DP2 = "dp=2,tp=1,pp=1,mbs=4,gbs=16"
+ONE = "dp=1,tp=1,pp=1,mbs=4,gbs=16"
 
 
 @pytest.fixture
@@ -58,6 +60,50 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_is_
     assert resumed == [{"resume": 2, "samples": 32}]
     from cona.protocol.samples_log import audit_samples
 
+    assert audit_samples(RunDir(run))[-1] == (48, 64)
+
+
+@pytest.mark.distributed
+def test_a_save_that_fails_on_one_rank_stops_every_rank_promptly(tmp_path):
+    """A save that fails on one rank only (`tests/save_fault_trainer.py`: before DCP's first collective, inside
+    its collectives, or at the marker after them) must not leave the other ranks waiting in a collective until the
+    heartbeat timeout: every rank learns of it, the partial directory is removed, the trainer exits 1 with one line
+    naming the path and the error, and the previous checkpoint is intact and resumed from."""
+    from cona.protocol.samples_log import audit_samples
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1000, "keep": 3})
+    # A world of one writes the checkpoint to keep (faster to start; checkpoints reshard between layouts).
+    first = launch(run, nproc=0, strategy=ONE, job=job, max_steps=2)
+    assert first.returncode == 0, describe(first)
+    kept = RunDir(run).checkpoint_dir(2)
+    partial = RunDir(run).checkpoint_dir(4)
+
+    for attempt, (rank, where) in enumerate([(1, "writer"), (1, "write"), (0, "marker")], start=1):
+        # A hang would last until gloo's 30-minute collective timeout: 150 s tells it from a slow machine.
+        try:
+            failed = launch(run, nproc=2, strategy=DP2, job=job, max_steps=4, attempt=attempt, timeout=150,
+                            module="tests.save_fault_trainer", env={"CONA_TEST_SAVE_FAULT": f"{rank}:{where}"})  # fmt: skip
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"a save failing on rank {rank} ({where}) hung the others: {(e.stderr or b'')[-2000:]!r}")
+        assert failed.returncode == 1, (where, describe(failed))
+        reason = failed.exit.reason if failed.exit else ""
+        assert reason.startswith(f"cannot write checkpoint {partial}: PermissionError: "), (where, describe(failed))
+        assert "injected on one rank" in reason and reason.endswith(f"the run resumes from {kept}"), (where, reason)
+        # torchrun prints its own traceback for a worker that exits non-zero; the workers print none.
+        assert not re.search(r'File ".*/trainer/\w+\.py"', failed.stderr), (where, describe(failed))
+        errors = [line for line in failed.stderr.splitlines() if line.startswith("cona trainer: error:")]
+        assert errors == [f"cona trainer: error: {reason}"], (where, describe(failed))
+        assert not partial.exists(), where
+        assert verify_checkpoint(kept) is None, where
+        resumed = [r for r in read_jsonl(run / "samples" / f"{attempt}.jsonl")[0] if "resume" in r]
+        assert resumed == [{"resume": 2, "samples": 32}], where
+
+    last = launch(run, nproc=0, strategy=ONE, job=job, max_steps=4, attempt=4)
+    assert last.returncode == 0, describe(last)
+    resumed = [r for r in read_jsonl(run / "samples" / "4.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 2, "samples": 32}]
     assert audit_samples(RunDir(run))[-1] == (48, 64)
 
 
@@ -122,8 +168,6 @@ def test_truncated_shard_is_named(tmp_path):
     (copy / ".metadata").write_bytes(b"")
     assert ".metadata has 0 bytes, expected 1" in (verify_checkpoint(copy) or "")
 
-
-ONE = "dp=1,tp=1,pp=1,mbs=4,gbs=16"
 
 
 def _only_error_line(result) -> str:

@@ -81,11 +81,12 @@ def trainer_env() -> dict[str, str]:
 
 def trainer_command(
     run_dir: Path, *, nproc: int, strategy: str | None, job: Path | None, max_steps: int | None = None,
-    attempt: int | None = 0, extra: tuple[str, ...] = (),
+    attempt: int | None = 0, extra: tuple[str, ...] = (), module: str = "cona.trainer",
 ) -> list[str]:  # fmt: skip
     """`torchrun --standalone --nproc-per-node=N -m cona.trainer ...`, or plain `python -m cona.trainer` for nproc=0.
 
-    `None` for job, strategy or attempt leaves the flag out (the trainer then reads the run directory).
+    `None` for job, strategy or attempt leaves the flag out (the trainer then reads the run directory). `module`
+    replaces `cona.trainer`, e.g. with a test's wrapper that injects a fault (`tests.save_fault_trainer`).
     """
     args = ["--run-dir", str(run_dir)]
     if attempt is not None:
@@ -98,18 +99,21 @@ def trainer_command(
         args += ["--max-steps", str(max_steps)]
     args += list(extra)
     if nproc == 0:
-        return [sys.executable, "-m", "cona.trainer", *args]
+        return [sys.executable, "-m", module, *args]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*launcher, "--max-restarts=0", "-m", "cona.trainer", *args]
+    return [*launcher, "--max-restarts=0", "-m", module, *args]
 
 
 def launch(
     run_dir: Path, *, nproc: int, strategy: str | None, job: Path | None, max_steps: int | None = None,
-    attempt: int | None = 0, extra: tuple[str, ...] = (), timeout: float = 300,
+    attempt: int | None = 0, extra: tuple[str, ...] = (), timeout: float = 300, module: str = "cona.trainer",
+    env: dict[str, str] | None = None,
 ) -> Launch:  # fmt: skip
-    """Run the trainer to completion (nproc=0: without torchrun, a world of one)."""
-    cmd = trainer_command(run_dir, nproc=nproc, strategy=strategy, job=job, max_steps=max_steps, attempt=attempt, extra=extra)
-    proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+    """Run the trainer to completion (nproc=0: without torchrun, a world of one); `env` adds to its environment."""
+    cmd = trainer_command(run_dir, nproc=nproc, strategy=strategy, job=job, max_steps=max_steps, attempt=attempt,
+                          extra=extra, module=module)  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env={**trainer_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
     from cona.protocol.rundir import RunDir
 
     if attempt is None:  # the trainer took the newest launch record's attempt

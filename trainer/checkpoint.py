@@ -6,7 +6,8 @@ Layout of `RunDir.checkpoint_dir(step)` = `checkpoints/step-<8 digits>/`:
                                    dicts of `get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))`
                                    of every stage, keyed by the full model's parameter names
     trainer_state.json             step, samples, tokens, LR position, strategy, val history, control seq, RNG…
-    COMPLETE                       written last by rank 0 after a barrier (fsync'd, then the directory fsync'd):
+    COMPLETE                       written last by rank 0 once every rank's shards are written (fsync'd, then the
+                                   directory fsync'd):
                                    JSON {"step", "time", "files": {name: size}}
 
 A checkpoint counts only with its COMPLETE marker, and only if every file listed there still has its size and
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -59,9 +61,21 @@ def _is_disk_full(error: BaseException) -> bool:
     return False
 
 
+def _first_failure(error: BaseException) -> BaseException:
+    """The error itself, or for DCP's CheckpointException (which says only "ranks: [1]") the lowest failed rank's."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            return first
+    return error
+
+
 def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> str:
     """The one-line reason for a failed save of `path`, with the space it needs when the disk is full."""
-    previous = run_dir.latest_checkpoint()
+    # Not `path` itself: its marker may be written when only the fsync after it failed, and it is removed.
+    previous = next((p for p in reversed(run_dir.complete_checkpoints()) if p != path), None)
     resumes = f"the run resumes from {previous}" if previous is not None else "there is no earlier checkpoint to resume from"
     if error is None:
         return f"cannot write checkpoint {path}: it failed on another rank (see its output); {resumes}"
@@ -78,6 +92,7 @@ def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> s
     # torch.save's zip writer reports a short write as "unexpected pos", not as ENOSPC: the space left tells.
     full = _is_disk_full(error) or (free is not None and needed is not None and free < needed) or free == 0
     if not full:
+        error = _first_failure(error)
         first = str(error).splitlines()[0] if str(error) else ""
         return f"cannot write checkpoint {path}: {type(error).__name__}: {first[:300]}; {resumes}"
     free = free or 0
@@ -130,38 +145,68 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Collective: every rank writes its shards; rank 0 the trainer state, then (after a barrier) the marker."""
+    """Collective: every rank writes its shards; rank 0 the trainer state, then (once all shards are written) the
+    marker.
+
+    A failure on any rank, in any of the three phases, is agreed by all of them (`_agree`) before the next
+    collective: a rank that raised alone would leave the others waiting in a collective it never enters until the
+    heartbeat timeout, or would meet them in a different one. Every rank then raises the same CheckpointSaveError,
+    and rank 0 removes the partial directory."""
     rank = dist.get_rank()
     path = run_dir.checkpoint_dir(step)
-    if rank == 0:
-        if path.exists():  # a leftover of an attempt that died while writing it (or a corrupt one we skipped)
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-    dist.barrier()
-    state, _keys = _state(parts, optimizers)
+    device = _device(parts)
     error: BaseException | None = None
+    writer = None
+    # 1. Local preparation: nothing here is collective, so a failure on one rank is only agreed below.
     try:
-        dcp.save(state, checkpoint_id=str(path))
+        if rank == 0:
+            if path.exists():  # a leftover of an attempt that died while writing it (or a corrupt one we skipped)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        state, _keys = _state(parts, optimizers)
+        # Made here, not inside dcp.save: there a failure (a read-only mount on one node) comes before DCP's first
+        # collective, on that rank alone.
+        writer = FileSystemWriter(str(path))
+    except Exception as e:
+        error = e
+    _agree(run_dir, path, error, device)  # also the barrier: rank 0 made the directory before anyone writes to it
+    # 2. DCP gathers a failure of any rank's planner or writer into a CheckpointException (a BaseException) on all.
+    try:
+        dcp.save(state, storage_writer=writer)
         if rank == 0:
             atomic_write_json(path / TRAINER_STATE, trainer_state)
-    # DCP's CheckpointException is a BaseException; every rank must learn of a failure on any of them, or the
-    # others would wait in the barrier below for ever.
     except (Exception, CheckpointException) as e:
         error = e
-    failed = torch.tensor([0.0 if error is None else 1.0], device=_device(parts))
-    dist.all_reduce(failed)  # also the barrier: every rank's shards are on storage before the marker says so
-    if failed.item() > 0:
-        reason = _save_failure(run_dir, path, error)  # before the removal: it measures the space left
-        if rank == 0:  # a partial directory holds space the next attempt needs, and is never resumed from
-            shutil.rmtree(path, ignore_errors=True)
-        raise CheckpointSaveError(reason)
+    _agree(run_dir, path, error, device)  # every rank's shards are on storage before the marker says so
+    # 3. The marker (rank 0): until it is agreed on, the others must not train on into the next step's collective.
+    try:
+        if rank == 0:
+            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
+            files.pop(COMPLETE_MARKER, None)
+            atomic_write_json(path / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
+            _fsync_dir(path)
+    except Exception as e:
+        error = e
+    _agree(run_dir, path, error, device)
     if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
-        files.pop(COMPLETE_MARKER, None)
-        atomic_write_json(path / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
-        _fsync_dir(path)
         prune_checkpoints(run_dir, keep=keep, newest=path)
     return path
+
+
+def _agree(run_dir: RunDir, path: Path, error: BaseException | None, device: torch.device) -> None:
+    """Collective: return if no rank failed; else raise on every rank the CheckpointSaveError of the lowest rank
+    that failed (so rank 0's one line names the real error, not "another rank"), after rank 0 has removed `path`."""
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(failed)
+    if failed.item() == 0:
+        return
+    # Measured before the removal: the reason gives the space left when the disk is full.
+    reason = _save_failure(run_dir, path, error) if error is not None else None
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    if dist.get_rank() == 0:  # a partial directory holds space the next attempt needs, and is never resumed from
+        shutil.rmtree(path, ignore_errors=True)
+    raise CheckpointSaveError(next(r for r in reasons if r is not None))
 
 
 def _device(parts: list[torch.nn.Module]) -> torch.device:

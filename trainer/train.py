@@ -33,6 +33,7 @@ from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.rundir import (
     COMPLETE_MARKER,
+    HOLD_TIMEOUT_REASON,
     MAX_STEPS_REASON,
     ExitCode,
     ExitRecord,
@@ -143,6 +144,10 @@ class Trainer:
             raise ConfigError(str(e)) from None
         self._at_switch_point = False
         """Set by `step`: the step crossed a switch point, so the trainer holds for the orchestrator's decision."""
+        self._hold_timed_out = False
+        """Set by `_hold`: no decision came within the switch points' `wait_s`; exit for a relaunch at the point."""
+        self._checkpointed_in_hold = False
+        """Set by `_hold` on every rank: it served a `checkpoint` command, so `finish` saves again (see there)."""
         self._skipped: list[str] = []
         """Rank 0: the checkpoints `resume` passed over and why, reported in `checkpoint-skipped` heartbeats."""
         self.startup["model_ready"] = time.time()
@@ -257,6 +262,10 @@ class Trainer:
                 action = max(action, self._hold())
             if action in (Action.SWITCH, Action.STOP):
                 record = self.control.mark_handled() if self.is_rank0 else None
+                if action == Action.SWITCH and self._hold_timed_out:
+                    wait = self.switch_points.wait_s
+                    return self.finish(ExitCode.SWITCH, f"{HOLD_TIMEOUT_REASON}: no decision {wait:g}s after samples "
+                                                        f"{s.samples}; relaunch there under the schedule's strategy")  # fmt: skip
                 if action == Action.SWITCH:
                     self.next_strategy = self._in_place_target(record)
                     how = f" in place to {self.next_strategy.short()}" if self.next_strategy else ""
@@ -275,31 +284,46 @@ class Trainer:
         """Wait after a step that crossed a switch point until the orchestrator's decision arrives (`SwitchPoints`).
 
         Rank 0 says where it stands (a `hold` heartbeat: the orchestrator decides from heartbeats) and polls
-        control.json; the others wait in the all-reduce that then shares the command and the signal flags, as a
-        step's does. A signal ends the wait at once (a preemption must not wait for a decision). A `hold` heartbeat
-        every HOLD_HEARTBEAT_S shows a restarted orchestrator a live trainer, not a hung one."""
-        command = Action.NONE
-        if self.is_rank0:
-            reason = f"switch point reached at samples {self.state.samples}"
-            started = time.monotonic()
-            beat = -math.inf
-            while not self.control.signalled:
-                if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
-                    self._heartbeat(event="hold", reason=reason)
-                    beat = time.monotonic()
-                command = self.control.poll(self.run_dir, self.attempt)
-                if command is not Action.NONE:
-                    break
-                if time.monotonic() - started > self.switch_points.wait_s:
-                    print(f"cona trainer: warning: no decision from the orchestrator {self.switch_points.wait_s:.0f}s "
-                          f"after the switch point at samples {self.state.samples}; training on", flush=True)  # fmt: skip
-                    break
-                time.sleep(0.05)
-        vector = torch.tensor([float(command), *self._signal_flags()], dtype=torch.float64, device=self.env.device)
-        dist.all_reduce(vector)
-        command_v, sigterm, sigusr1 = vector.tolist()
-        self._note_signals(sigterm, sigusr1)
-        return decide(command_code=command_v, signal_count=sigterm + sigusr1)
+        control.json; the others wait in the all-reduce that then shares the command, the signal flags and whether
+        the wait timed out, as a step's does. A signal ends the wait at once (a preemption must not wait for a
+        decision). A `hold` heartbeat every HOLD_HEARTBEAT_S shows a restarted orchestrator a live trainer, not a
+        hung one. A `checkpoint` command (a user's `cona checkpoint`) is served here and the hold goes on: it is no
+        decision, and training on would move the switch off its step. No decision within `wait_s` returns SWITCH
+        with `self._hold_timed_out` set: the trainer checkpoints at the point and exits for a relaunch there
+        (`HOLD_TIMEOUT_REASON`), never training past it under the old strategy."""
+        reason = f"switch point reached at samples {self.state.samples}"
+        started = time.monotonic()
+        while True:
+            command, timed_out = Action.NONE, False
+            if self.is_rank0:
+                beat = -math.inf
+                while not self.control.signalled:
+                    if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
+                        self._heartbeat(event="hold", reason=reason)
+                        beat = time.monotonic()
+                    command = self.control.poll(self.run_dir, self.attempt)
+                    if command is not Action.NONE:
+                        break
+                    if time.monotonic() - started > self.switch_points.wait_s:
+                        timed_out = True
+                        break
+                    time.sleep(0.05)
+            vector = torch.tensor([float(command), *self._signal_flags(), 1.0 if timed_out else 0.0],
+                                  dtype=torch.float64, device=self.env.device)  # fmt: skip
+            dist.all_reduce(vector)
+            command_v, sigterm, sigusr1, timed_out_v = vector.tolist()
+            self._note_signals(sigterm, sigusr1)
+            action = decide(command_code=command_v, signal_count=sigterm + sigusr1)
+            if action == Action.CHECKPOINT:
+                record = self.control.mark_handled() if self.is_rank0 else None
+                self.save()
+                self._heartbeat(event="checkpoint", reason=f"checkpoint (control seq {record.seq if record else '?'})")
+                self._checkpointed_in_hold = True
+                continue
+            if action == Action.NONE and timed_out_v > 0:
+                self._hold_timed_out = True
+                return Action.SWITCH
+            return action
 
     def _signal_flags(self) -> tuple[float, float]:
         """This rank's SIGTERM and SIGUSR1 flags, for the all-reduce (a step's or a hold's) that sums them."""
@@ -490,8 +514,11 @@ class Trainer:
         the record appears, and the orchestrator then watches the same processes as the next attempt.
         """
         self.exit_reason = reason
-        # Also at step 0 (`--max-steps 0`): a checkpoint of the initial weights, e.g. of model.init_from.
-        if self.state.step != self.loaded_step:
+        # Also at step 0 (`--max-steps 0`): a checkpoint of the initial weights, e.g. of model.init_from. Again at
+        # the same step after a `checkpoint` served during a hold: the decision that ended the hold came later, and
+        # the checkpoint must hold its seq, or a resumed run would obey that `stop` again. (`_checkpointed_in_hold`
+        # is known to every rank; only rank 0 knows the seq, and the save is collective.)
+        if self.state.step != self.loaded_step or self._checkpointed_in_hold:
             self.save()
         if self.is_rank0:
             self._heartbeat(event="exit", exit_code=int(code), reason=reason)
