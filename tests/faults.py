@@ -103,7 +103,8 @@ class Fault:
         return (0, WINDOW_SPLIT) if self.index % 2 == 0 else (WINDOW_SPLIT, MAX_SAMPLES)
 
     def describe(self) -> str:
-        return f"fault {self.index}: {self.kind} during a {self.point} (samples {self.samples})"
+        when = "while the attempt is queued" if self.point == QUEUED else f"during a {self.point}"
+        return f"fault {self.index}: {self.kind} {when} (samples {self.samples})"
 
 
 def draw(seed: int, index: int, kinds: tuple[str, ...], backend: str = "local") -> Fault:
