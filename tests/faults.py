@@ -189,14 +189,14 @@ class SlurmCluster:
 
     @classmethod
     def queue(cls, run_root: Path) -> dict[str, str]:
-        """{job id: state} of the queued or running jobs whose batch script is this run's (None: no answer)."""
+        """{job id: state} of the queued or running jobs whose batch script is this run's (`RUN/slurm/cona.sbatch`)."""
         out = cls.sh("squeue", "-h", "-o", "%i|%T|%o", timeout=60)
         if out.returncode != 0:
             raise FaultFailed(f"squeue failed: {(out.stderr or out.stdout).strip()}")
         jobs = {}
         for line in out.stdout.splitlines():
             job, state, command = ([*line.split("|", 2), "", ""])[:3]
-            if str(run_root) in command:
+            if command.startswith(f"{run_root}{os.sep}"):
                 jobs[job] = state
         return jobs
 
