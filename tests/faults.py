@@ -400,8 +400,9 @@ def arm(run: Run, fault: Fault, timeout: float) -> str:
 def arm_queued(run: Run, fault: Fault, timeout: float) -> str:
     """Slurm: past the drawn sample, hold the partition DOWN and requeue the job, and wait until it is PENDING;
     the partition comes back UP right after the fault (`Run.after_inject`), so the attempt starts again then."""
-    run.wait_until(lambda: run.samples() >= fault.samples and SlurmCluster.current_job(run) is not None,
-                   timeout=timeout, what=f"samples {fault.samples}")  # fmt: skip
+    if not run.wait_until(lambda: run.samples() >= fault.samples and SlurmCluster.current_job(run) is not None,
+                          timeout=timeout, what=f"samples {fault.samples}"):  # fmt: skip
+        return "run ended first"
     job = SlurmCluster.current_job(run)
     assert job is not None
     SlurmCluster.hold_partition(True)
@@ -605,7 +606,8 @@ def run_group(
     backend: str = "local",
 ) -> list[Result]:  # fmt: skip
     """One run with `faults` (in window order), checked at the end; `extra`: more `cona run` flags."""
-    name = "run-" + "-".join(str(f.index) for f in faults)
+    # The backend in the name: a suite (the CI one) may run both backends' faults of the same numbers in one root.
+    name = ("slurm-" if backend == "slurm" else "") + "run-" + "-".join(str(f.index) for f in faults)
     run = Run(root, name, extra, backend)
     results = [Result(f) for f in faults]
     run.start()

@@ -60,22 +60,22 @@ def test_draw_is_per_fault_and_replayable():
 
 @pytest.mark.slurm
 def test_quick_slurm_faults(reference, cluster):  # noqa: F811 (the imported fixture)
-    """Seed 128's first two Slurm faults in one run on the local cluster: slurmctld stopped and started again while
+    """Seed 2054's first two Slurm faults in one run on the local cluster: slurmctld stopped and started again while
     the attempt waits in the queue (its job requeued, the partition held DOWN), then `scancel` of the job during
     the in-place switch at 600. The Slurm run trains the same layouts over the same samples as the local reference
     (2 nodes × 2 processes, gloo on one host), so it must end with the same bits; and no job of it may be left."""
     if problem := faults.SlurmCluster.problem():
         pytest.skip(problem)
     root, ref = reference
-    drawn = [faults.draw(128, i, faults.SLURM_KINDS, "slurm") for i in (0, 1)]
+    drawn = [faults.draw(2054, i, faults.SLURM_KINDS, "slurm") for i in (0, 1)]
     assert [(f.kind, f.point) for f in drawn] == [("slurmctld-restart", "queued"), ("scancel", "switch")]
-    results = faults.run_group(root, drawn, ref, seed=128, backend="slurm", timeout=600)
+    results = faults.run_group(root, drawn, ref, seed=2054, backend="slurm", timeout=600)
     failed = [f"{r.fault.describe()} [{r.hit}]: {r.outcome}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert "queued" in results[0].hit and "started again" in results[0].hit, results[0].hit
     assert "scancel" in results[1].hit and "no job" not in results[1].hit, results[1].hit
     assert all(r.outcome.startswith("bit-identical") for r in results), [r.outcome for r in results]
-    assert faults.SlurmCluster.queue(root / "run-0-1") == {}
+    assert faults.SlurmCluster.queue(root / "slurm-run-0-1") == {}
 
 
 def test_slurm_draws_the_queued_moment_only_for_kinds_that_can_strike_it():
