@@ -497,8 +497,11 @@ class Scheduler:
 
     def _check_hang(self, attempt: Attempt) -> None:
         timeout = self.job.policy.heartbeat_timeout_s
-        if not self.state.last_heartbeat_time:
-            # Still starting: processes, rendezvous and the checkpoint load come before the first heartbeat.
+        beat, queued = self.state.last_heartbeat_time, self.state.pending_seen_at
+        if not beat or (queued and queued > beat):
+            # Still starting — or starting again after a pending spell (a Slurm job requeued runs the attempt in
+            # new processes): processes, rendezvous and the checkpoint load come before the first heartbeat. The
+            # plain heartbeat timeout cancelled such a restart as hung on a loaded machine.
             timeout = max(timeout, self.job.policy.startup_timeout_s)
         # The gap runs from the latest of: the last heartbeat, the launch, the last poll that said PENDING.
         marks = [self.state.last_heartbeat_time, self.state.launched_at, self.state.pending_seen_at]

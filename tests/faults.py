@@ -15,9 +15,14 @@ a failure prints that command. Faults run two to a run (one before sample `WINDO
 the number of runs without letting one fault hide another: the second is armed only once the run recovered past
 the first one's window.
 
-Only the local backend is wired: the Slurm kinds (`scancel`, `scontrol requeue`, a killed slurmd, a restarted
-slurmctld) are listed in `SLURM_KINDS` and refused with exit 2 until a `SlurmTarget` drives the local cluster;
-docs/reliability.md says so.
+`--backend slurm` runs the same schedule on the local two-node Slurm cluster (`slurm/local-cluster.sh`, 2 nodes ×
+2 processes, so every switch is still in place) and adds the cluster's own faults (`SLURM_KINDS`: `scancel`,
+`scontrol requeue`, a killed slurmd, a restarted slurmctld) and the moment `queued` (the partition is held DOWN and
+the job requeued, so the attempt waits PENDING while the fault strikes). After each Slurm run no job of the run may
+be left in the queue. The cluster's helpers are `SlurmCluster`; it must run as root (it restarts daemons).
+
+`--backend kubernetes` runs it through the Kubernetes backend on the API emulator, with `kubectl delete pod` and
+the Eviction API as kinds of its own (`tests/faults_k8s.py`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from typing import Any
 from cona.orchestrator.backends.local.backend import process_alive
 
 REPO = Path(__file__).resolve().parent.parent
-PROFILE = REPO / "slurm" / "profiles" / "local-cpu.yaml"
+PROFILES = {"local": REPO / "slurm" / "profiles" / "local-cpu.yaml", "slurm": REPO / "slurm" / "profiles" / "local-slurm.yaml"}
+PROFILE = PROFILES["local"]
+LOCAL_CLUSTER = REPO / "slurm" / "local-cluster.sh"
 JOB = REPO / "examples" / "tiny-gpt.yaml"
 
 # Three strategies on 4 processes: every switch is in place and changes the degrees and the batch. The points are
@@ -59,6 +66,14 @@ point)."""
 KINDS = ("worker-kill", "torchrun-kill", "orchestrator-kill", "worker-stop", "preempt-term", "preempt-usr1")
 SLURM_KINDS = ("scancel", "requeue", "slurmd-kill", "slurmctld-restart")
 POINTS = ("step", "checkpoint", "switch", "decision")
+QUEUED = "queued"
+"""Slurm only: the attempt waits PENDING (its job requeued while the partition is held DOWN) when the fault strikes."""
+QUEUED_KINDS = ("orchestrator-kill", "scancel", "slurmd-kill", "slurmctld-restart")
+"""The kinds that can strike a queued attempt: it has no process to kill or signal, and a pending job cannot be
+requeued."""
+K8S_KINDS = ("pod-delete", "pod-evict")
+"""Kubernetes only (`tests/faults_k8s.py`): `kubectl delete pod`, the Eviction API."""
+BACKEND_KINDS = {"local": KINDS, "slurm": KINDS + SLURM_KINDS, "kubernetes": KINDS + K8S_KINDS}
 SECRETS = {"HF_TOKEN": "hf_fault_secret_0d1e", "AWS_SECRET_ACCESS_KEY": "aws_fault_secret_77a2"}
 """Set in every run's environment: none may appear in any file of the run directory or in its output."""
 
@@ -93,14 +108,17 @@ class Fault:
         return (0, WINDOW_SPLIT) if self.index % 2 == 0 else (WINDOW_SPLIT, MAX_SAMPLES)
 
     def describe(self) -> str:
-        return f"fault {self.index}: {self.kind} during a {self.point} (samples {self.samples})"
+        when = "while the attempt is queued" if self.point == QUEUED else f"during a {self.point}"
+        return f"fault {self.index}: {self.kind} {when} (samples {self.samples})"
 
 
-def draw(seed: int, index: int, kinds: tuple[str, ...]) -> Fault:
-    """Fault `index` of seed `seed`: from its own generator, so it is the same whether drawn alone or in a batch."""
+def draw(seed: int, index: int, kinds: tuple[str, ...], backend: str = "local") -> Fault:
+    """Fault `index` of seed `seed`: from its own generator, so it is the same whether drawn alone or in a batch.
+    On Slurm a kind that can strike a queued attempt may also draw the moment `queued` (the local draws are
+    unchanged, so their seeds replay as before)."""
     rng = random.Random(f"{seed}:{index}")
     kind = rng.choice(kinds)
-    point = rng.choice(POINTS)
+    point = rng.choice((*POINTS, QUEUED) if backend == "slurm" and kind in QUEUED_KINDS else POINTS)
     lo, hi = (0, WINDOW_SPLIT) if index % 2 == 0 else (WINDOW_SPLIT, MAX_SAMPLES)
     if point in ("switch", "decision"):
         samples = next(n for n, _ in SCHEDULE if lo < n < hi)
@@ -132,13 +150,150 @@ def run_processes(run_root: Path) -> dict[int, str]:
 
 
 def workers(run_root: Path) -> list[int]:
+    # On Slurm the helper's agent (which runs torchrun in-process) carries the trainer's arguments too.
     return sorted(pid for pid, text in run_processes(run_root).items()
-                  if "-m cona.trainer" in text and "torch.distributed.run" not in text and "/bin/sh" not in text)  # fmt: skip
+                  if "-m cona.trainer" in text and "torch.distributed.run" not in text and "/bin/sh" not in text
+                  and "slurm_helper" not in text)  # fmt: skip
 
 
 def torchrun(run_root: Path) -> list[int]:
+    """Local: torchrun. Slurm: the helper's `agent` on each node, the process torchrun runs in."""
     return sorted(pid for pid, text in run_processes(run_root).items()
-                  if "torch.distributed.run" in text or ("torchrun" in text and "/bin/sh" not in text))  # fmt: skip
+                  if "torch.distributed.run" in text or ("torchrun" in text and "/bin/sh" not in text)
+                  or ("slurm_helper" in text and " agent " in text))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ the Slurm cluster
+
+
+class SlurmCluster:
+    """The local cluster of `slurm/local-cluster.sh` as the Slurm faults need it (root: it restarts daemons)."""
+
+    PARTITION = "debug"
+    PIDS = Path("/run/cona-slurm")
+
+    @staticmethod
+    def sh(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+
+    @classmethod
+    def script(cls, *args: str, timeout: float = 300) -> str:
+        result = cls.sh(str(LOCAL_CLUSTER), *args, timeout=timeout)
+        if result.returncode != 0:
+            raise FaultFailed(f"slurm/local-cluster.sh {' '.join(args)} failed: {(result.stderr or result.stdout).strip()}")
+        return result.stdout.strip()
+
+    @classmethod
+    def problem(cls) -> str | None:
+        """None when the cluster answers and this process may restart its daemons, else why not."""
+        if os.geteuid() != 0:
+            return "the Slurm faults restart Slurm daemons: run as root"
+        if not LOCAL_CLUSTER.exists() or cls.sh("scontrol", "ping", timeout=20).stdout.count("is UP") == 0:
+            return "no local Slurm cluster answers (start it: slurm/local-cluster.sh start)"
+        return None
+
+    @classmethod
+    def queue(cls, run_root: Path) -> dict[str, str]:
+        """{job id: state} of the queued or running jobs whose batch script is this run's (`RUN/slurm/cona.sbatch`)."""
+        out = cls.sh("squeue", "-h", "-o", "%i|%T|%o", timeout=60)
+        if out.returncode != 0:
+            raise FaultFailed(f"squeue failed: {(out.stderr or out.stdout).strip()}")
+        jobs = {}
+        for line in out.stdout.splitlines():
+            job, state, command = ([*line.split("|", 2), "", ""])[:3]
+            if command.startswith(f"{run_root}{os.sep}"):
+                jobs[job] = state
+        return jobs
+
+    @classmethod
+    def job_state(cls, job: str) -> str:
+        out = cls.sh("scontrol", "show", "job", "-o", job).stdout
+        return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "")
+
+    @staticmethod
+    def current_job(run: Run) -> str | None:
+        """The job of the newest launched attempt (the one the orchestrator follows)."""
+        for path in sorted(run.root.glob("attempts/*/launch.json"), key=lambda p: -int(p.parent.name)):
+            with contextlib.suppress(OSError, ValueError):
+                job = json.loads(path.read_text()).get("job_id")
+                if job:
+                    return str(job)
+        return None
+
+    @classmethod
+    def hold_partition(cls, down: bool) -> None:
+        """DOWN: nothing new starts (jobs already running go on), so a requeued or resubmitted job waits."""
+        state = "DOWN" if down else "UP"
+        result = cls.sh("scontrol", "update", f"partitionname={cls.PARTITION}", f"state={state}")
+        if result.returncode != 0:
+            raise FaultFailed(f"scontrol update partition {state} failed: {(result.stderr or result.stdout).strip()}")
+
+    @classmethod
+    def node_state(cls, node: str) -> str:
+        return cls.sh("sinfo", "-h", "-N", "-n", node, "-o", "%T").stdout.strip()
+
+    @classmethod
+    def step_processes(cls, run_root: Path, node: str) -> list[int]:
+        """The processes of this run that Slurm started on `node` (agents, trainers), never slurmstepd."""
+        pids = []
+        for pid, text in run_processes(run_root).items():
+            with contextlib.suppress(OSError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"SLURMD_NODENAME={node}".encode() in environ and "slurmstepd" not in text:
+                    pids.append(pid)
+        return sorted(pids)
+
+    @classmethod
+    def kill_slurmd(cls, run: Run, node: str) -> str:
+        """The node dies: its slurmd is SIGKILLed and the run's processes on it freeze (nothing there answers any
+        more) until Slurm declares it DOWN; then it "reboots": slurmd starts again and what was frozen is gone."""
+        pid = int((cls.PIDS / f"slurmd-{node}.pid").read_text())
+        frozen = cls.step_processes(run.root, node)
+        os.kill(pid, signal.SIGKILL)
+        for victim in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            deadline = started + 300
+            while not cls.node_state(node).startswith("down"):
+                if time.monotonic() > deadline:
+                    raise FaultFailed(f"node {node} not DOWN 300 s after its slurmd was killed")
+                time.sleep(1)
+            down_after = time.monotonic() - started
+        finally:
+            cls.script("restart-node", node)
+            for victim in frozen:  # a rebooted node keeps no process (normally Slurm killed them already)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
+        return f"slurmd of {node} killed, {len(frozen)} process(es) frozen; {node} DOWN after {down_after:.0f}s, restarted"
+
+    @classmethod
+    def restart_slurmctld(cls, delay_s: float) -> str:
+        """Stop slurmctld as its script does (SIGTERM: a SIGKILLed slurmctld loses state it has not saved and can
+        resurrect cancelled jobs), leave it down for a while, start it again."""
+        pidfile = cls.PIDS / "slurmctld.pid"
+        pid = int(pidfile.read_text())
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while process_alive(pid):
+            if time.monotonic() > deadline:
+                raise FaultFailed(f"slurmctld {pid} still alive 120 s after SIGTERM")
+            time.sleep(0.2)
+        time.sleep(delay_s)
+        cls.script("start")
+        return f"slurmctld {pid} stopped, down {delay_s}s, started again"
+
+    @classmethod
+    def repair(cls, run_root: Path) -> None:
+        """After a failed run: nothing of it queued, the partition UP, every daemon running and every node up."""
+        with contextlib.suppress(Exception):
+            cls.hold_partition(False)
+        with contextlib.suppress(Exception):
+            for job in cls.queue(run_root):
+                cls.sh("scancel", job)
+        with contextlib.suppress(Exception):
+            cls.script("start")
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -151,12 +306,24 @@ class FaultFailed(AssertionError):
 class Run:
     """One `cona run` under the fault schedule, restartable with the same command (as a user would)."""
 
-    def __init__(self, root: Path, name: str, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, root: Path, name: str, extra: tuple[str, ...] = (), backend: str = "local",
+                 profile: Path | None = None) -> None:  # fmt: skip
         self.root = root / name
         self.log = root / f"{name}.log"
-        self.args = [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", str(PROFILE), "--job", str(JOB),
-                     "--run-dir", str(self.root), "--quiet", "--no-report", *settings(), *extra]  # fmt: skip
+        self.backend = backend
+        self.args = [sys.executable, "-m", "cona.orchestrator.cli", "run", "--profile", str(profile or PROFILES[backend]),
+                     "--job", str(JOB), "--run-dir", str(self.root), "--quiet", "--no-report", *settings(), *extra]  # fmt: skip
         self.proc: subprocess.Popen | None = None
+        self.after_inject: list[Callable[[], None]] = []
+        """What the moment set up and the fault must not outlive (the held partition of `queued`)."""
+
+    def inject_own(self, fault: Fault) -> str | None:
+        """A fault kind of this run's backend alone, done, or None for the kinds `inject` does (Kubernetes overrides
+        it: `tests/faults_k8s.py`)."""
+        return None
+
+    def check_own(self) -> None:
+        """What this run's backend promises besides `check_run`'s checks (raises FaultFailed)."""
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **SECRETS}
@@ -210,6 +377,8 @@ def arm(run: Run, fault: Fault, timeout: float) -> str:
     # The second fault of a run is armed once the run recovered into its window (samples −1: no heartbeat yet).
     if not run.wait_until(lambda: run.samples() >= fault.window[0], timeout=timeout, what=f"samples {fault.window[0]}"):
         return "run ended first"
+    if fault.point == QUEUED:
+        return arm_queued(run, fault, timeout)
     if fault.point == "step":
         run.wait_until(lambda: run.samples() >= fault.samples, timeout=timeout, what=f"samples {fault.samples}")
         return f"step at samples {run.samples()}"
@@ -242,8 +411,32 @@ def arm(run: Run, fault: Fault, timeout: float) -> str:
     return f"switch to attempt {run.newest_attempt() + 1} at samples {run.samples()}"
 
 
+def arm_queued(run: Run, fault: Fault, timeout: float) -> str:
+    """Slurm: past the drawn sample, hold the partition DOWN and requeue the job, and wait until it is PENDING;
+    the partition comes back UP right after the fault (`Run.after_inject`), so the attempt starts again then."""
+    if not run.wait_until(lambda: run.samples() >= fault.samples and SlurmCluster.current_job(run) is not None,
+                          timeout=timeout, what=f"samples {fault.samples}"):  # fmt: skip
+        return "run ended first"
+    job = SlurmCluster.current_job(run)
+    assert job is not None
+    SlurmCluster.hold_partition(True)
+    run.after_inject.append(lambda: SlurmCluster.hold_partition(False))
+    requeue = SlurmCluster.sh("scontrol", "requeue", job)
+    if requeue.returncode != 0:  # the job ended meanwhile (between attempts): a resubmission will queue instead
+        job_now = lambda: SlurmCluster.current_job(run)  # noqa: E731
+        run.wait_until(lambda: job_now() not in (None, job), timeout=timeout, what=f"a job after {job}")
+        job = job_now()
+        assert job is not None
+    run.wait_until(lambda: SlurmCluster.job_state(job) == "PENDING", timeout=timeout, what=f"job {job} PENDING")
+    return f"job {job} queued (partition held DOWN) at samples {run.samples()}"
+
+
 def inject(run: Run, fault: Fault) -> str:
     """Do it; returns what was hit."""
+    if (own := run.inject_own(fault)) is not None:
+        return own
+    if run.backend == "slurm" and fault.kind in (*SLURM_KINDS, "preempt-term", "preempt-usr1"):
+        return inject_slurm(run, fault)
     if fault.kind == "orchestrator-kill":
         assert run.proc is not None
         run.proc.send_signal(signal.SIGKILL)
@@ -270,6 +463,30 @@ def inject(run: Run, fault: Fault) -> str:
     victim = pids[fault.victim % len(pids)]
     os.kill(victim, signal.SIGKILL if fault.kind == "worker-kill" else signal.SIGSTOP)
     return f"{'SIGKILL' if fault.kind == 'worker-kill' else 'SIGSTOP'} to worker {victim}"
+
+
+def inject_slurm(run: Run, fault: Fault) -> str:
+    """The cluster's faults, and preemption as Slurm delivers it (a worker, torchrun or the orchestrator killed
+    is the same on every backend)."""
+    if fault.kind == "slurmctld-restart":
+        # Longer than the local orchestrator-kill's pause: several of the orchestrator's polls must meet it.
+        return SlurmCluster.restart_slurmctld(fault.delay_s * 4)
+    if fault.kind == "slurmd-kill":
+        return SlurmCluster.kill_slurmd(run, ("n1", "n2")[fault.victim % 2])
+    job = SlurmCluster.current_job(run)
+    if job is None:
+        return "no job submitted yet"
+    argv = {
+        "scancel": ["scancel", job],
+        "requeue": ["scontrol", "requeue", job],
+        # A preemption that signals (PreemptMode=CANCEL's grace time): SIGTERM to every process of the job.
+        "preempt-term": ["scancel", "--full", "--signal=TERM", job],
+        # The pre-timeout signal (`--signal=B:USR1@N`): to the batch shell, which forwards it to the step.
+        "preempt-usr1": ["scancel", "--batch", "--signal=USR1", job],
+    }[fault.kind]
+    result = SlurmCluster.sh(*argv)
+    said = (result.stderr or result.stdout).strip()
+    return f"`{' '.join(argv)}` ({SlurmCluster.job_state(job) or 'gone'}{'; ' + said if said else ''})"
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -346,11 +563,18 @@ def check_run(run: Run, reference: tuple[list[tuple[int, str]], dict[str, Any]])
     if not same_layouts and worst > 1e-5:
         raise FaultFailed(f"parameters differ by {worst:.3g} > 1e-5; strategies {sequence} vs {ref_sequence}")
     check_files(run)
+    run.check_own()
     deadline = time.monotonic() + 60
     while (left := run_processes(run.root)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
         raise FaultFailed(f"processes left after the run: {left}")
+    if run.backend == "slurm":  # an idle allocation is cancelled at the end; give Slurm time to finish it
+        deadline = time.monotonic() + 120
+        while (queued := SlurmCluster.queue(run.root)) and time.monotonic() < deadline:
+            time.sleep(1)
+        if queued:
+            raise FaultFailed(f"jobs of the run still in squeue after it ended: {queued}")
     return f"{'bit-identical' if same_layouts else f'max |Δ| {worst:.2g}'}, layouts {sequence}"
 
 
@@ -368,10 +592,12 @@ def check_files(run: Run) -> None:
                     raise FaultFailed(f"{path} holds the value of ${name}")
 
 
-def reference_run(root: Path, name: str = "reference", extra: tuple[str, ...] = ()) -> tuple[list[tuple[int, str]], dict[str, Any]]:
+def reference_run(
+    root: Path, name: str = "reference", extra: tuple[str, ...] = (), backend: str = "local"
+) -> tuple[list[tuple[int, str]], dict[str, Any]]:  # fmt: skip
     """The uninterrupted run (cached under `root`, so one suite pays for it once); `extra`: more `cona run` flags."""
     root.mkdir(parents=True, exist_ok=True)
-    run = Run(root, name, extra)
+    run = Run(root, name, extra, backend)
     if not (run.root / "state.json").exists() or json.loads((run.root / "state.json").read_text()).get("status") != "done":
         run.start()
         assert run.proc is not None
@@ -393,17 +619,24 @@ class Result:
 
 
 def run_group(
-    root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float = 300, extra: tuple[str, ...] = ()
+    root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float = 300, extra: tuple[str, ...] = (),
+    backend: str = "local", new_run: Callable[[Path, str], Run] | None = None,
 ) -> list[Result]:  # fmt: skip
-    """One run with `faults` (in window order), checked at the end; `extra`: more `cona run` flags."""
-    name = "run-" + "-".join(str(f.index) for f in faults)
-    run = Run(root, name, extra)
+    """One run with `faults` (in window order), checked at the end; `extra`: more `cona run` flags; `new_run`: the
+    Run of a backend that needs more than a profile (Kubernetes: its emulated cluster)."""
+    # The backend in the name: a suite (the CI one) may run both backends' faults of the same numbers in one root.
+    name = ("" if backend == "local" else f"{backend}-") + "run-" + "-".join(str(f.index) for f in faults)
+    run = new_run(root, name) if new_run is not None else Run(root, name, extra, backend)
     results = [Result(f) for f in faults]
     run.start()
     try:
         for result in results:
             where = arm(run, result.fault, timeout)
-            result.hit = f"{where}: {inject(run, result.fault)}"
+            try:
+                result.hit = f"{where}: {inject(run, result.fault)}"
+            finally:
+                while run.after_inject:
+                    run.after_inject.pop()()
             print(f"  {result.fault.describe()} → {result.hit}", flush=True)
         assert run.proc is not None
         try:
@@ -414,20 +647,24 @@ def run_group(
         for result in results:
             result.ok, result.outcome = True, summary
     except FaultFailed as e:
-        replay = " ; ".join(f"python -m tests.faults --seed {seed} --fault {r.fault.index}" for r in results)
+        flag = "" if backend == "local" else f" --backend {backend}"
+        replay = " ; ".join(f"python -m tests.faults --seed {seed}{flag} --fault {r.fault.index}" for r in results)
         for result in results:
             result.outcome = f"FAILED: {e}\n  replay: {replay}\n  run directory: {run.root}"
     finally:
-        kill_run(run.root)
+        while run.after_inject:  # a moment armed but never used (the run failed first)
+            with contextlib.suppress(Exception):
+                run.after_inject.pop()()
+        if run.proc is not None and run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+        if backend == "slurm":
+            SlurmCluster.repair(run.root)
+        for pid in run_processes(run.root):  # a failed run must not leave processes for the next one
+            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
     return results
-
-
-def kill_run(run_root: Path) -> None:
-    """A failed run must not leave processes for the next one."""
-    for pid in run_processes(run_root):
-        with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
 
 
 def groups(faults: list[Fault]) -> dict[int, list[Fault]]:
@@ -438,41 +675,41 @@ def groups(faults: list[Fault]) -> dict[int, list[Fault]]:
     return runs
 
 
-def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Path) -> list[Result]:
-    faults = [draw(seed, i, kinds) for i in indices]
-    reference = reference_run(root)
+def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Path, backend: str = "local") -> list[Result]:
+    faults = [draw(seed, i, kinds, backend) for i in indices]
+    reference = reference_run(root, backend=backend)
     results = []
     for number, group in sorted(groups(faults).items()):
         print(f"run {number}: {', '.join(f.describe() for f in group)}", flush=True)
-        results += run_group(root, group, reference, seed=seed)
+        results += run_group(root, group, reference, seed=seed, backend=backend,
+                             timeout=600 if backend == "slurm" else 300)  # fmt: skip
         print(f"  → {results[-1].outcome.splitlines()[0]}", flush=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests import faults_k8s  # it builds on this module
-
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=4, help="how many faults (two to a run)")
     parser.add_argument("--fault", type=int, action="append", help="replay these fault numbers of --seed alone")
-    parser.add_argument("--backend", default="local", choices=["local", "slurm", "kubernetes"],
-                        help="kubernetes: the API emulator of tests/k8s_emulator.py (tests/faults_k8s.py)")
-    parser.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
-                        help=f"fault kinds to draw from (local: {', '.join(KINDS)}; kubernetes: those and "
-                             f"{', '.join(faults_k8s.K8S_KINDS)})")  # fmt: skip
+    parser.add_argument("--backend", default="local", choices=list(BACKEND_KINDS),
+                        help="slurm: the local cluster of slurm/local-cluster.sh; kubernetes: the API emulator of "
+                             "tests/k8s_emulator.py (tests/faults_k8s.py)")  # fmt: skip
+    parser.add_argument("--kinds", nargs="+", metavar="KIND",
+                        help=f"fault kinds to draw from (default: all of the backend's; local: {', '.join(KINDS)}; "
+                             f"slurm: these and {', '.join(SLURM_KINDS)}; kubernetes: the local ones and "
+                             f"{', '.join(K8S_KINDS)})")  # fmt: skip
     parser.add_argument("--out", type=Path, help="where the runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
-    if args.backend == "slurm":
-        print(f"python -m tests.faults: error: --backend slurm ({', '.join(SLURM_KINDS)}) is not wired yet; "
-              "see docs/reliability.md", file=sys.stderr)  # fmt: skip
-        return 2
-    valid = faults_k8s.KINDS if args.backend == "kubernetes" else KINDS
+    valid = BACKEND_KINDS[args.backend]
     kinds = tuple(args.kinds or valid)
     unknown = sorted(set(kinds) - set(valid))
     if unknown:
         print(f"python -m tests.faults: error: --kinds {', '.join(unknown)}: not a {args.backend} fault kind; valid: "
               f"{', '.join(valid)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.backend == "slurm" and (problem := SlurmCluster.problem()):
+        print(f"python -m tests.faults: error: --backend slurm: {problem}", file=sys.stderr)
         return 2
     if args.count < 1:
         print("python -m tests.faults: error: --count must be at least 1", file=sys.stderr)
@@ -481,10 +718,14 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     indices = args.fault or list(range(args.count))
     started = time.monotonic()
-    suite = faults_k8s.run_suite if args.backend == "kubernetes" else run_suite
-    results = suite(seed=args.seed, indices=indices, kinds=kinds, root=root)
+    if args.backend == "kubernetes":
+        from tests import faults_k8s  # it builds on this module
+
+        results = faults_k8s.run_suite(seed=args.seed, indices=indices, kinds=kinds, root=root)
+    else:
+        results = run_suite(seed=args.seed, indices=indices, kinds=kinds, root=root, backend=args.backend)
     failed = [r for r in results if not r.ok]
-    print(f"\nseed {args.seed}: {len(results) - len(failed)} of {len(results)} faults passed in "
+    print(f"\nseed {args.seed} ({args.backend}): {len(results) - len(failed)} of {len(results)} faults passed in "
           f"{time.monotonic() - started:.0f} s (runs in {root})")  # fmt: skip
     for r in failed:
         print(f"{r.fault.describe()} [{r.hit}]: {r.outcome}")

@@ -25,11 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tests import faults
-from tests.faults import Fault, FaultFailed, Result, Run
-
-K8S_KINDS = ("pod-delete", "pod-evict")
-KINDS = faults.KINDS + K8S_KINDS
-"""What `--backend kubernetes` draws from by default."""
+from tests.faults import K8S_KINDS, Fault, FaultFailed, Result, Run
 
 
 @dataclasses.dataclass
@@ -57,10 +53,9 @@ def cluster(root: Path) -> Iterator[Cluster]:
 class KubernetesRun(Run):
     """One `cona run` on the emulated cluster's profile, with the kubeconfig that points at it."""
 
-    def __init__(self, root: Path, name: str, k8s: Cluster, extra: tuple[str, ...] = ()) -> None:
-        super().__init__(root, name, extra)
+    def __init__(self, root: Path, name: str, k8s: Cluster) -> None:
+        super().__init__(root, name, backend="kubernetes", profile=k8s.profile)
         self.k8s = k8s
-        self.args[self.args.index(str(faults.PROFILE))] = str(k8s.profile)
 
     def start(self) -> None:
         # The pods' in-cluster variables must not leak into the client's configuration: the kubeconfig decides.
@@ -78,64 +73,31 @@ class KubernetesRun(Run):
                     names.append(name)
         return names
 
+    def inject_own(self, fault: Fault) -> str | None:
+        if fault.kind not in K8S_KINDS:
+            return None
+        controller = self.k8s.controller
+        # Between two attempts (a switch is a relaunch here) the fault hits the next attempt's pods as they start.
+        if not self.wait_until(lambda: bool(controller.running(self.job_names())), timeout=120,
+                               what="a running Job of the run"):  # fmt: skip
+            return "run ended first"
+        jobs = controller.running(self.job_names())
+        if not jobs:
+            return "the Job ended first"
+        job = jobs[-1]
+        index = fault.victim % len(job.pods)
+        if fault.kind == "pod-delete":
+            return f"pod {controller.delete_pod(job.name, index)} deleted"
+        return f"pod {controller.disrupt_pod(job.name, index)} evicted"
 
-def inject(run: KubernetesRun, fault: Fault) -> str:
-    """Do it; the process kinds as on every backend (`faults.inject`)."""
-    if fault.kind not in K8S_KINDS:
-        return faults.inject(run, fault)
-    controller = run.k8s.controller
-    # Between two attempts (a switch is a relaunch here) the fault hits the next attempt's pods as they start.
-    if not run.wait_until(lambda: bool(controller.running(run.job_names())), timeout=120,
-                          what="a running Job of the run"):  # fmt: skip
-        return "run ended first"
-    jobs = controller.running(run.job_names())
-    if not jobs:
-        return "the Job ended first"
-    job = jobs[-1]
-    index = fault.victim % len(job.pods)
-    if fault.kind == "pod-delete":
-        return f"pod {controller.delete_pod(job.name, index)} deleted"
-    return f"pod {controller.disrupt_pod(job.name, index)} evicted"
+    def check_own(self) -> None:
+        """No Job of the run is left in the API (each ended attempt is released)."""
+        from kubernetes import client
 
-
-def check_released(run: KubernetesRun) -> None:
-    """No Job of the run is left in the API (each ended attempt is released)."""
-    from kubernetes import client
-
-    batch = client.BatchV1Api(run.k8s.emulator.api_client("fault-check"))
-    left = sorted(set(run.job_names()) & {j.metadata.name for j in batch.list_job_for_all_namespaces().items})
-    if left:
-        raise FaultFailed(f"Jobs left in the API after the run: {', '.join(left)}")
-
-
-def run_group(k8s: Cluster, root: Path, group: list[Fault], reference: Any, *, seed: int,
-              timeout: float = 300) -> list[Result]:  # fmt: skip
-    """One run with `group`'s faults (in window order), checked at the end (`faults.run_group`'s flow)."""
-    run = KubernetesRun(root, "run-" + "-".join(str(f.index) for f in group), k8s)
-    results = [Result(f) for f in group]
-    run.start()
-    try:
-        for result in results:
-            where = faults.arm(run, result.fault, timeout)
-            result.hit = f"{where}: {inject(run, result.fault)}"
-            print(f"  {result.fault.describe()} → {result.hit}", flush=True)
-        assert run.proc is not None
-        try:
-            run.proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            raise FaultFailed(f"cona run did not finish in 900 s\n{run.tail()}") from None
-        summary = faults.check_run(run, reference)
-        check_released(run)
-        for result in results:
-            result.ok, result.outcome = True, summary
-    except FaultFailed as e:
-        replay = " ; ".join(f"python -m tests.faults --backend kubernetes --seed {seed} --fault {r.fault.index}"
-                            for r in results)  # fmt: skip
-        for result in results:
-            result.outcome = f"FAILED: {e}\n  replay: {replay}\n  run directory: {run.root}\n{k8s.controller.logs()[-2000:]}"
-    finally:
-        faults.kill_run(run.root)
-    return results
+        batch = client.BatchV1Api(self.k8s.emulator.api_client("fault-check"))
+        left = sorted(set(self.job_names()) & {j.metadata.name for j in batch.list_job_for_all_namespaces().items})
+        if left:
+            raise FaultFailed(f"Jobs left in the API after the run: {', '.join(left)}")
 
 
 def reference_run(k8s: Cluster, root: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
@@ -146,12 +108,12 @@ def reference_run(k8s: Cluster, root: Path) -> tuple[list[tuple[int, str]], dict
     if run.proc.wait(timeout=900) != 0:
         raise FaultFailed(f"the uninterrupted reference run failed\n{run.tail()}")
     faults.check_files(run)
-    check_released(run)
+    run.check_own()
     return faults.layout_sequence(run.root), faults.final_parameters(run.root)
 
 
 def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Path) -> list[Result]:
-    drawn = [faults.draw(seed, i, kinds) for i in indices]
+    drawn = [faults.draw(seed, i, kinds, "kubernetes") for i in indices]
     results: list[Result] = []
     with cluster(root) as k8s:
         started = time.monotonic()
@@ -159,6 +121,7 @@ def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Pa
         print(f"reference run: {time.monotonic() - started:.0f} s", flush=True)
         for number, group in sorted(faults.groups(drawn).items()):
             print(f"run {number}: {', '.join(f.describe() for f in group)}", flush=True)
-            results += run_group(k8s, root, group, reference, seed=seed)
+            results += faults.run_group(root, group, reference, seed=seed, backend="kubernetes",
+                                        new_run=lambda root, name: KubernetesRun(root, name, k8s))  # fmt: skip
             print(f"  → {results[-1].outcome.splitlines()[0]}", flush=True)
     return results

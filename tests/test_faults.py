@@ -1,6 +1,7 @@
-"""Exact schedule switch points and the quick part of the seeded fault suite (`tests/faults.py`), on the local
-backend: real `cona run`, torchrun and gloo. The long part (N ≥ 20) is `python -m tests.faults --count 20`
-(docs/reliability.md)."""
+"""Exact schedule switch points and the quick part of the seeded fault suite (`tests/faults.py`): on the local
+backend (real `cona run`, torchrun and gloo), and on the local Slurm cluster (real sbatch/srun, the cluster's own
+faults; skipped without a cluster like the other Slurm tests, a failure in CI). The long part (N ≥ 20) is
+`python -m tests.faults --count 20 [--backend slurm]` (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from cona.protocol.rundir import RunDir
 
 from tests import faults
+from tests.test_slurm_cluster import cluster  # noqa: F401 (the fixture: skip, or fail in CI, without a cluster)
 
 pytestmark = pytest.mark.distributed
 
@@ -56,16 +58,40 @@ def test_draw_is_per_fault_and_replayable():
         assert f.window[0] <= f.samples < f.window[1]
 
 
-def test_slurm_backend_is_refused_with_one_line(capsys):
-    assert faults.main(["--backend", "slurm"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "not wired yet" in err
+@pytest.mark.slurm
+def test_quick_slurm_faults(reference, cluster):  # noqa: F811 (the imported fixture)
+    """Seed 2054's first two Slurm faults in one run on the local cluster: slurmctld stopped and started again while
+    the attempt waits in the queue (its job requeued, the partition held DOWN), then `scancel` of the job during
+    the in-place switch at 600. The Slurm run trains the same layouts over the same samples as the local reference
+    (2 nodes × 2 processes, gloo on one host), so it must end with the same bits; and no job of it may be left."""
+    if problem := faults.SlurmCluster.problem():
+        pytest.skip(problem)
+    root, ref = reference
+    drawn = [faults.draw(2054, i, faults.SLURM_KINDS, "slurm") for i in (0, 1)]
+    assert [(f.kind, f.point) for f in drawn] == [("slurmctld-restart", "queued"), ("scancel", "switch")]
+    results = faults.run_group(root, drawn, ref, seed=2054, backend="slurm", timeout=600)
+    failed = [f"{r.fault.describe()} [{r.hit}]: {r.outcome}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert "queued" in results[0].hit and "started again" in results[0].hit, results[0].hit
+    assert "scancel" in results[1].hit and "no job" not in results[1].hit, results[1].hit
+    assert all(r.outcome.startswith("bit-identical") for r in results), [r.outcome for r in results]
+    assert faults.SlurmCluster.queue(root / "slurm-run-0-1") == {}
 
 
-def test_a_kind_of_another_backend_is_refused_with_the_valid_ones(capsys):
-    assert faults.main(["--backend", "local", "--kinds", "pod-delete"]) == 2
+def test_slurm_draws_the_queued_moment_only_for_kinds_that_can_strike_it():
+    """A queued attempt has no process to kill or signal, and a pending job cannot be requeued; the local draws
+    never change (their seeds replay as before)."""
+    kinds = faults.BACKEND_KINDS["slurm"]
+    drawn = [faults.draw(s, i, kinds, "slurm") for s in range(40) for i in range(4)]
+    assert {f.kind for f in drawn if f.point == faults.QUEUED} == set(faults.QUEUED_KINDS)
+    assert faults.draw(36, 0, faults.KINDS) == faults.draw(36, 0, faults.KINDS, "local")
+    assert all(faults.draw(s, 0, faults.KINDS).point != faults.QUEUED for s in range(100))
+
+
+def test_bad_kinds_are_refused_with_one_line(capsys):
+    assert faults.main(["--backend", "local", "--kinds", "scancel"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "pod-delete: not a local fault kind" in err and "worker-kill" in err
+    assert "\n" not in err and "scancel: not a local fault kind" in err and "worker-kill" in err
     assert faults.main(["--backend", "kubernetes", "--kinds", "worker-kill", "bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "bogus: not a kubernetes fault kind" in err and "pod-delete" in err

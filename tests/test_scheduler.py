@@ -259,6 +259,33 @@ def test_a_disruption_seen_after_a_hang_cancel_is_the_hang(run):
 
 # --- pending: queued, unschedulable, or waiting for an image -------------------------------------------------------
 
+
+def test_an_attempt_that_runs_again_after_a_pending_spell_gets_the_startup_timeout(run):
+    """A Slurm job requeued (`scontrol requeue`, a node failure, the pre-timeout USR1) is PENDING, then starts the
+    attempt again in new processes: until its first heartbeat that is a start-up, not a hang. The heartbeat timeout
+    (30 s in the fault suite) cancelled such a restart on a loaded machine (found by the Slurm fault suite); a gap
+    after a heartbeat, or a start-up past the startup timeout, is still a hang."""
+    sched, backend = run
+    _state_with_attempt_one(sched.run_dir)
+    attempt = sched.start_or_resume()
+    assert attempt is not None
+    timeout, startup = sched.job.policy.heartbeat_timeout_s, sched.job.policy.startup_timeout_s
+    assert startup > timeout + 10
+    now = time.time()
+    sched.state.launched_at = now - 10 * startup
+    sched.state.last_heartbeat_time = now - timeout - 20  # trained, then the job was requeued
+    sched.state.pending_seen_at = now - timeout - 5  # the last poll that saw it queued
+    sched._check_hang(attempt)
+    assert backend.cancelled == [] and not _events(sched, "heartbeat-gap")
+    sched.state.last_heartbeat_time = now - startup - 20
+    sched.state.pending_seen_at = now - startup - 5  # restarted, but no heartbeat within the startup timeout
+    sched._check_hang(attempt)
+    assert backend.cancelled == [1] and _events(sched, "heartbeat-gap")[0]["timeout_s"] == startup
+    backend.cancelled.clear()
+    sched.state.last_heartbeat_time, sched.state.pending_seen_at = now - timeout - 5, now - timeout - 20
+    sched._check_hang(attempt)  # running again, heartbeats came, then stopped: the plain timeout
+    assert backend.cancelled == [1] and _events(sched, "heartbeat-gap")[-1]["timeout_s"] == timeout
+
 INSUFFICIENT = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu"
 BAD_IMAGE = "image ghcr.io/x:y cannot be pulled (ImagePullBackOff: Back-off pulling image)"
 

@@ -177,3 +177,39 @@ def test_commands_and_signals(tmp_path):
     assert run_dir.latest_checkpoint() == run_dir.checkpoint_dir(preempted.exit.step)
     steps = preempted.exit.step
     assert audit_samples(run) == [(16 * k, 16 * k + 16) for k in range(steps)]
+
+
+@pytest.mark.distributed
+def test_an_attempt_run_again_at_a_switch_point_acts_on_the_decision_before_its_first_step(tmp_path):
+    """A Slurm job stopped while its trainer held at a switch point (a signal or a stop ended the hold) and was
+    requeued: the same attempt starts again, under the same strategy, from the checkpoint written at the hold.
+    The orchestrator's decision (here written while the job waited in the queue) must take effect there, before
+    any step — one step more moved the switch from samples 208 to 224 and the result off the uninterrupted run's
+    (found by `python -m tests.faults --backend slurm`: preempt-usr1, then the job's requeue). A relaunch under the
+    next strategy has made the switch already and must not hold."""
+    from cona.protocol.rundir import SwitchPoints
+
+    job = write_job(tmp_path)
+    run, run_dir = tmp_path / "run", RunDir(tmp_path / "run")
+    run.mkdir()
+    run_dir.write_switch_points(SwitchPoints(samples=(40,), wait_s=300))
+    first = Running(run, job=job, attempt=1)  # gbs 16: step 3 reaches 48 ≥ 40 and holds
+    try:
+        first.wait_for(lambda: any(hb.get("event") == "hold" for hb in heartbeats(run, 1)), "the hold at 48")
+        run_dir.write_control(ControlRecord(seq=1, command="stop", attempt=1))
+        stopped = first.finish()
+    finally:
+        first.kill()
+    assert (stopped.exit_code, stopped.exit.step) == (ExitCode.STOPPED, 3), describe(stopped)
+    assert run_dir.latest_trainer_state()["decision_due"] is True
+
+    run_dir.write_control(ControlRecord(seq=2, command="switch", attempt=1))
+    again = launch(run, nproc=2, strategy=STRATEGY, job=job, attempt=1)
+    assert (again.exit_code, again.exit.step) == (ExitCode.SWITCH, 3), describe(again)
+    assert "control seq 2" in again.exit.reason
+    assert audit_samples(run) == [(0, 16), (16, 32), (32, 48)]
+
+    nxt = launch(run, nproc=2, strategy="dp=2,tp=1,pp=1,mbs=8,gbs=32", job=job, attempt=2, max_steps=5)
+    assert (nxt.exit_code, nxt.exit.step) == (ExitCode.STOPPED, 5), describe(nxt)
+    assert not [hb for hb in heartbeats(run, 2) if hb.get("event") == "hold"]
+    assert audit_samples(run)[-1] == (80, 112)

@@ -85,6 +85,11 @@ class TrainerState:
     """[{step, samples, val_loss, val_perplexity}] of every evaluation so far."""
     last_control_seq: int = -1
     """The newest control.json seq acted on, so a relaunch does not act on it again."""
+    decision_due: bool = False
+    """The step that reached `samples` crossed a switch point and the trainer had not acted on the orchestrator's
+    decision when this was saved (a signal or a stop ended the hold, or came with the step). A trainer that
+    resumes here under the same `strategy` — the same attempt run again after a Slurm requeue — holds for that
+    decision before its first step, as the saver would have; one step more would move the switch past the point."""
     rng_state: str = ""
     version: int = ckpt.TRAINER_STATE_VERSION
     """The layout of this record (`checkpoint.TRAINER_STATE_VERSION`); a newer one is refused, naming it."""
@@ -207,6 +212,8 @@ class Trainer:
                 if self.state.rng_state:
                     ckpt.set_rng_state(self.state.rng_state)
                 self.control.last_seq = self.state.last_control_seq
+                # A relaunch under another strategy (the schedule's for this sample) has made the switch already.
+                self._at_switch_point = self.state.decision_due and self.state.strategy == self.strategy.to_dict()
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
                 self.state.model = self.job.model.model_dump(mode="json")
                 self.startup["load_end"] = time.time()
@@ -242,6 +249,10 @@ class Trainer:
             self._heartbeat(event="resume" if self.loaded_step is not None else "start")
         if s.step == 0 and not s.val_history:
             self.evaluate()
+        if self._at_switch_point and self._budget_reached() is None:  # resumed where the decision is due
+            done = self._act(self._hold())
+            if done is not None:
+                return done
         while True:
             stop = self._budget_reached()
             if stop is not None:
@@ -260,25 +271,35 @@ class Trainer:
             # At the run's last step there is nothing left to switch for.
             if self._at_switch_point and action not in (Action.SWITCH, Action.STOP) and self._budget_reached() is None:
                 action = max(action, self._hold())
-            if action in (Action.SWITCH, Action.STOP):
+            done = self._act(action, periodic=s.step % self.job.checkpoint.interval_steps == 0)
+            if done is not None:
+                return done
+
+    def _act(self, action: Action, *, periodic: bool = False) -> ExitCode | None:
+        """Carry out the agreed action after a step or a hold: the exit code when the trainer ends (a switch, a stop),
+        None when it trains on (after a checkpoint, when one is asked for or `periodic`)."""
+        # A decision still due (a stop or a signal ended the hold) is saved as such; any other outcome settled it.
+        self._at_switch_point = self._at_switch_point and action in (Action.SWITCH, Action.STOP)
+        if action in (Action.SWITCH, Action.STOP):
+            record = self.control.mark_handled() if self.is_rank0 else None
+            if action == Action.SWITCH and self._hold_timed_out:
+                wait = self.switch_points.wait_s
+                return self.finish(ExitCode.SWITCH, f"{HOLD_TIMEOUT_REASON}: no decision {wait:g}s after samples "
+                                                    f"{self.state.samples}; relaunch there under the schedule's strategy")  # fmt: skip
+            if action == Action.SWITCH:
+                self.next_strategy = self._in_place_target(record)
+                how = f" in place to {self.next_strategy.short()}" if self.next_strategy else ""
+                return self.finish(ExitCode.SWITCH, f"switch{how} (control seq {record.seq if record else '?'})")
+            reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
+            return self.finish(ExitCode.STOPPED, reason)
+        if action == Action.CHECKPOINT or periodic:
+            reason = "periodic"
+            if action == Action.CHECKPOINT:
                 record = self.control.mark_handled() if self.is_rank0 else None
-                if action == Action.SWITCH and self._hold_timed_out:
-                    wait = self.switch_points.wait_s
-                    return self.finish(ExitCode.SWITCH, f"{HOLD_TIMEOUT_REASON}: no decision {wait:g}s after samples "
-                                                        f"{s.samples}; relaunch there under the schedule's strategy")  # fmt: skip
-                if action == Action.SWITCH:
-                    self.next_strategy = self._in_place_target(record)
-                    how = f" in place to {self.next_strategy.short()}" if self.next_strategy else ""
-                    return self.finish(ExitCode.SWITCH, f"switch{how} (control seq {record.seq if record else '?'})")
-                reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
-                return self.finish(ExitCode.STOPPED, reason)
-            if action == Action.CHECKPOINT or s.step % self.job.checkpoint.interval_steps == 0:
-                reason = "periodic"
-                if action == Action.CHECKPOINT:
-                    record = self.control.mark_handled() if self.is_rank0 else None
-                    reason = f"checkpoint (control seq {record.seq if record else '?'})"
-                self.save()
-                self._heartbeat(event="checkpoint", reason=reason)
+                reason = f"checkpoint (control seq {record.seq if record else '?'})"
+            self.save()
+            self._heartbeat(event="checkpoint", reason=reason)
+        return None
 
     def _hold(self) -> Action:
         """Wait after a step that crossed a switch point until the orchestrator's decision arrives (`SwitchPoints`).
@@ -471,6 +492,7 @@ class Trainer:
         s.time = time.time()
         s.elapsed_s = self._elapsed()
         s.last_control_seq = self.control.last_seq
+        s.decision_due = self._at_switch_point
         s.rng_state = ckpt.rng_state()
         payload = dataclasses.asdict(s)
         ckpt.save_checkpoint(
