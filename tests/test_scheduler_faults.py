@@ -4,6 +4,7 @@ of tests/test_scheduler.py (no processes)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus
 from cona.orchestrator.runstate import read_events
@@ -52,16 +53,22 @@ def test_the_switch_points_are_written_before_the_first_launch(tmp_path):
     assert backend.launched == [(1, A)]
 
 
+def _switch_checkpoint(sched) -> Path:
+    """A complete checkpoint at step 13, samples 208: the first step boundary past the switch point 200."""
+    checkpoint = sched.run_dir.checkpoint_dir(13)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"step": 13, "samples": 208}))
+    (checkpoint / COMPLETE_MARKER).write_text("{}")
+    return checkpoint
+
+
 def test_a_relaunch_takes_the_schedules_strategy_for_where_training_resumes(tmp_path):
     """A trainer killed after its switch checkpoint at 208 but before its exit record: the relaunch must train
     from 208 under the next entry's strategy, as the uninterrupted run did."""
     sched, backend = make_scheduler(tmp_path, *SCHEDULE, "policy.max_restarts=5")
     attempt = sched.start_or_resume()
     assert attempt is not None and attempt.strategy == A
-    checkpoint = sched.run_dir.checkpoint_dir(13)
-    checkpoint.mkdir(parents=True)
-    (checkpoint / TRAINER_STATE).write_text(json.dumps({"step": 13, "samples": 208}))
-    (checkpoint / COMPLETE_MARKER).write_text("{}")
+    checkpoint = _switch_checkpoint(sched)
     sched.job.policy.heartbeat_timeout_s = 1e9
     nxt = sched._handle_end(attempt, AttemptStatus.CRASHED, 1, "killed")
     assert nxt is not None and nxt.strategy == B
@@ -105,10 +112,7 @@ def test_a_trainer_whose_hold_timed_out_is_relaunched_at_the_switch_point(tmp_pa
     sched, backend = make_scheduler(tmp_path, *SCHEDULE)
     attempt = sched.start_or_resume()
     assert attempt is not None and attempt.strategy == A
-    checkpoint = sched.run_dir.checkpoint_dir(13)
-    checkpoint.mkdir(parents=True)
-    (checkpoint / TRAINER_STATE).write_text(json.dumps({"step": 13, "samples": 208}))
-    (checkpoint / COMPLETE_MARKER).write_text("{}")
+    _switch_checkpoint(sched)
     reason = f"{HOLD_TIMEOUT_REASON}: no decision 120s after samples 208; relaunch there under the schedule's strategy"
     sched.run_dir.write_exit(1, ExitRecord(exit_code=int(ExitCode.SWITCH), name="SWITCH", reason=reason, step=13, time=0.0))
     nxt = sched._handle_end(attempt, AttemptStatus.SWITCHED, int(ExitCode.SWITCH), reason)
