@@ -337,18 +337,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def _step_processes(run_dir: Path, node: str) -> list[int]:
     """The trainer and torchrun-agent processes of this run that Slurm started on `node`."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(run_dir) in argv and f"SLURMD_NODENAME={node}".encode() in environ and "slurmstepd" not in argv:
-            pids.append(int(proc.name))
-    return pids
+    from tests.faults import SlurmCluster
+
+    return SlurmCluster.step_processes(run_dir, node)
 
 
 @pytest.mark.slow

@@ -293,13 +293,17 @@ class Trainer:
             reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
             return self.finish(ExitCode.STOPPED, reason)
         if action == Action.CHECKPOINT or periodic:
-            reason = "periodic"
-            if action == Action.CHECKPOINT:
-                record = self.control.mark_handled() if self.is_rank0 else None
-                reason = f"checkpoint (control seq {record.seq if record else '?'})"
-            self.save()
-            self._heartbeat(event="checkpoint", reason=reason)
+            self._checkpoint(requested=action == Action.CHECKPOINT)
         return None
+
+    def _checkpoint(self, *, requested: bool) -> None:
+        """Save and say so: for a `checkpoint` command (marked handled, its seq in the reason) or a periodic save."""
+        reason = "periodic"
+        if requested:
+            record = self.control.mark_handled() if self.is_rank0 else None
+            reason = f"checkpoint (control seq {record.seq if record else '?'})"
+        self.save()
+        self._heartbeat(event="checkpoint", reason=reason)
 
     def _hold(self) -> Action:
         """Wait after a step that crossed a switch point until the orchestrator's decision arrives (`SwitchPoints`).
@@ -335,10 +339,8 @@ class Trainer:
             command_v, sigterm, sigusr1, timed_out_v = vector.tolist()
             self._note_signals(sigterm, sigusr1)
             action = decide(command_code=command_v, signal_count=sigterm + sigusr1)
-            if action == Action.CHECKPOINT:
-                record = self.control.mark_handled() if self.is_rank0 else None
-                self.save()
-                self._heartbeat(event="checkpoint", reason=f"checkpoint (control seq {record.seq if record else '?'})")
+            if action == Action.CHECKPOINT:  # served without ending the hold (`_act` would settle the decision)
+                self._checkpoint(requested=True)
                 self._checkpointed_in_hold = True
                 continue
             if action == Action.NONE and timed_out_v > 0:
