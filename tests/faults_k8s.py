@@ -78,8 +78,9 @@ class KubernetesRun(Run):
             return None
         controller = self.k8s.controller
         # Between two attempts (a switch is a relaunch here) the fault hits the next attempt's pods as they start.
+        # Polled at the controller's own tick: each poll reads every launch record of the run.
         if not self.wait_until(lambda: bool(controller.running(self.job_names())), timeout=120,
-                               what="a running Job of the run"):  # fmt: skip
+                               what="a running Job of the run", poll=controller.POLL_S):  # fmt: skip
             return "run ended first"
         jobs = controller.running(self.job_names())
         if not jobs:
