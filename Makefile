@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch 2.13.0 lies on the project's build machines; elsewhere pip fetches it from PyPI.
 # Users with their own CUDA build can pass TORCH= (empty) to keep the torch they have.
 TORCH ?= torch==2.13.0
+# Two pytest workers: most end-to-end tests wait on timers (Slurm's node timeouts, heartbeats) for half their time,
+# so two share the 2-core CI machine; the Slurm tests stay on one worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint slurm-cluster clean-runs
 
@@ -29,7 +32,7 @@ test:
 	@scripts/timed.sh setup $(MAKE) --no-print-directory setup
 	@scripts/timed.sh "cluster start" $(MAKE) --no-print-directory slurm-cluster
 	@scripts/timed.sh ruff $(VENV)/bin/ruff check .
-	@scripts/timed.sh pytest $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	@scripts/timed.sh pytest $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -44,3 +44,15 @@ def k8s():
 
     with running_emulator() as emulator:
         yield emulator
+
+
+# The tests that drive the local Slurm cluster share its two nodes (a job of one would wait for, or be taken for,
+# another's), so under pytest-xdist (`make test` runs two workers) they run one after another on one worker, while
+# the other worker runs the rest. The fault suite is among them: its quick Slurm run shares the module's reference.
+SLURM_MODULES = ("test_slurm_", "test_faults.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name.startswith(SLURM_MODULES):
+            item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -270,7 +270,7 @@ def test_one_holder_at_a_time_and_release_hands_over_at_once(k8s):
     assert lease.spec.holder_identity is None
     started = time.monotonic()
     with _lease(k8s, "B", duration_s=3, renew_every_s=0.5) as b:
-        assert time.monotonic() - started < 1.0 and b.held
+        assert time.monotonic() - started < 2.0 and b.held  # a released lease is taken at once, not after 3 s
 
 
 def test_a_dead_holder_is_taken_over_after_one_duration(k8s):

@@ -210,12 +210,19 @@ def losses(run: RunDir, attempt: int, upto: int | None) -> dict[int, float]:
             and (upto is None or hb["step"] <= upto)}  # fmt: skip
 
 
+def snapshot(run: RunDir, step: int, dest: Path) -> RunDir:
+    """A run directory at `dest` with `run`'s job and its checkpoint at `step` alone: taken while that checkpoint is
+    new, it outlives the pruning (`checkpoint.keep`) of a run that goes on for as long as the test needs."""
+    copy = RunDir(dest)
+    copy.checkpoints.mkdir(parents=True)
+    (copy.root / "run.yaml").write_text((run.root / "run.yaml").read_text())
+    shutil.copytree(run.checkpoint_dir(step), copy.checkpoint_dir(step))
+    return copy
+
+
 def relaunched_losses(run: RunDir, tmp: Path, *, step: int, strategy: Strategy, upto: int) -> dict[int, float]:
     """The losses of a fresh torchrun of `strategy` from `run`'s checkpoint at `step`, by hand, up to step `upto`."""
-    fresh = RunDir(tmp / "relaunch")
-    fresh.checkpoints.mkdir(parents=True)
-    (fresh.root / "run.yaml").write_text((run.root / "run.yaml").read_text())
-    shutil.copytree(run.checkpoint_dir(step), fresh.checkpoint_dir(step))
+    fresh = snapshot(run, step, tmp / "relaunch")
     by_hand = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={strategy.world_size}",
          "-m", "cona.trainer", "--run-dir", str(fresh.root), "--strategy", str(strategy), "--attempt", "2",

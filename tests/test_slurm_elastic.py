@@ -32,6 +32,7 @@ from tests.test_slurm_e2e import (  # noqa: F401 (slurm_run: the fixture)
     relaunched_losses,
     sets,
     slurm_run,
+    snapshot,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
@@ -151,6 +152,8 @@ def test_a_lost_node_shrinks_the_run_and_the_returning_node_grows_it_back(slurm_
         slurm_run.wait(lambda: [e for e in slurm_run.events("launch") if e["attempt"] == after], 240,
                        "the shrunk attempt's launch")  # fmt: skip
         resume = slurm_run.wait(lambda: slurm_run.resumes(after), 240, "the shrunk attempt's resume")[0]["resume"]
+        # Copied now: the run trains on until the test stops it, and its pruning would remove this checkpoint.
+        resumed_from = snapshot(slurm_run.run, resume, tmp_path / "resumed-from")
         slurm_run.wait(lambda: slurm_run.steps(after) >= resume + 3, 240, "three steps on one node")
     finally:
         subprocess.run([str(LOCAL_CLUSTER), "restart-node", "n2"], capture_output=True, timeout=180)
@@ -177,5 +180,5 @@ def test_a_lost_node_shrinks_the_run_and_the_returning_node_grows_it_back(slurm_
     assert_samples(slurm_run, state.live["samples"])
     # The shrunk attempt resumed the checkpoint exactly: the losses of a relaunch from it, step by step.
     upto = resume + 3
-    assert losses(slurm_run.run, after, upto) == relaunched_losses(slurm_run.run, tmp_path, step=resume, strategy=one,
+    assert losses(slurm_run.run, after, upto) == relaunched_losses(resumed_from, tmp_path, step=resume, strategy=one,
                                                                      upto=upto)
