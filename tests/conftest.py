@@ -46,13 +46,23 @@ def k8s():
         yield emulator
 
 
+
 # The tests that drive the local Slurm cluster share its two nodes (a job of one would wait for, or be taken for,
-# another's), so under pytest-xdist (`make test` runs two workers) they run one after another on one worker, while
-# the other worker runs the rest. The fault suite is among them: its quick Slurm run shares the module's reference.
+# another's), so under pytest-xdist (`make test` runs two workers with `--dist loadgroup`) they are one unit of
+# work: they run one after another on one worker while the other runs the rest, test by test. The fault suite is
+# among them (its quick Slurm run). A scheduler of our own, not `xdist_group` markers: xdist 3.8 groups by renaming
+# `item._nodeid`, which pytest 9 no longer reads, so the markers alone would let two Slurm tests run at once.
 SLURM_MODULES = ("test_slurm_", "test_faults.py")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name.startswith(SLURM_MODULES):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if Path(nodeid.split("::")[0]).name.startswith(SLURM_MODULES) else nodeid
+
+    return SlurmTestsTogether(config, log)
