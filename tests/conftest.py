@@ -46,7 +46,6 @@ def k8s():
         yield emulator
 
 
-
 # The tests that drive the local Slurm cluster share its two nodes (a job of one would wait for, or be taken for,
 # another's), so under pytest-xdist (`make test` runs two workers with `--dist loadgroup`) they are one unit of
 # work: they run one after another on one worker while the other runs the rest, test by test. The fault suite is
