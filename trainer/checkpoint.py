@@ -14,6 +14,11 @@ A checkpoint counts only with its COMPLETE marker, and only if every file listed
 trainer_state.json parses (`verify_checkpoint`). Resuming takes the newest valid one and warns, naming it, about
 each newer directory it skips; a DCP read error falls back to the next older one. After a save, only the newest
 `checkpoint.keep` complete checkpoints are kept, and older incomplete directories are deleted.
+
+Saving a step that already has a complete checkpoint (a run that finishes right after a checkpoint it served during
+a hold) never removes the complete one first: the new one is written beside it, as `checkpoints/.resave-step-<N>`,
+and swapped in by two renames once its marker is written (the old one passes through `.replaced-step-<N>`). A crash
+at any point leaves a complete checkpoint of that step: `recover_resaves` puts it back under its name.
 """
 
 from __future__ import annotations
@@ -155,42 +160,102 @@ def save_checkpoint(
     rank = dist.get_rank()
     path = run_dir.checkpoint_dir(step)
     device = _device(parts)
+    # A complete checkpoint of this step stays until its replacement is complete (rank 0 looks; all write there).
+    shared = [rank == 0 and path.exists() and verify_checkpoint(path) is None]
+    dist.broadcast_object_list(shared, src=0)
+    resave: bool = shared[0]
+    target = _resave_dir(path) if resave else path
     error: BaseException | None = None
     writer = None
     # 1. Local preparation: nothing here is collective, so a failure on one rank is only agreed below.
     try:
         if rank == 0:
-            if path.exists():  # a leftover of an attempt that died while writing it (or a corrupt one we skipped)
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
+            if target.exists():  # a leftover of an attempt that died while writing it (or a corrupt one we skipped)
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
         state, _keys = _state(parts, optimizers)
         # Made here, not inside dcp.save: there a failure (a read-only mount on one node) comes before DCP's first
         # collective, on that rank alone.
-        writer = FileSystemWriter(str(path))
+        writer = FileSystemWriter(str(target))
     except Exception as e:
         error = e
-    _agree(run_dir, path, error, device)  # also the barrier: rank 0 made the directory before anyone writes to it
+    _agree(run_dir, target, error, device)  # also the barrier: rank 0 made the directory before anyone writes to it
     # 2. DCP gathers a failure of any rank's planner or writer into a CheckpointException (a BaseException) on all.
     try:
         dcp.save(state, storage_writer=writer)
         if rank == 0:
-            atomic_write_json(path / TRAINER_STATE, trainer_state)
+            atomic_write_json(target / TRAINER_STATE, trainer_state)
     except (Exception, CheckpointException) as e:
         error = e
-    _agree(run_dir, path, error, device)  # every rank's shards are on storage before the marker says so
+    _agree(run_dir, target, error, device)  # every rank's shards are on storage before the marker says so
     # 3. The marker (rank 0): until it is agreed on, the others must not train on into the next step's collective.
     try:
         if rank == 0:
-            files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
+            files = {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
             files.pop(COMPLETE_MARKER, None)
-            atomic_write_json(path / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
-            _fsync_dir(path)
+            atomic_write_json(target / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
+            _fsync_dir(target)
+            if resave:
+                _swap_in(target, path)
     except Exception as e:
         error = e
-    _agree(run_dir, path, error, device)
+    _agree(run_dir, target, error, device)
     if rank == 0:
         prune_checkpoints(run_dir, keep=keep, newest=path)
     return path
+
+
+RESAVE_PREFIX = ".resave-"
+REPLACED_PREFIX = ".replaced-"
+
+
+def _resave_dir(path: Path) -> Path:
+    return path.with_name(RESAVE_PREFIX + path.name)
+
+
+def _replaced_dir(path: Path) -> Path:
+    return path.with_name(REPLACED_PREFIX + path.name)
+
+
+def _swap_in(staged: Path, path: Path) -> None:
+    """Put the complete `staged` checkpoint in the place of the complete `path`: two renames (a directory cannot
+    replace a non-empty one in one), the old one removed only once the new one has its name."""
+    replaced = _replaced_dir(path)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    path.rename(replaced)
+    staged.rename(path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def recover_resaves(run_dir: RunDir) -> list[str]:
+    """Finish or undo re-saves that a crash interrupted (rank 0, before the checkpoints are listed); returns one line
+    per directory it put back. For each step with a `.resave-`/`.replaced-` directory: a valid `step-<N>` keeps its
+    place; else the staged one if it is complete (it is the newer state), else the replaced one, takes the name; the
+    rest is removed."""
+    root = run_dir.checkpoints
+    if not root.is_dir():
+        return []
+    restored = []
+    names = sorted({p.name.split("-", 1)[1] for p in root.iterdir()
+                    if p.name.startswith((RESAVE_PREFIX, REPLACED_PREFIX)) and p.name.count("-") >= 2})  # fmt: skip
+    for name in names:
+        path, staged, replaced = root / name, root / (RESAVE_PREFIX + name), root / (REPLACED_PREFIX + name)
+        if not name.startswith("step-"):
+            continue
+        if not (path.exists() and verify_checkpoint(path) is None):
+            source = next((p for p in (staged, replaced) if p.exists() and verify_checkpoint(p) is None), None)
+            if source is not None:
+                if path.exists():
+                    shutil.rmtree(path)
+                source.rename(path)
+                _fsync_dir(root)
+                restored.append(f"restored checkpoint {path} from {source.name} (a re-save of that step was interrupted)")
+        for leftover in (staged, replaced):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+    return restored
 
 
 def _agree(run_dir: RunDir, path: Path, error: BaseException | None, device: torch.device) -> None:
@@ -288,6 +353,10 @@ def resume_candidates(run_dir: RunDir, skipped: list[str] | None = None) -> list
     appends each warning to `skipped` (the trainer reports them in a heartbeat, the orchestrator in its events)."""
     if not run_dir.checkpoints.is_dir():
         return []
+    for line in recover_resaves(run_dir):
+        warn(line)
+        if skipped is not None:
+            skipped.append(line)
     candidates = []
     for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
         problem = verify_checkpoint(path)
