@@ -325,6 +325,12 @@ class Run:
     def check_own(self) -> None:
         """What this run's backend promises besides `check_run`'s checks (raises FaultFailed)."""
 
+    def repair(self) -> None:
+        """Undo what a failed run may have left in this backend's cluster, so the next run starts clean."""
+
+    timeout_s: float = 300
+    """How long a fault's moment may take to come (a Slurm attempt also waits in the queue)."""
+
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **SECRETS}
         with self.log.open("a") as out:
@@ -435,8 +441,6 @@ def inject(run: Run, fault: Fault) -> str:
     """Do it; returns what was hit."""
     if (own := run.inject_own(fault)) is not None:
         return own
-    if run.backend == "slurm" and fault.kind in (*SLURM_KINDS, "preempt-term", "preempt-usr1"):
-        return inject_slurm(run, fault)
     if fault.kind == "orchestrator-kill":
         assert run.proc is not None
         run.proc.send_signal(signal.SIGKILL)
@@ -569,12 +573,6 @@ def check_run(run: Run, reference: tuple[list[tuple[int, str]], dict[str, Any]])
         time.sleep(0.5)
     if left:
         raise FaultFailed(f"processes left after the run: {left}")
-    if run.backend == "slurm":  # an idle allocation is cancelled at the end; give Slurm time to finish it
-        deadline = time.monotonic() + 120
-        while (queued := SlurmCluster.queue(run.root)) and time.monotonic() < deadline:
-            time.sleep(1)
-        if queued:
-            raise FaultFailed(f"jobs of the run still in squeue after it ended: {queued}")
     return f"{'bit-identical' if same_layouts else f'max |Δ| {worst:.2g}'}, layouts {sequence}"
 
 
@@ -592,12 +590,44 @@ def check_files(run: Run) -> None:
                     raise FaultFailed(f"{path} holds the value of ${name}")
 
 
+class SlurmRun(Run):
+    """A run on the local Slurm cluster: the cluster's own faults, and preemption as Slurm delivers it."""
+
+    timeout_s = 600
+
+    def __init__(self, root: Path, name: str, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(root, name, extra, backend="slurm")
+
+    def inject_own(self, fault: Fault) -> str | None:
+        if fault.kind in (*SLURM_KINDS, "preempt-term", "preempt-usr1"):
+            return inject_slurm(self, fault)
+        return None
+
+    def check_own(self) -> None:
+        # An idle allocation is cancelled at the end of the run; give Slurm time to finish it.
+        deadline = time.monotonic() + 120
+        while (queued := SlurmCluster.queue(self.root)) and time.monotonic() < deadline:
+            time.sleep(1)
+        if queued:
+            raise FaultFailed(f"jobs of the run still in squeue after it ended: {queued}")
+
+    def repair(self) -> None:
+        SlurmCluster.repair(self.root)
+
+
+def make_run(root: Path, name: str, extra: tuple[str, ...] = (), backend: str = "local") -> Run:
+    """The Run of `backend` for the backends that need only a profile (Kubernetes has its own: tests/faults_k8s.py)."""
+    if backend == "slurm":
+        return SlurmRun(root, name, extra)
+    return Run(root, name, extra, backend)
+
+
 def reference_run(
     root: Path, name: str = "reference", extra: tuple[str, ...] = (), backend: str = "local"
 ) -> tuple[list[tuple[int, str]], dict[str, Any]]:  # fmt: skip
     """The uninterrupted run (cached under `root`, so one suite pays for it once); `extra`: more `cona run` flags."""
     root.mkdir(parents=True, exist_ok=True)
-    run = Run(root, name, extra, backend)
+    run = make_run(root, name, extra, backend)
     if not (run.root / "state.json").exists() or json.loads((run.root / "state.json").read_text()).get("status") != "done":
         run.start()
         assert run.proc is not None
@@ -619,14 +649,16 @@ class Result:
 
 
 def run_group(
-    root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float = 300, extra: tuple[str, ...] = (),
-    backend: str = "local", new_run: Callable[[Path, str], Run] | None = None,
+    root: Path, faults: list[Fault], reference: Any, *, seed: int, timeout: float | None = None,
+    extra: tuple[str, ...] = (), backend: str = "local", new_run: Callable[[Path, str], Run] | None = None,
 ) -> list[Result]:  # fmt: skip
-    """One run with `faults` (in window order), checked at the end; `extra`: more `cona run` flags; `new_run`: the
-    Run of a backend that needs more than a profile (Kubernetes: its emulated cluster)."""
+    """One run with `faults` (in window order), checked at the end; `timeout`: for each fault's moment (default: the
+    backend's); `extra`: more `cona run` flags; `new_run`: the Run of a backend that needs more than a profile
+    (Kubernetes: its emulated cluster)."""
     # The backend in the name: a suite (the CI one) may run both backends' faults of the same numbers in one root.
     name = ("" if backend == "local" else f"{backend}-") + "run-" + "-".join(str(f.index) for f in faults)
-    run = new_run(root, name) if new_run is not None else Run(root, name, extra, backend)
+    run = new_run(root, name) if new_run is not None else make_run(root, name, extra, backend)
+    timeout = run.timeout_s if timeout is None else timeout
     results = [Result(f) for f in faults]
     run.start()
     try:
@@ -658,8 +690,7 @@ def run_group(
         if run.proc is not None and run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
-        if backend == "slurm":
-            SlurmCluster.repair(run.root)
+        run.repair()
         for pid in run_processes(run.root):  # a failed run must not leave processes for the next one
             with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
                 os.kill(pid, signal.SIGCONT)
@@ -681,8 +712,7 @@ def run_suite(*, seed: int, indices: list[int], kinds: tuple[str, ...], root: Pa
     results = []
     for number, group in sorted(groups(faults).items()):
         print(f"run {number}: {', '.join(f.describe() for f in group)}", flush=True)
-        results += run_group(root, group, reference, seed=seed, backend=backend,
-                             timeout=600 if backend == "slurm" else 300)  # fmt: skip
+        results += run_group(root, group, reference, seed=seed, backend=backend)
         print(f"  → {results[-1].outcome.splitlines()[0]}", flush=True)
     return results
 

@@ -69,7 +69,7 @@ def test_quick_slurm_faults(reference, cluster):  # noqa: F811 (the imported fix
     root, ref = reference
     drawn = [faults.draw(2054, i, faults.SLURM_KINDS, "slurm") for i in (0, 1)]
     assert [(f.kind, f.point) for f in drawn] == [("slurmctld-restart", "queued"), ("scancel", "switch")]
-    results = faults.run_group(root, drawn, ref, seed=2054, backend="slurm", timeout=600)
+    results = faults.run_group(root, drawn, ref, seed=2054, backend="slurm")
     failed = [f"{r.fault.describe()} [{r.hit}]: {r.outcome}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert "queued" in results[0].hit and "started again" in results[0].hit, results[0].hit
