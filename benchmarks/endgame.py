@@ -1,0 +1,161 @@
+"""What a jump to a larger batch buys late in a run, per sample: the batch, or the learning rate it gets?
+
+    python -m benchmarks.endgame [--workloads gpt,llama] [--seeds 0,1] [--states 24000,32000] [--samples 8192]
+                                 [--batches 64,128] [--out endgame.json]
+
+The TTP oracle (`benchmarks.ttp`) ends every reference seed with a jump to the largest batch, and R = X/(B + B_noise)
+does not predict it. This separates the two things such a jump changes. Each tiny workload (`benchmarks/jobs/*.yaml`)
+is trained at its base batch to each of `--states` samples; from that state (an in-process checkpoint: model, AdamW
+moments, data position) each branch trains the same `--samples` further samples and is judged by its validation loss
+there — per sample, not per modeled second, so throughput plays no part:
+
+- **base**: the base batch, the job's LR schedule (staying);
+- **B (rule)**: each of `--batches` with the LR the job's rule gives it, as the trainer computes it (√ scaling
+  of the peak from the base batch, capped at `optimizer.lr_scaling_cap`; the same cosine and `min_lr`);
+- **B (uncapped)**: the largest batch at the base batch's LR times the √ factor without the cap;
+- **base × c**: the base batch at its LR times c = (the capped factor / the uncapped one) of the largest batch,
+  the LR cut the cap makes there, and times 0.5.
+
+If the batch itself mattered, the largest batch would beat staying whatever its LR; if only the LR it gets matters
+(Adam's √ rule keeps batches equivalent per sample below the critical batch), the uncapped branch matches staying and
+the capped one matches the base batch at the same LR cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import REPO, print_table, shown, write_json
+
+WORKLOADS = {"gpt": "benchmarks/jobs/gpt.yaml", "llama": "benchmarks/jobs/llama.yaml", "bert": "benchmarks/jobs/bert.yaml"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    workload: str
+    seed: int
+    states: tuple[int, ...]
+    samples: int
+    batches: tuple[int, ...]
+
+
+def branches(job: Any, batches: tuple[int, ...]) -> list[tuple[str, int, float | None]]:
+    """(name, gbs, LR factor) of every branch; a factor of None is the job's own rule at that gbs, any other
+    multiplies the base batch's LR."""
+    from cona.protocol.lr import lr_scale_factor
+
+    base, rule, cap = job.batch.base_gbs, job.optimizer.lr_scaling, job.optimizer.lr_scaling_cap
+    largest = max(batches)
+    capped = lr_scale_factor(gbs=largest, base_gbs=base, rule=rule, cap=cap)
+    uncapped = lr_scale_factor(gbs=largest, base_gbs=base, rule=rule, cap=math.inf)
+    cut = capped / uncapped
+    out: list[tuple[str, int, float | None]] = [(f"base {base}", base, 1.0)]
+    out += [(f"{b} (rule ×{lr_scale_factor(gbs=b, base_gbs=base, rule=rule, cap=cap):.2f})", b, None) for b in batches]
+    if cut < 1.0:
+        out.append((f"{largest} (uncapped ×{uncapped:.2f})", largest, uncapped))
+        out.append((f"base × {cut:.2f}", base, cut))
+    out.append(("base × 0.50", base, 0.5))
+    return out
+
+
+def measure(s: Settings) -> dict[str, Any]:
+    """Every branch from every state of one (workload, seed): the validation loss after `samples` samples."""
+    import torch
+
+    torch.set_num_threads(1)
+    from cona.orchestrator.job import load_job
+    from cona.protocol.lr import job_learning_rate
+    from cona.trainer.data import Batcher, load_corpus
+    from cona.trainer.distributed import init_distributed
+
+    from benchmarks.sim import SimTrainer
+
+    job = load_job(REPO / WORKLOADS[s.workload], [f"seed={s.seed}"])
+    if not os.path.isabs(job.data.path):
+        job.data.path = str(REPO / job.data.path)
+    base = job.batch.base_gbs
+    sim = SimTrainer(job, Batcher(job, load_corpus(job)), init_distributed(), gbs=base, stats=False)
+    rows = []
+    for state in sorted(s.states):
+        sim.set_gbs(base)
+        while sim.samples < state:
+            sim.train_step()
+        snap, val = sim.snapshot(), sim.evaluate()
+        for name, gbs, factor in branches(job, s.batches):
+            sim.restore(snap)
+            sim.set_gbs(gbs)
+            while sim.samples < state + s.samples:
+                rule = job_learning_rate(job, samples=sim.samples, gbs=gbs if factor is None else base)
+                sim.train_step(lr=rule if factor is None else factor * rule)
+            rows.append({"state_samples": state, "state_val_loss": val, "branch": name, "gbs": gbs,
+                         "lr_factor": factor, "samples": sim.samples - state, "val_loss": sim.evaluate()})  # fmt: skip
+        sim.restore(snap)
+    return {"workload": s.workload, "seed": s.seed, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.endgame", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="gpt,llama", help="comma-separated: gpt, llama, bert")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--states", default="24000,32000", help="samples trained at the base batch before each state")
+    parser.add_argument("--samples", type=int, default=8192, help="samples each branch trains from the state")
+    parser.add_argument("--batches", default="64,128", help="larger batches (tiny samples), the last the largest")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--out", default="endgame.json", help="JSON name under benchmarks/results")
+    args = parser.parse_args(argv)
+    names = args.workloads.split(",")
+    for name in names:
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+    batches = tuple(int(x) for x in args.batches.split(","))
+    if any(b < 2 or b % 2 for b in batches):
+        parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
+    if args.samples < max(batches):
+        parser.error(f"--samples must cover at least one step of the largest batch ({max(batches)})")
+    settings = [Settings(workload=n, seed=int(seed), states=tuple(int(x) for x in args.states.split(",")),
+                         samples=args.samples, batches=batches)
+                for n in names for seed in args.seeds.split(",")]  # fmt: skip
+    started = time.time()
+    if args.jobs > 1 and len(settings) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(settings))) as pool:
+            results = pool.map(measure, settings, chunksize=1)
+    else:
+        results = [measure(x) for x in settings]
+    report = {"benchmark": "endgame", "wall_s": time.time() - started,
+              "settings": {"seeds": args.seeds, "states": args.states, "samples": args.samples,
+                           "batches": list(batches)},
+              "results": results}  # fmt: skip
+    path = write_json(args.out, report)
+    table = []
+    for r in results:
+        for state in sorted({row["state_samples"] for row in r["rows"]}):
+            group = [row for row in r["rows"] if row["state_samples"] == state]
+            stay = group[0]["val_loss"]
+            table.append([r["workload"], str(r["seed"]), f"{state}, {group[0]['state_val_loss']:.3f}",
+                          *(f"{row['val_loss']:.4f} ({row['val_loss'] - stay:+.4f})" for row in group)])  # fmt: skip
+    header = [row["branch"] for row in results[0]["rows"] if row["state_samples"] == results[0]["rows"][0]["state_samples"]]
+    print_table(f"validation loss {args.samples} samples after the state (change against staying at the base batch)",
+                ["workload", "seed", "state (samples, val)", *header], table)  # fmt: skip
+    deltas: dict[str, list[float]] = {}
+    for r in results:
+        for state in sorted({row["state_samples"] for row in r["rows"]}):
+            group = [row for row in r["rows"] if row["state_samples"] == state]
+            for row in group[1:]:
+                deltas.setdefault(row["branch"], []).append(row["val_loss"] - group[0]["val_loss"])
+    print_table("mean change against staying, over workloads, seeds and states",
+                ["branch", "mean", "min", "max"],
+                [[k, f"{statistics.fmean(v):+.4f}", f"{min(v):+.4f}", f"{max(v):+.4f}"] for k, v in deltas.items()])  # fmt: skip
+    print(f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

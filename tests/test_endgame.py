@@ -1,0 +1,28 @@
+"""`benchmarks.endgame`: the branches separate a larger batch from the LR cut its capped LR makes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from cona.orchestrator.job import load_job
+
+from benchmarks.common import REPO
+from benchmarks.endgame import branches
+
+
+def test_the_branches_follow_the_jobs_lr_rule():
+    job = load_job(REPO / "benchmarks/jobs/gpt.yaml")  # base 16, √ scaling capped at 2×
+    got = {name: (gbs, factor) for name, gbs, factor in branches(job, (64, 128))}
+    assert got["base 16"] == (16, 1.0)
+    assert got["64 (rule ×2.00)"] == (64, None)  # the trainer's own LR at that gbs
+    assert got["128 (rule ×2.00)"] == (128, None)  # √8 = 2.83, capped at 2
+    assert got["128 (uncapped ×2.83)"] == (128, pytest.approx(math.sqrt(8)))
+    assert got["base × 0.71"] == (16, pytest.approx(2 / math.sqrt(8)))
+    assert got["base × 0.50"] == (16, 0.5)
+
+
+def test_no_cut_branch_where_the_cap_does_not_bind():
+    job = load_job(REPO / "benchmarks/jobs/gpt.yaml")
+    names = [name for name, _, _ in branches(job, (32, 64))]  # √4 = 2: the cap is reached, not exceeded
+    assert names == ["base 16", "32 (rule ×1.41)", "64 (rule ×2.00)", "base × 0.50"]
