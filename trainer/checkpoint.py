@@ -161,7 +161,7 @@ def save_checkpoint(
     path = run_dir.checkpoint_dir(step)
     device = _device(parts)
     # A complete checkpoint of this step stays until its replacement is complete (rank 0 looks; all write there).
-    shared = [rank == 0 and path.exists() and verify_checkpoint(path) is None]
+    shared = [rank == 0 and _is_complete(path)]
     dist.broadcast_object_list(shared, src=0)
     resave: bool = shared[0]
     target = _resave_dir(path) if resave else path
@@ -207,6 +207,15 @@ def save_checkpoint(
 
 RESAVE_PREFIX = ".resave-"
 REPLACED_PREFIX = ".replaced-"
+
+
+def _is_complete(path: Path) -> bool:
+    """Whether `path` holds a complete checkpoint; False where it cannot even be looked at (the save then fails, on
+    every rank together, when it tries to replace it)."""
+    try:
+        return path.exists() and verify_checkpoint(path) is None
+    except OSError:
+        return False
 
 
 def _resave_dir(path: Path) -> Path:
