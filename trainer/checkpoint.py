@@ -240,7 +240,7 @@ def _swap_in(staged: Path, path: Path) -> None:
 
 def recover_resaves(run_dir: RunDir) -> list[str]:
     """Finish or undo re-saves that a crash interrupted (rank 0, before the checkpoints are listed); returns one line
-    per directory it put back. For each step with a `.resave-`/`.replaced-` directory: a valid `step-<N>` keeps its
+    per directory it put back (or could not). For each step with a `.resave-`/`.replaced-` directory: a valid `step-<N>` keeps its
     place; else the staged one if it is complete (it is the newer state), else the replaced one, takes the name; the
     rest is removed."""
     root = run_dir.checkpoints
@@ -253,14 +253,19 @@ def recover_resaves(run_dir: RunDir) -> list[str]:
         path, staged, replaced = root / name, root / (RESAVE_PREFIX + name), root / (REPLACED_PREFIX + name)
         if not name.startswith("step-"):
             continue
-        if not (path.exists() and verify_checkpoint(path) is None):
-            source = next((p for p in (staged, replaced) if p.exists() and verify_checkpoint(p) is None), None)
-            if source is not None:
-                if path.exists():
-                    shutil.rmtree(path)
-                source.rename(path)
-                _fsync_dir(root)
-                restored.append(f"restored checkpoint {path} from {source.name} (a re-save of that step was interrupted)")
+        try:
+            if not _is_complete(path):
+                source = next((p for p in (staged, replaced) if _is_complete(p)), None)
+                if source is not None:
+                    if path.exists():
+                        shutil.rmtree(path)
+                    source.rename(path)
+                    _fsync_dir(root)
+                    restored.append(f"restored checkpoint {path} from {source.name} (a re-save of that step was interrupted)")
+        except OSError as e:  # the older checkpoints still resume; say why this one is not back
+            restored.append(f"cannot restore checkpoint {path} from an interrupted re-save: {e}; move "
+                            f"{root}/{RESAVE_PREFIX}{name} (or {REPLACED_PREFIX}{name}) to {path} by hand to resume from it")
+            continue
         for leftover in (staged, replaced):
             if leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
