@@ -240,9 +240,9 @@ def _swap_in(staged: Path, path: Path) -> None:
 
 def recover_resaves(run_dir: RunDir) -> list[str]:
     """Finish or undo re-saves that a crash interrupted (rank 0, before the checkpoints are listed); returns one line
-    per directory it put back (or could not). For each step with a `.resave-`/`.replaced-` directory: a valid `step-<N>` keeps its
-    place; else the staged one if it is complete (it is the newer state), else the replaced one, takes the name; the
-    rest is removed."""
+    per directory it put back (or could not). For each step with a `.resave-`/`.replaced-` directory: a valid
+    `step-<N>` keeps its place; else the staged one if it is complete (it is the newer state), else the replaced
+    one, takes the name; the rest is removed."""
     root = run_dir.checkpoints
     if not root.is_dir():
         return []
