@@ -1,7 +1,7 @@
 """What a jump to a larger batch buys late in a run, per sample: the batch, or the learning rate it gets?
 
     python -m benchmarks.endgame [--workloads gpt,llama] [--seeds 0,1] [--states 24000,32000] [--samples 8192]
-                                 [--batches 64,128] [--out endgame.json]
+                                 [--batches 64,128] [--to-target] [--out endgame.json]
 
 The TTP oracle (`benchmarks.ttp`) ends every reference seed with a jump to the largest batch, and R = X/(B + B_noise)
 does not predict it. This separates the two things such a jump changes. Each tiny workload (`benchmarks/jobs/*.yaml`)
@@ -19,12 +19,18 @@ there — per sample, not per modeled second, so throughput plays no part:
 If the batch itself mattered, the largest batch would beat staying whatever its LR; if only the LR it gets matters
 (Adam's √ rule keeps batches equivalent per sample below the critical batch), the uncapped branch matches staying and
 the capped one matches the base batch at the same LR cut.
+
+Any LR cut gains over a short horizon. `--to-target` judges each branch where the TTP oracle judges its own: it
+trains until the validation loss reaches the workload's lowest `benchmarks.ttp` target (evaluated every
+`eval.interval_samples`, interpolated; or the job's budget), and reports the samples to it and the modeled seconds
+on the reference profile (`benchmarks.ttp`'s default scenario: each branch at its batch's fastest layout).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -43,6 +49,8 @@ class Settings:
     states: tuple[int, ...]
     samples: int
     batches: tuple[int, ...]
+    target: float | None = None
+    """Train each branch to this validation loss instead of `samples` samples."""
 
 
 def branches(job: Any, batches: tuple[int, ...]) -> list[tuple[str, int, float | None]]:
@@ -64,6 +72,34 @@ def branches(job: Any, batches: tuple[int, ...]) -> list[tuple[str, int, float |
     return out
 
 
+def _crossing(points: list[tuple[int, float]], target: float) -> float | None:
+    """Samples at which the loss first reaches `target`, linearly interpolated between evaluations; None if never."""
+    if points and points[0][1] <= target:
+        return points[0][0]
+    for (n0, v0), (n1, v1) in itertools.pairwise(points):
+        if v1 <= target:
+            return n0 + (n1 - n0) * (v0 - target) / (v0 - v1)
+    return None
+
+
+def modeled_seconds(rows: list[dict[str, Any]], workload: str) -> None:
+    """Add `modeled_s_to_target`: the samples to the target at the branch's batch on the reference profile's fastest
+    layout (tiny samples × the batch mapping / that layout's samples per second)."""
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+
+    from benchmarks.sim import ModeledCluster
+    from benchmarks.ttp import SCENARIOS
+
+    profile_path, preset_path = SCENARIOS["reference"]
+    cluster = ModeledCluster(profile=load_profile(REPO / profile_path), preset_job=load_job(REPO / preset_path),
+                             tiny_job=load_job(REPO / WORKLOADS[workload]), restart_s=0.0)  # fmt: skip
+    for row in rows:
+        n = row.get("samples_to_target")
+        fastest = cluster.fastest.get(row["gbs"] * cluster.scale)
+        row["modeled_s_to_target"] = None if n is None or fastest is None else n * cluster.scale / fastest.samples_per_s
+
+
 def measure(s: Settings) -> dict[str, Any]:
     """Every branch from every state of one (workload, seed): the validation loss after `samples` samples."""
     import torch
@@ -80,6 +116,7 @@ def measure(s: Settings) -> dict[str, Any]:
     if not os.path.isabs(job.data.path):
         job.data.path = str(REPO / job.data.path)
     base = job.batch.base_gbs
+    interval = job.eval.interval_samples
     sim = SimTrainer(job, Batcher(job, load_corpus(job)), init_distributed(), gbs=base, stats=False)
     rows = []
     for state in sorted(s.states):
@@ -90,11 +127,22 @@ def measure(s: Settings) -> dict[str, Any]:
         for name, gbs, factor in branches(job, s.batches):
             sim.restore(snap)
             sim.set_gbs(gbs)
-            while sim.samples < state + s.samples:
+            end = job.target.max_samples if s.target is not None else state + s.samples
+            points = [(0, val)]
+            while sim.samples < end:
+                before = sim.samples
                 rule = job_learning_rate(job, samples=sim.samples, gbs=gbs if factor is None else base)
                 sim.train_step(lr=rule if factor is None else factor * rule)
-            rows.append({"state_samples": state, "state_val_loss": val, "branch": name, "gbs": gbs,
-                         "lr_factor": factor, "samples": sim.samples - state, "val_loss": sim.evaluate()})  # fmt: skip
+                if s.target is not None and sim.samples // interval > before // interval:
+                    points.append((sim.samples - state, sim.evaluate()))
+                    if points[-1][1] <= s.target:
+                        break
+            row = {"state_samples": state, "state_val_loss": val, "branch": name, "gbs": gbs, "lr_factor": factor,
+                   "samples": sim.samples - state, "val_loss": points[-1][1] if s.target is not None else sim.evaluate()}  # fmt: skip
+            if s.target is not None:
+                row["target"] = s.target
+                row["samples_to_target"] = _crossing(points, s.target)
+            rows.append(row)
         sim.restore(snap)
     return {"workload": s.workload, "seed": s.seed, "rows": rows}
 
@@ -106,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--states", default="24000,32000", help="samples trained at the base batch before each state")
     parser.add_argument("--samples", type=int, default=8192, help="samples each branch trains from the state")
     parser.add_argument("--batches", default="64,128", help="larger batches (tiny samples), the last the largest")
+    parser.add_argument("--to-target", action="store_true",
+                        help="train each branch to the workload's lowest benchmarks.ttp target instead of --samples")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
-    parser.add_argument("--out", default="endgame.json", help="JSON name under benchmarks/results")
+    parser.add_argument("--out", default=None, help="JSON name under benchmarks/results (default: endgame.json, "
+                                                    "endgame-to-target.json with --to-target)")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     for name in names:
@@ -118,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
     if args.samples < max(batches):
         parser.error(f"--samples must cover at least one step of the largest batch ({max(batches)})")
+    from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
+
     settings = [Settings(workload=n, seed=int(seed), states=tuple(int(x) for x in args.states.split(",")),
-                         samples=args.samples, batches=batches)
+                         samples=args.samples, batches=batches,
+                         target=min(TTP_WORKLOADS[n]["targets"]) if args.to_target else None)
                 for n in names for seed in args.seeds.split(",")]  # fmt: skip
     started = time.time()
     if args.jobs > 1 and len(settings) > 1:
@@ -129,11 +183,16 @@ def main(argv: list[str] | None = None) -> int:
             results = pool.map(measure, settings, chunksize=1)
     else:
         results = [measure(x) for x in settings]
+    if args.to_target:
+        for r in results:
+            modeled_seconds(r["rows"], r["workload"])
     report = {"benchmark": "endgame", "wall_s": time.time() - started,
               "settings": {"seeds": args.seeds, "states": args.states, "samples": args.samples,
-                           "batches": list(batches)},
+                           "batches": list(batches), "to_target": args.to_target},
               "results": results}  # fmt: skip
-    path = write_json(args.out, report)
+    path = write_json(args.out or ("endgame-to-target.json" if args.to_target else "endgame.json"), report)
+    if args.to_target:
+        return _print_to_target(results, report, path)
     table = []
     for r in results:
         for state in sorted({row["state_samples"] for row in r["rows"]}):
@@ -153,6 +212,27 @@ def main(argv: list[str] | None = None) -> int:
     print_table("mean change against staying, over workloads, seeds and states",
                 ["branch", "mean", "min", "max"],
                 [[k, f"{statistics.fmean(v):+.4f}", f"{min(v):+.4f}", f"{max(v):+.4f}"] for k, v in deltas.items()])  # fmt: skip
+    print(f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")
+    return 0
+
+
+def _print_to_target(results: list[dict[str, Any]], report: dict[str, Any], path: Any) -> int:
+    def ratio(row: dict[str, Any], stay: dict[str, Any], key: str) -> str:
+        if row.get(key) is None or not stay.get(key):
+            return "—"
+        return f"{row[key]:,.0f} ({row[key] / stay[key]:.3f})"
+
+    for key, what in (("samples_to_target", "samples"), ("modeled_s_to_target", "modeled seconds on the reference")):
+        table = []
+        header: list[str] = []
+        for r in results:
+            for state in sorted({row["state_samples"] for row in r["rows"]}):
+                group = [row for row in r["rows"] if row["state_samples"] == state]
+                header = header or [row["branch"] for row in group]
+                table.append([r["workload"], str(r["seed"]), f"{state}, {group[0]['state_val_loss']:.3f}",
+                              f"{group[0]['target']}", *(ratio(row, group[0], key) for row in group)])  # fmt: skip
+        print_table(f"{what} from the state to the lowest TTP target (ratio to staying at the base batch)",
+                    ["workload", "seed", "state (samples, val)", "target", *header], table)  # fmt: skip
     print(f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")
     return 0
 

@@ -26,3 +26,11 @@ def test_no_cut_branch_where_the_cap_does_not_bind():
     job = load_job(REPO / "benchmarks/jobs/gpt.yaml")
     names = [name for name, _, _ in branches(job, (32, 64))]  # √4 = 2: the cap is reached, not exceeded
     assert names == ["base 16", "32 (rule ×1.41)", "64 (rule ×2.00)", "base × 0.50"]
+
+
+def test_the_samples_to_a_target_are_interpolated_between_evaluations():
+    from benchmarks.endgame import _crossing
+
+    assert _crossing([(0, 2.0), (512, 1.9), (1024, 1.7)], 1.8) == pytest.approx(768)
+    assert _crossing([(0, 2.0), (512, 1.9)], 1.8) is None
+    assert _crossing([(0, 1.7), (512, 1.6)], 1.8) == 0  # the state itself is below it
