@@ -11,12 +11,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def machine() -> dict[str, Any]:
@@ -125,6 +128,17 @@ def fmt_ratio(stats: dict[str, Any] | None, digits: int = 2) -> str:
     if hi - lo > 10 ** (-digits) / 2:
         text += f" [{lo:.{digits}f}–{hi:.{digits}f}]"
     return text
+
+
+def map_workers(fn: Callable[[T], R], items: Sequence[T], *, jobs: int) -> list[R]:
+    """`fn` over `items`, in order: in up to `jobs` spawned worker processes (each a fresh interpreter, so a
+    benchmark's torch threads and distributed state do not leak between items), or in this process for one."""
+    if jobs > 1 and len(items) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(items))) as pool:
+            return pool.map(fn, items, chunksize=1)
+    return [fn(x) for x in items]
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *, width: int = 170) -> None:

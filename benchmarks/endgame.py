@@ -37,9 +37,11 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import REPO, print_table, shown, write_json
+from benchmarks.common import REPO, map_workers, print_table, shown, write_json
+from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
-WORKLOADS = {"gpt": "benchmarks/jobs/gpt.yaml", "llama": "benchmarks/jobs/llama.yaml", "bert": "benchmarks/jobs/bert.yaml"}
+WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
+"""The tiny workloads' job files, as `benchmarks.ttp` trains them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +88,10 @@ def modeled_seconds(rows: list[dict[str, Any]], workload: str) -> None:
     """Add `modeled_s_to_target`: the samples to the target at the branch's batch on the reference profile's fastest
     layout (tiny samples × the batch mapping / that layout's samples per second)."""
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.profile import load_profile
 
-    from benchmarks.sim import ModeledCluster
-    from benchmarks.ttp import SCENARIOS
+    from benchmarks.ttp import scenario_cluster
 
-    profile_path, preset_path = SCENARIOS["reference"]
-    cluster = ModeledCluster(profile=load_profile(REPO / profile_path), preset_job=load_job(REPO / preset_path),
-                             tiny_job=load_job(REPO / WORKLOADS[workload]), restart_s=0.0)  # fmt: skip
+    cluster = scenario_cluster(load_job(REPO / WORKLOADS[workload]))
     for row in rows:
         n = row.get("samples_to_target")
         fastest = cluster.fastest.get(row["gbs"] * cluster.scale)
@@ -105,19 +103,14 @@ def measure(s: Settings) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from cona.orchestrator.job import load_job
     from cona.protocol.lr import job_learning_rate
-    from cona.trainer.data import Batcher, load_corpus
-    from cona.trainer.distributed import init_distributed
 
-    from benchmarks.sim import SimTrainer
+    from benchmarks.sim import tiny_trainer
 
-    job = load_job(REPO / WORKLOADS[s.workload], [f"seed={s.seed}"])
-    if not os.path.isabs(job.data.path):
-        job.data.path = str(REPO / job.data.path)
+    sim = tiny_trainer(WORKLOADS[s.workload], seed=s.seed, stats=False)
+    job = sim.job
     base = job.batch.base_gbs
     interval = job.eval.interval_samples
-    sim = SimTrainer(job, Batcher(job, load_corpus(job)), init_distributed(), gbs=base, stats=False)
     rows = []
     for state in sorted(s.states):
         sim.set_gbs(base)
@@ -169,20 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
     if args.samples < max(batches):
         parser.error(f"--samples must cover at least one step of the largest batch ({max(batches)})")
-    from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
-
     settings = [Settings(workload=n, seed=int(seed), states=tuple(int(x) for x in args.states.split(",")),
                          samples=args.samples, batches=batches,
                          target=min(TTP_WORKLOADS[n]["targets"]) if args.to_target else None)
                 for n in names for seed in args.seeds.split(",")]  # fmt: skip
     started = time.time()
-    if args.jobs > 1 and len(settings) > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(settings))) as pool:
-            results = pool.map(measure, settings, chunksize=1)
-    else:
-        results = [measure(x) for x in settings]
+    results = map_workers(measure, settings, jobs=args.jobs)
     if args.to_target:
         for r in results:
             modeled_seconds(r["rows"], r["workload"])

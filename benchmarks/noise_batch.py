@@ -33,9 +33,11 @@ import os
 import time
 from typing import Any
 
-from benchmarks.common import REPO, print_table, shown, write_json
+from benchmarks.common import map_workers, print_table, shown, write_json
+from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
-WORKLOADS = {"gpt": "benchmarks/jobs/gpt.yaml", "llama": "benchmarks/jobs/llama.yaml", "bert": "benchmarks/jobs/bert.yaml"}
+WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
+"""The tiny workloads' job files, as `benchmarks.ttp` trains them."""
 KINDS = ("plain", "adam")
 MODES = ("held", "trained")
 
@@ -73,18 +75,10 @@ def measure(s: Settings) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from cona.orchestrator.job import load_job
-    from cona.trainer.data import Batcher, load_corpus
-    from cona.trainer.distributed import init_distributed
+    from benchmarks.sim import tiny_trainer
 
-    from benchmarks.sim import SimTrainer
-
-    job = load_job(REPO / WORKLOADS[s.workload], [f"seed={s.seed}"])
-    if not os.path.isabs(job.data.path):
-        job.data.path = str(REPO / job.data.path)
-    env = init_distributed()
-    batcher = Batcher(job, load_corpus(job))
-    sim = SimTrainer(job, batcher, env, gbs=job.batch.base_gbs, stats=True)
+    sim = tiny_trainer(WORKLOADS[s.workload], seed=s.seed, stats=True)
+    job = sim.job
     rows = []
     for state in sorted(s.states):
         while sim.samples < state:
@@ -149,13 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                          steps=args.steps, warmup=args.warmup, seed=args.seed, modes=modes)
                 for n in names]  # fmt: skip
     started = time.time()
-    if args.jobs > 1 and len(settings) > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(settings))) as pool:
-            results = pool.map(measure, settings, chunksize=1)
-    else:
-        results = [measure(x) for x in settings]
+    results = map_workers(measure, settings, jobs=args.jobs)
     for r in results:
         r["spreads"] = spreads(r["rows"])
     report = {"benchmark": "noise_batch", "wall_s": time.time() - started,

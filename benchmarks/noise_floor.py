@@ -37,9 +37,11 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import REPO, print_table, shown, write_json
+from benchmarks.common import REPO, map_workers, print_table, shown, write_json
+from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
-WORKLOADS = {"gpt": "benchmarks/jobs/gpt.yaml", "llama": "benchmarks/jobs/llama.yaml", "bert": "benchmarks/jobs/bert.yaml"}
+WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
+"""The tiny workloads' job files, as `benchmarks.ttp` trains them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +72,12 @@ def per_step_ranking(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each GPT run: R(B')/R(B) of every preset batch under the per-step model with the run's measured r."""
     from cona.orchestrator.job import load_job
     from cona.orchestrator.policy import MIN_LR_EFFICIENCY
-    from cona.orchestrator.profile import load_profile
     from cona.protocol.lr import lr_scale_factor
 
-    from benchmarks.sim import ModeledCluster
-    from benchmarks.ttp import SCENARIOS
+    from benchmarks.ttp import scenario_cluster
 
-    profile_path, preset_path = SCENARIOS["reference"]
     job = load_job(REPO / WORKLOADS["gpt"])
-    cluster = ModeledCluster(profile=load_profile(REPO / profile_path), preset_job=load_job(REPO / preset_path),
-                             tiny_job=job, restart_s=0.0)  # fmt: skip
+    cluster = scenario_cluster(job)
     rule = job.optimizer
 
     def factor(tiny_gbs: int) -> float:
@@ -112,16 +110,10 @@ def measure(s: Settings) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from cona.orchestrator.job import load_job
-    from cona.trainer.data import Batcher, load_corpus
-    from cona.trainer.distributed import init_distributed
+    from benchmarks.sim import tiny_trainer
 
-    from benchmarks.sim import SimTrainer
-
-    job = load_job(REPO / WORKLOADS[s.workload], [f"seed={s.seed}"])
-    if not os.path.isabs(job.data.path):
-        job.data.path = str(REPO / job.data.path)
-    sim = SimTrainer(job, Batcher(job, load_corpus(job)), init_distributed(), gbs=s.gbs, stats=False)
+    sim = tiny_trainer(WORKLOADS[s.workload], seed=s.seed, gbs=s.gbs, stats=False)
+    job = sim.job
     params = list(sim.model.parameters())
     max_norm = job.optimizer.grad_clip
 
@@ -187,13 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [Settings(workload=n, gbs=b, samples=args.samples, window=args.window, seed=args.seed)
                 for n in names for b in batches]  # fmt: skip
     started = time.time()
-    if args.jobs > 1 and len(settings) > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(settings))) as pool:
-            results = pool.map(measure, settings, chunksize=1)
-    else:
-        results = [measure(x) for x in settings]
+    results = map_workers(measure, settings, jobs=args.jobs)
     ranking = per_step_ranking(results)
     report = {"benchmark": "noise_floor", "wall_s": time.time() - started,
               "settings": {"batches": batches, "samples": args.samples, "window": args.window, "seed": args.seed},

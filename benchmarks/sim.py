@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -151,6 +152,22 @@ class Snapshot:
     step: int
     model: dict[str, torch.Tensor]
     optim: dict[str, Any]
+
+
+def tiny_trainer(job_path: str, *, seed: int, gbs: int | None = None, stats: bool) -> SimTrainer:
+    """A `SimTrainer` of the tiny job at `job_path` (relative to the repository) with `seed`, at `gbs` (default: the
+    job's base batch), its data path resolved against the repository."""
+    from cona.orchestrator.job import load_job
+    from cona.trainer.data import load_corpus
+    from cona.trainer.distributed import init_distributed
+
+    from benchmarks.common import REPO
+
+    job = load_job(REPO / job_path, [f"seed={seed}"])
+    if not Path(job.data.path).is_absolute():
+        job.data.path = str(REPO / job.data.path)
+    return SimTrainer(job, Batcher(job, load_corpus(job)), init_distributed(), gbs=gbs or job.batch.base_gbs,
+                      stats=stats)  # fmt: skip
 
 
 class SimTrainer:

@@ -52,7 +52,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, finite, fmt_ratio, fmt_s, print_table, shown, spread, write_json
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    finite,
+    fmt_ratio,
+    fmt_s,
+    map_workers,
+    print_table,
+    shown,
+    spread,
+    write_json,
+)
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # Targets in nats per target byte; 1.72 is about examples/tiny-gpt.yaml's val_perplexity 5.5. --quick runs gpt only,
@@ -75,6 +86,18 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "a100-16x8": ("slurm/profiles/a100-16x8.yaml", "examples/gpt3-1.3b.yaml"),
     "h100-8x8": ("slurm/profiles/h100-8x8.yaml", "examples/llama-3.2-1b.yaml"),
 }
+
+
+def scenario_cluster(tiny_job: Any, scenario: str = "reference", **kwargs: Any) -> Any:
+    """The `ModeledCluster` of `scenario` (its profile and the preset whose times are charged) for `tiny_job`."""
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+
+    from benchmarks.sim import ModeledCluster
+
+    profile_path, preset_path = SCENARIOS[scenario]
+    return ModeledCluster(profile=load_profile(REPO / profile_path), preset_job=load_job(REPO / preset_path),
+                          tiny_job=tiny_job, **{"restart_s": 0.0, **kwargs})  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -773,13 +796,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds
         ]  # fmt: skip
     started = time.time()
-    if args.jobs > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            results = pool.map(run_workload_seed, settings, chunksize=1)
-    else:
-        results = [run_workload_seed(s) for s in settings]
+    results = map_workers(run_workload_seed, settings, jobs=args.jobs)
     wall = time.time() - started
     RESULTS.mkdir(parents=True, exist_ok=True)
     raw = RESULTS / f"{args.out or ('ttp-quick.json' if args.quick else 'ttp.json')}.raw"

@@ -247,12 +247,10 @@ def recover_resaves(run_dir: RunDir) -> list[str]:
     if not root.is_dir():
         return []
     restored = []
-    names = sorted({p.name.split("-", 1)[1] for p in root.iterdir()
-                    if p.name.startswith((RESAVE_PREFIX, REPLACED_PREFIX)) and p.name.count("-") >= 2})  # fmt: skip
+    names = sorted({name for p in root.iterdir() if p.name.startswith((RESAVE_PREFIX, REPLACED_PREFIX))
+                    and (name := p.name.split("-", 1)[1]).startswith("step-")})  # fmt: skip
     for name in names:
         path, staged, replaced = root / name, root / (RESAVE_PREFIX + name), root / (REPLACED_PREFIX + name)
-        if not name.startswith("step-"):
-            continue
         try:
             if not _is_complete(path):
                 source = next((p for p in (staged, replaced) if _is_complete(p)), None)
