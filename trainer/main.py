@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = init_distributed()
     startup["dist_ready"] = time.time()
+    trainer = None
     try:
         make_trainer = functools.partial(Trainer, job=job, run_dir=run_dir, env=env, corpus=corpus, max_steps=args.max_steps)
         trainer = make_trainer(strategy=strategy, attempt=attempt, dump_loaded_state=args.dump_loaded_state, startup=startup)
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
         status = 1
     finally:
+        # FSDP2's state and the DTensors of a trainer sit in reference cycles that hold the process groups. Left to
+        # the interpreter's teardown, the groups are destroyed there, and a rank can abort after a clean exit record
+        # ("terminate called without an active exception", exit -6), which torchrun reports as a crash of the whole
+        # attempt. Collect them while the interpreter is whole, as an in-place switch does.
+        trainer = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return status
