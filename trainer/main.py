@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import gc
 import os
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     _die_with_torchrun()
+    # A crash in native code (an abort in a collective library, a segfault) leaves the Python stack of every thread
+    # in the node's log instead of only torchrun's "exitcode -6".
+    faulthandler.enable(all_threads=True)
 
     startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
     restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
