@@ -78,6 +78,33 @@ def test_a_resave_that_fails_keeps_the_complete_checkpoint_of_that_step(tmp_path
     assert _hidden(run_dir) == []
 
 
+def test_a_resave_whose_second_rename_fails_puts_the_old_checkpoint_back(tmp_path, model, monkeypatch):
+    """The swap's first rename moved the complete checkpoint aside, the second fails: the old one takes its name
+    again, so the one-line error names it as the checkpoint the run resumes from (not an earlier step)."""
+    net, optimizer = model
+    run_dir = RunDir(tmp_path)
+    _save(run_dir, net, optimizer, step=3, tag="earlier")
+    _save(run_dir, net, optimizer, step=5, tag="first")
+    saved = net.weight.detach().clone()
+    real = type(tmp_path).rename
+
+    def failing(self, target):  # the staged re-save taking the step's name
+        if self.name.startswith(ckpt.RESAVE_PREFIX):
+            raise PermissionError(13, "Permission denied (injected)")
+        return real(self, target)
+
+    monkeypatch.setattr(type(tmp_path), "rename", failing)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"resumes from .*step-00000005"):
+        _save(run_dir, net, optimizer, step=5, tag="second")
+    path = run_dir.checkpoint_dir(5)
+    assert ckpt.verify_checkpoint(path) is None
+    assert "first" in (path / "trainer_state.json").read_text()
+    assert torch.equal(_weight(path), saved)
+    assert _hidden(run_dir) == []
+
+
 @pytest.mark.parametrize("staged_complete", [True, False])
 def test_a_crash_between_the_renames_is_repaired_when_the_checkpoints_are_listed(tmp_path, model, staged_complete):
     net, optimizer = model

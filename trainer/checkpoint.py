@@ -24,6 +24,7 @@ at any point leaves a complete checkpoint of that step: `recover_resaves` puts i
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -233,7 +234,14 @@ def _swap_in(staged: Path, path: Path) -> None:
     if replaced.exists():
         shutil.rmtree(replaced)
     path.rename(replaced)
-    staged.rename(path)
+    try:
+        staged.rename(path)
+    except OSError:
+        # Put the old one back: the save then fails with `path` still complete, and its one line names it as the
+        # checkpoint the run resumes from (a crash here instead is repaired by `recover_resaves`).
+        with contextlib.suppress(OSError):
+            replaced.rename(path)
+        raise
     _fsync_dir(path.parent)
     shutil.rmtree(replaced, ignore_errors=True)
 
