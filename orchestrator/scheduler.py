@@ -179,8 +179,9 @@ class Scheduler:
         if beats:
             self.state.last_heartbeat_time = time.time()
         for hb in beats:
-            if hb.event == "checkpoint-skipped":  # the trainer resumed from an older checkpoint: say which and why
-                log_event(self.run_dir, "checkpoint-skipped", attempt=attempt.number, detail=hb.reason)
+            # The trainer resumed from an older checkpoint, or repaired an interrupted re-save: say which and why.
+            if hb.event in ("checkpoint-skipped", "checkpoint-restored"):
+                log_event(self.run_dir, hb.event, attempt=attempt.number, detail=hb.reason)
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
             self._log_switch_completed(done, attempt)
         if self.tensorboard is not None:

@@ -121,14 +121,14 @@ def test_a_crash_between_the_renames_is_repaired_when_the_checkpoints_are_listed
     run_dir.checkpoint_dir(7).rename(path.with_name(".resave-step-00000005"))
     if not staged_complete:  # the crash came before its marker
         (path.with_name(".resave-step-00000005") / ckpt.COMPLETE_MARKER).unlink()
-    skipped: list[str] = []
-    found = ckpt.resume_candidates(run_dir, skipped)
+    notices: list[tuple[str, str]] = []
+    found = ckpt.resume_candidates(run_dir, notices)
     assert found[0] == path, found
     assert ckpt.verify_checkpoint(path) is None
     expected = net.weight.detach() if staged_complete else old_weight
     assert torch.equal(_weight(path), expected)
     source = ".resave-step-00000005" if staged_complete else ".replaced-step-00000005"
-    assert skipped == [f"restored checkpoint {path} from {source} (a re-save of that step was interrupted)"]
+    assert notices == [("checkpoint-restored", f"restored checkpoint {path} from {source} (a re-save of that step was interrupted)")]
     assert _hidden(run_dir) == []
 
 

@@ -30,6 +30,7 @@ def test_garbage_heartbeat_lines_are_skipped_and_logged_never_fatal(tmp_path):
         json.dumps(good), "not json", "[1, 2]", json.dumps({**good, "samples": "many"}),
         json.dumps({**good, "step": None}), json.dumps({**good, "step_time_s": [1]}), json.dumps({"step": 3}),
         json.dumps({**good, "event": "checkpoint-skipped", "reason": "skipping checkpoint X: Y is missing"}),
+        json.dumps({**good, "event": "checkpoint-restored", "reason": "restored checkpoint X from .resave-X"}),
     ]  # fmt: skip
     path = sched.run_dir.heartbeat_file(1)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,6 +42,7 @@ def test_garbage_heartbeat_lines_are_skipped_and_logged_never_fatal(tmp_path):
     bad = [e for e in events if e["event"] == "bad-heartbeat"]
     assert len(bad) == 4  # the three mistyped records and the one missing its fields; the non-JSON lines never parse
     assert [e["detail"] for e in events if e["event"] == "checkpoint-skipped"] == ["skipping checkpoint X: Y is missing"]
+    assert [e["detail"] for e in events if e["event"] == "checkpoint-restored"] == ["restored checkpoint X from .resave-X"]
     assert sched.state.heartbeat_offset == path.read_bytes().rfind(b"\n") + 1  # the torn tail is read next time
 
 

@@ -368,15 +368,16 @@ def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str |
     return None
 
 
-def resume_candidates(run_dir: RunDir, skipped: list[str] | None = None) -> list[Path]:
-    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable, and
-    appends each warning to `skipped` (the trainer reports them in a heartbeat, the orchestrator in its events)."""
+def resume_candidates(run_dir: RunDir, notices: list[tuple[str, str]] | None = None) -> list[Path]:
+    """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable and every
+    interrupted re-save it repaired, and appends each warning to `notices` with its heartbeat event,
+    `checkpoint-skipped` or `checkpoint-restored` (the trainer reports them, the orchestrator logs them as events)."""
     if not run_dir.checkpoints.is_dir():
         return []
     for line in recover_resaves(run_dir):
         warn(line)
-        if skipped is not None:
-            skipped.append(line)
+        if notices is not None:
+            notices.append(("checkpoint-restored", line))
     candidates = []
     for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
         problem = verify_checkpoint(path)
@@ -384,8 +385,8 @@ def resume_candidates(run_dir: RunDir, skipped: list[str] | None = None) -> list
             candidates.append(path)
         elif not candidates:
             warn(f"skipping checkpoint {path}: {problem}")
-            if skipped is not None:
-                skipped.append(f"skipping checkpoint {path}: {problem}")
+            if notices is not None:
+                notices.append(("checkpoint-skipped", f"skipping checkpoint {path}: {problem}"))
     return candidates
 
 

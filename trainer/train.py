@@ -153,8 +153,9 @@ class Trainer:
         """Set by `_hold`: no decision came within the switch points' `wait_s`; exit for a relaunch at the point."""
         self._checkpointed_in_hold = False
         """Set by `_hold` on every rank: it served a `checkpoint` command, so `finish` saves again (see there)."""
-        self._skipped: list[str] = []
-        """Rank 0: the checkpoints `resume` passed over and why, reported in `checkpoint-skipped` heartbeats."""
+        self._notices: list[tuple[str, str]] = []
+        """Rank 0: (event, line) for each checkpoint `resume` passed over (`checkpoint-skipped`) or put back after an
+        interrupted re-save (`checkpoint-restored`), reported in heartbeats of that event."""
         self.startup["model_ready"] = time.time()
 
     # Start-up -------------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class Trainer:
         """Load the newest intact checkpoint (any layout); fall back to older ones; fresh start if none."""
         shared: list[Any] = [None]
         if self.is_rank0:
-            found = ckpt.resume_candidates(self.run_dir, self._skipped)
+            found = ckpt.resume_candidates(self.run_dir, self._notices)
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
             model = self.job.model.model_dump(mode="json")
             foreign = next((r for p in found if (r := ckpt.foreign_reason(p, job_name=self.job.name, model=model))), None)
@@ -221,7 +222,7 @@ class Trainer:
             if self.is_rank0:
                 message = f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})"
                 ckpt.warn(message)
-                self._skipped.append(message)
+                self._notices.append(("checkpoint-skipped", message))
         if had_marked:
             raise ConfigError(
                 f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
@@ -244,8 +245,8 @@ class Trainer:
             self.startup.setdefault("load_end", None)  # a fresh start loads nothing
             atomic_write_json(self.run_dir.attempt_dir(self.attempt) / "startup.json",
                               {**self.startup, "resumed_step": self.loaded_step})  # fmt: skip
-            for message in self._skipped:
-                self._heartbeat(event="checkpoint-skipped", reason=message)
+            for event, message in self._notices:
+                self._heartbeat(event=event, reason=message)
             self._heartbeat(event="resume" if self.loaded_step is not None else "start")
         if s.step == 0 and not s.val_history:
             self.evaluate()
