@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -128,6 +129,36 @@ def fmt_ratio(stats: dict[str, Any] | None, digits: int = 2) -> str:
     if hi - lo > 10 ** (-digits) / 2:
         text += f" [{lo:.{digits}f}–{hi:.{digits}f}]"
     return text
+
+
+def names_arg(parser: argparse.ArgumentParser, flag: str, text: str, valid: Sequence[str]) -> list[str]:
+    """A comma-separated list of names from `valid`; a misspelled one ends the command with the valid ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in valid:
+            parser.error(f"{flag}: unknown {name!r}; valid: {', '.join(valid)}")
+    if not names:
+        parser.error(f"{flag}: empty; valid: {', '.join(valid)}")
+    return names
+
+
+def ints_arg(parser: argparse.ArgumentParser, flag: str, text: str, *, minimum: int = 0) -> tuple[int, ...]:
+    """A comma-separated list of integers ≥ `minimum`; anything else ends the command naming the flag."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if any(v < minimum for v in values):
+        parser.error(f"{flag}: every value must be at least {minimum}, got {text!r}")
+    return values
+
+
+def batches_arg(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, ...]:
+    """Global batch sizes of a tiny run: even and at least 2 (two micro-batches per step)."""
+    batches = ints_arg(parser, flag, text, minimum=2)
+    if any(b % 2 for b in batches):
+        parser.error(f"{flag}: every batch must be even (two micro-batches per step), got {text!r}")
+    return batches
 
 
 def map_workers(fn: Callable[[T], R], items: Sequence[T], *, jobs: int) -> list[R]:

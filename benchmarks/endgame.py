@@ -37,7 +37,16 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import REPO, map_workers, print_table, shown, write_json
+from benchmarks.common import (
+    REPO,
+    batches_arg,
+    ints_arg,
+    map_workers,
+    names_arg,
+    print_table,
+    shown,
+    write_json,
+)
 from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
 WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
@@ -153,19 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON name under benchmarks/results (default: endgame.json, "
                                                     "endgame-to-target.json with --to-target)")
     args = parser.parse_args(argv)
-    names = args.workloads.split(",")
-    for name in names:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-    batches = tuple(int(x) for x in args.batches.split(","))
-    if any(b < 2 or b % 2 for b in batches):
-        parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
+    names = names_arg(parser, "--workloads", args.workloads, list(WORKLOADS))
+    batches = batches_arg(parser, "--batches", args.batches)
+    states = ints_arg(parser, "--states", args.states)
+    seeds = ints_arg(parser, "--seeds", args.seeds)
     if args.samples < max(batches):
         parser.error(f"--samples must cover at least one step of the largest batch ({max(batches)})")
-    settings = [Settings(workload=n, seed=int(seed), states=tuple(int(x) for x in args.states.split(",")),
-                         samples=args.samples, batches=batches,
+    settings = [Settings(workload=n, seed=seed, states=states, samples=args.samples, batches=batches,
                          target=min(TTP_WORKLOADS[n]["targets"]) if args.to_target else None)
-                for n in names for seed in args.seeds.split(",")]  # fmt: skip
+                for n in names for seed in seeds]  # fmt: skip
     started = time.time()
     results = map_workers(measure, settings, jobs=args.jobs)
     if args.to_target:

@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.common import map_workers, print_table, shown, write_json
+from benchmarks.common import batches_arg, ints_arg, map_workers, names_arg, print_table, shown, write_json
 from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
 WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
@@ -127,19 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default="noise-batch.json", help="JSON name under benchmarks/results")
     args = parser.parse_args(argv)
-    names = args.workloads.split(",")
-    for name in names:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+    names = names_arg(parser, "--workloads", args.workloads, list(WORKLOADS))
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must lie in [0, --steps), got {args.warmup}")
-    modes = tuple(args.modes.split(","))
-    if not modes or any(m not in MODES for m in modes):
-        parser.error(f"--modes: valid modes are {', '.join(MODES)}, got {args.modes}")
-    batches = tuple(int(x) for x in args.batches.split(","))
-    if any(b < 2 or b % 2 for b in batches):
-        parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
-    settings = [Settings(workload=n, states=tuple(int(x) for x in args.states.split(",")), batches=batches,
+    modes = tuple(names_arg(parser, "--modes", args.modes, list(MODES)))
+    batches = batches_arg(parser, "--batches", args.batches)
+    states = ints_arg(parser, "--states", args.states)
+    settings = [Settings(workload=n, states=states, batches=batches,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, modes=modes)
                 for n in names]  # fmt: skip
     started = time.time()

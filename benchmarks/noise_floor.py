@@ -37,7 +37,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import REPO, map_workers, print_table, shown, write_json
+from benchmarks.common import REPO, batches_arg, map_workers, names_arg, print_table, shown, write_json
 from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
 WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
@@ -167,13 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default="noise-floor.json", help="JSON name under benchmarks/results")
     args = parser.parse_args(argv)
-    names = args.workloads.split(",")
-    for name in names:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-    batches = [int(x) for x in args.batches.split(",")]
-    if any(b < 2 or b % 2 for b in batches):
-        parser.error(f"--batches must be even and at least 2 (two micro-batches per step), got {args.batches}")
+    names = names_arg(parser, "--workloads", args.workloads, list(WORKLOADS))
+    batches = batches_arg(parser, "--batches", args.batches)
     if args.window <= 0 or (args.samples is not None and not 0 < args.window <= args.samples):
         parser.error(f"--window must lie in (0, --samples], got {args.window}")
     settings = [Settings(workload=n, gbs=b, samples=args.samples, window=args.window, seed=args.seed)

@@ -58,7 +58,9 @@ from benchmarks.common import (
     finite,
     fmt_ratio,
     fmt_s,
+    ints_arg,
     map_workers,
+    names_arg,
     print_table,
     shown,
     spread,
@@ -768,11 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     args.preset = args.preset or scenario_preset
     if args.out is None and args.scenario not in (None, "reference"):
         args.out = f"ttp{'-quick' if args.quick else ''}-{args.scenario}.json"
-    names = (args.workloads or ("gpt" if args.quick else "gpt,llama,bert")).split(",")
-    for name in names:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-    seeds = [int(x) for x in (args.seeds or ("0,1" if args.quick else "0,1,2,3")).split(",")]
+    names = names_arg(parser, "--workloads", args.workloads or ("gpt" if args.quick else "gpt,llama,bert"), list(WORKLOADS))
+    seeds = list(ints_arg(parser, "--seeds", args.seeds or ("0,1" if args.quick else "0,1,2,3")))
     segment_s = args.segment_s or (200.0 if args.quick else 500.0)
     previous = _previous_runs(args.cona_only, args=args, names=names, seeds=seeds) if args.cona_only else {}
     settings = []
