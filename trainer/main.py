@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import functools
 import gc
 import os
@@ -122,9 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     _die_with_torchrun()
-    # A crash in native code (an abort in a collective library, a segfault) leaves the Python stack of every thread
-    # in the node's log instead of only torchrun's "exitcode -6".
-    faulthandler.enable(all_threads=True)
 
     startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
     restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
