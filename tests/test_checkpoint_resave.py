@@ -40,6 +40,20 @@ def _hidden(run_dir: RunDir) -> list[str]:
     return sorted(p.name for p in run_dir.checkpoints.iterdir() if p.name.startswith("."))
 
 
+def _resave_fails_and_keeps_the_first(run_dir: RunDir, net, optimizer, saved: torch.Tensor) -> None:
+    """Re-save step 5 (tagged "first", weights `saved`) with changed weights under an injected failure: the error
+    names step 5 as the checkpoint the run resumes from, which is intact and alone in the directory."""
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"resumes from .*step-00000005"):
+        _save(run_dir, net, optimizer, step=5, tag="second")
+    path = run_dir.checkpoint_dir(5)
+    assert ckpt.verify_checkpoint(path) is None
+    assert "first" in (path / "trainer_state.json").read_text()
+    assert torch.equal(_weight(path), saved)
+    assert _hidden(run_dir) == []
+
+
 def test_a_resave_of_the_same_step_replaces_it_and_leaves_nothing_beside_it(tmp_path, model):
     net, optimizer = model
     run_dir = RunDir(tmp_path)
@@ -67,15 +81,7 @@ def test_a_resave_that_fails_keeps_the_complete_checkpoint_of_that_step(tmp_path
         real(path, data)
 
     monkeypatch.setattr(ckpt, "atomic_write_json", failing)
-    with torch.no_grad():
-        net.weight.add_(1.0)
-    with pytest.raises(ckpt.CheckpointSaveError, match=r"resumes from .*step-00000005"):
-        _save(run_dir, net, optimizer, step=5, tag="second")
-    path = run_dir.checkpoint_dir(5)
-    assert ckpt.verify_checkpoint(path) is None
-    assert "first" in (path / "trainer_state.json").read_text()
-    assert torch.equal(_weight(path), saved)
-    assert _hidden(run_dir) == []
+    _resave_fails_and_keeps_the_first(run_dir, net, optimizer, saved)
 
 
 def test_a_resave_whose_second_rename_fails_puts_the_old_checkpoint_back(tmp_path, model, monkeypatch):
@@ -94,15 +100,7 @@ def test_a_resave_whose_second_rename_fails_puts_the_old_checkpoint_back(tmp_pat
         return real(self, target)
 
     monkeypatch.setattr(type(tmp_path), "rename", failing)
-    with torch.no_grad():
-        net.weight.add_(1.0)
-    with pytest.raises(ckpt.CheckpointSaveError, match=r"resumes from .*step-00000005"):
-        _save(run_dir, net, optimizer, step=5, tag="second")
-    path = run_dir.checkpoint_dir(5)
-    assert ckpt.verify_checkpoint(path) is None
-    assert "first" in (path / "trainer_state.json").read_text()
-    assert torch.equal(_weight(path), saved)
-    assert _hidden(run_dir) == []
+    _resave_fails_and_keeps_the_first(run_dir, net, optimizer, saved)
 
 
 @pytest.mark.parametrize("staged_complete", [True, False])

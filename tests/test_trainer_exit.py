@@ -21,6 +21,6 @@ def test_no_process_group_is_left_to_the_interpreter_teardown(tmp_path, strategy
     result = launch(tmp_path / "run", nproc=2, strategy=strategy, job=job, max_steps=2,
                     module="tests.exit_garbage_trainer")  # fmt: skip
     assert result.returncode == 0, describe(result)
-    lines = [m for m in re.findall(r"^exit garbage: (\d+) (.*)$", result.stderr, flags=re.M)]
+    lines = re.findall(r"^exit garbage: (\d+) (.*)$", result.stderr, flags=re.M)
     assert len(lines) == 2, describe(result)  # one per rank
     assert all(count == "0" for count, _ in lines), lines

@@ -374,19 +374,21 @@ def resume_candidates(run_dir: RunDir, notices: list[tuple[str, str]] | None = N
     `checkpoint-skipped` or `checkpoint-restored` (the trainer reports them, the orchestrator logs them as events)."""
     if not run_dir.checkpoints.is_dir():
         return []
-    for line in recover_resaves(run_dir):
+
+    def notice(event: str, line: str) -> None:
         warn(line)
         if notices is not None:
-            notices.append(("checkpoint-restored", line))
+            notices.append((event, line))
+
+    for line in recover_resaves(run_dir):
+        notice("checkpoint-restored", line)
     candidates = []
     for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
         problem = verify_checkpoint(path)
         if problem is None:
             candidates.append(path)
         elif not candidates:
-            warn(f"skipping checkpoint {path}: {problem}")
-            if notices is not None:
-                notices.append(("checkpoint-skipped", f"skipping checkpoint {path}: {problem}"))
+            notice("checkpoint-skipped", f"skipping checkpoint {path}: {problem}")
     return candidates
 
 
