@@ -49,9 +49,10 @@ class PolicySpec(StrictModel):
     """Multiplies the estimated B_noise before ranking. The two-batch estimate sits below the batch at which larger
     batches stop paying (the critical batch fitted from fixed-batch runs): 1.6–5.6×, 3.3× on average, on the
     benchmark workloads (docs/benchmarks.md)."""
-    noise_growth: bool = False
+    noise_growth: bool = True
     """Rank with the noise scale expected halfway through the horizon instead of today's: B_noise grows as the loss
-    falls, and its growth per sample is fitted on the estimates of past evaluations (at most 2× today's)."""
+    falls, and its growth per sample is fitted on the estimates of past evaluations (at least six; at most 2×
+    today's). Measured neutral or better on every benchmark workload (docs/benchmarks.md); off ranks with today's."""
     probe_layouts: int = Field(2, ge=0)
     """Layouts that never ran which cona may try once each (a few heartbeats at the current batch) when the cost
     model puts them within 0.6× of the current strategy, the model has been seen to miss a measured step time by
