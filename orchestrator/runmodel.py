@@ -22,7 +22,7 @@ from cona.orchestrator.policy import ConaPolicy, Decision, DecisionContext, Poli
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
 from cona.protocol.strategy import Strategy
 
 
@@ -122,7 +122,7 @@ class RunModel:
                 self.live.train_loss = hb.train_loss
             if hb.val_loss is not None:
                 self.record_evaluation(time=hb.time, samples=hb.samples, val_loss=hb.val_loss)
-            if hb.event in ("start", "resume"):
+            if hb.event in (HeartbeatEvent.START, HeartbeatEvent.RESUME):
                 done = self._switch_completed(attempt, hb.time)
                 if done is not None:
                     completed.append(done)

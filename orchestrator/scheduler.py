@@ -30,7 +30,7 @@ from cona.orchestrator.runstate import (
     write_state,
 )
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat
 from cona.protocol.rundir import HOLD_TIMEOUT_REASON, ControlRecord, RunDir, SwitchPoints, read_jsonl
 from cona.protocol.strategy import Strategy
 
@@ -180,7 +180,7 @@ class Scheduler:
             self.state.last_heartbeat_time = time.time()
         for hb in beats:
             # The trainer resumed from an older checkpoint, or repaired an interrupted re-save: say which and why.
-            if hb.event in ("checkpoint-skipped", "checkpoint-restored"):
+            if hb.event in NOTICE_EVENTS:
                 log_event(self.run_dir, hb.event, attempt=attempt.number, detail=hb.reason)
         for done in self.model.absorb(attempt.number, attempt.strategy, beats):
             self._log_switch_completed(done, attempt)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -66,7 +66,7 @@ class TensorBoardWriter:
             if strategy is not None and strategy != self._strategy:
                 self._writer.add_text("strategy", f"{strategy} from sample {step}", step)
                 self._strategy = strategy
-            if hb.train_loss is not None and hb.event in (None, "eval"):
+            if hb.train_loss is not None and hb.event in (None, HeartbeatEvent.EVAL):
                 self._writer.add_scalar("train/loss", hb.train_loss, step)
                 self._writer.add_scalar("train/lr", hb.lr, step)
                 if hb.samples_per_s:

@@ -3,7 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
+
+
+class HeartbeatEvent(enum.StrEnum):
+    """The `event` of a special heartbeat record: the trainer writes these names, the orchestrator reads them."""
+
+    START = "start"
+    """The first record of a fresh run's attempt."""
+    RESUME = "resume"
+    """The first record of an attempt that loaded a checkpoint."""
+    EVAL = "eval"
+    """A validation loss was measured at this step."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint was saved (`reason`: why)."""
+    HOLD = "hold"
+    """Training waits at a switch point for the orchestrator's decision (`reason`); repeated while it waits."""
+    EXIT = "exit"
+    """The trainer's last record, with its `exit_code`."""
+    CHECKPOINT_SKIPPED = "checkpoint-skipped"
+    """Resume passed over a checkpoint that is incomplete or unreadable (`reason`: which, and why)."""
+    CHECKPOINT_RESTORED = "checkpoint-restored"
+    """Resume put back a checkpoint whose re-save was interrupted (`reason`: from where)."""
+
+
+NOTICE_EVENTS = frozenset({HeartbeatEvent.CHECKPOINT_SKIPPED, HeartbeatEvent.CHECKPOINT_RESTORED})
+"""Heartbeat events the orchestrator copies to events.jsonl under the same name, with `reason` as the detail."""
 
 
 @dataclasses.dataclass
@@ -41,7 +67,7 @@ class Heartbeat:
     val_perplexity: float | None = None
     peak_memory_gb: float | None = None
     event: str | None = None
-    """`start`, `resume`, `eval`, `checkpoint`, `exit` on special records, None on periodic ones."""
+    """A `HeartbeatEvent` on special records, None on periodic ones."""
     exit_code: int | None = None
     """On `exit` records: the trainer's `ExitCode` (torchrun itself exits 1 whatever its workers return)."""
     reason: str | None = None

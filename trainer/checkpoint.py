@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cona.protocol.heartbeat_record import HeartbeatEvent
 from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -368,27 +369,27 @@ def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str |
     return None
 
 
-def resume_candidates(run_dir: RunDir, notices: list[tuple[str, str]] | None = None) -> list[Path]:
+def resume_candidates(run_dir: RunDir, notices: list[tuple[HeartbeatEvent, str]] | None = None) -> list[Path]:
     """Intact checkpoints, newest first; warns (naming it) about every newer directory that is not usable and every
     interrupted re-save it repaired, and appends each warning to `notices` with its heartbeat event,
     `checkpoint-skipped` or `checkpoint-restored` (the trainer reports them, the orchestrator logs them as events)."""
     if not run_dir.checkpoints.is_dir():
         return []
 
-    def notice(event: str, line: str) -> None:
+    def notice(event: HeartbeatEvent, line: str) -> None:
         warn(line)
         if notices is not None:
             notices.append((event, line))
 
     for line in recover_resaves(run_dir):
-        notice("checkpoint-restored", line)
+        notice(HeartbeatEvent.CHECKPOINT_RESTORED, line)
     candidates = []
     for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
         problem = verify_checkpoint(path)
         if problem is None:
             candidates.append(path)
         elif not candidates:
-            notice("checkpoint-skipped", f"skipping checkpoint {path}: {problem}")
+            notice(HeartbeatEvent.CHECKPOINT_SKIPPED, f"skipping checkpoint {path}: {problem}")
     return candidates
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import time
 
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
 from cona.protocol.rundir import RunDir, append_jsonl
 
 
@@ -57,7 +57,7 @@ class HeartbeatWriter:
         samples: int,
         tokens: int,
         lr: float,
-        event: str | None = None,
+        event: HeartbeatEvent | None = None,
         val_loss: float | None = None,
         val_perplexity: float | None = None,
         peak_memory_gb: float | None = None,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.rundir import (
@@ -153,7 +153,7 @@ class Trainer:
         """Set by `_hold`: no decision came within the switch points' `wait_s`; exit for a relaunch at the point."""
         self._checkpointed_in_hold = False
         """Set by `_hold` on every rank: it served a `checkpoint` command, so `finish` saves again (see there)."""
-        self._notices: list[tuple[str, str]] = []
+        self._notices: list[tuple[HeartbeatEvent, str]] = []
         """Rank 0: (event, line) for each checkpoint `resume` passed over (`checkpoint-skipped`) or put back after an
         interrupted re-save (`checkpoint-restored`), reported in heartbeats of that event."""
         self.startup["model_ready"] = time.time()
@@ -222,7 +222,7 @@ class Trainer:
             if self.is_rank0:
                 message = f"skipping checkpoint {path}: cannot load it ({failed or 'failed on another rank'})"
                 ckpt.warn(message)
-                self._notices.append(("checkpoint-skipped", message))
+                self._notices.append((HeartbeatEvent.CHECKPOINT_SKIPPED, message))
         if had_marked:
             raise ConfigError(
                 f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
@@ -247,7 +247,7 @@ class Trainer:
                               {**self.startup, "resumed_step": self.loaded_step})  # fmt: skip
             for event, message in self._notices:
                 self._heartbeat(event=event, reason=message)
-            self._heartbeat(event="resume" if self.loaded_step is not None else "start")
+            self._heartbeat(event=HeartbeatEvent.RESUME if self.loaded_step is not None else HeartbeatEvent.START)
         if s.step == 0 and not s.val_history:
             self.evaluate()
         if self._at_switch_point and self._budget_reached() is None:  # resumed where the decision is due
@@ -263,7 +263,7 @@ class Trainer:
             if s.samples // self.job.eval.interval_samples > (s.samples - self.strategy.gbs) // self.job.eval.interval_samples:
                 evaluated = self.evaluate()
             if s.step % self.job.heartbeat.interval_steps == 0 or evaluated is not None:
-                self._heartbeat(event="eval" if evaluated is not None else None, evaluated=evaluated)
+                self._heartbeat(event=HeartbeatEvent.EVAL if evaluated is not None else None, evaluated=evaluated)
             target = self.job.target.val_perplexity
             if evaluated is not None and target is not None and evaluated["val_perplexity"] <= target:
                 return self.finish(ExitCode.DONE, f"target val_perplexity {target} reached")
@@ -304,7 +304,7 @@ class Trainer:
             record = self.control.mark_handled() if self.is_rank0 else None
             reason = f"checkpoint (control seq {record.seq if record else '?'})"
         self.save()
-        self._heartbeat(event="checkpoint", reason=reason)
+        self._heartbeat(event=HeartbeatEvent.CHECKPOINT, reason=reason)
 
     def _hold(self) -> Action:
         """Wait after a step that crossed a switch point until the orchestrator's decision arrives (`SwitchPoints`).
@@ -325,7 +325,7 @@ class Trainer:
                 beat = -math.inf
                 while not self.control.signalled:
                     if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
-                        self._heartbeat(event="hold", reason=reason)
+                        self._heartbeat(event=HeartbeatEvent.HOLD, reason=reason)
                         beat = time.monotonic()
                     command = self.control.poll(self.run_dir, self.attempt)
                     if command is not Action.NONE:
@@ -487,7 +487,7 @@ class Trainer:
         }
         self.state.val_history.append(result)
         if self.is_rank0 and self.state.step == 0:
-            self._heartbeat(event="eval", evaluated=result)
+            self._heartbeat(event=HeartbeatEvent.EVAL, evaluated=result)
         return result
 
     def save(self) -> None:
@@ -507,7 +507,7 @@ class Trainer:
     def _heartbeat(
         self,
         *,
-        event: str | None = None,
+        event: HeartbeatEvent | None = None,
         evaluated: dict[str, float] | None = None,
         exit_code: int | None = None,
         reason: str | None = None,
@@ -546,7 +546,7 @@ class Trainer:
         if self.state.step != self.loaded_step or self._checkpointed_in_hold:
             self.save()
         if self.is_rank0:
-            self._heartbeat(event="exit", exit_code=int(code), reason=reason)
+            self._heartbeat(event=HeartbeatEvent.EXIT, exit_code=int(code), reason=reason)
             write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step,
                        next_strategy=self.next_strategy)  # fmt: skip
         dist.barrier()
