@@ -47,8 +47,8 @@ class PolicySpec(StrictModel):
     batch 16 to 256, where `plain` stays within 3%; `python -m benchmarks.noise_batch`), so it is not the default."""
     critical_batch_factor: float = Field(3.0, gt=0)
     """Multiplies the estimated B_noise before ranking. The two-batch estimate sits below the batch at which larger
-    batches stop paying (the critical batch fitted from fixed-batch runs): 1.6–5.6×, 3.3× on average, on the
-    benchmark workloads (docs/benchmarks.md)."""
+    batches stop paying (the critical batch fitted from fixed-batch runs): 1.2–7×, median about 3, on the tiny GPT;
+    it sits near or above it on the tiny Llama (0.3–1.4×) and BERT (0.1–0.4×) (docs/benchmarks.md)."""
     noise_growth: bool = True
     """Rank with the noise scale expected halfway through the horizon instead of today's: B_noise grows as the loss
     falls, and its growth per sample is fitted on the estimates of past evaluations (at least six; at most 2×
