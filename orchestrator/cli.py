@@ -17,6 +17,7 @@ from cona.protocol.yamlconfig import ConfigError
 if TYPE_CHECKING:
     from cona.orchestrator.job import Job
     from cona.orchestrator.profile import ClusterProfile
+    from cona.protocol.rundir import RunDir
     from cona.protocol.strategy import Strategy
 
 
@@ -45,11 +46,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time, ties_with_best
     from cona.orchestrator.profile import load_profile
 
+    if args.top < 0:
+        raise UserError(f"--top {args.top}: give a positive count, or 0 for every feasible strategy")
     profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, args.overrides)
     gbs_values = [args.gbs] if args.gbs else None
     candidates = enumerate_candidates(profile=profile, job=job, gbs_values=gbs_values)
     ranked = rank_by_iter_time(candidates)
+    if not ranked and not args.all and not args.json:
+        at = f" at --gbs {args.gbs}" if args.gbs else ""
+        raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
+                        "candidates; run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
     ties = ties_with_best(ranked)
@@ -94,8 +101,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume:
         run_dir = RunDir(Path(args.resume))
-        if args.profile or args.job or args.profile_overrides:
-            raise UserError("--resume takes the profile and job from the run directory; drop --profile/--job")
+        if args.profile or args.job or args.profile_overrides or args.overrides or args.policy or args.run_dir:
+            raise UserError(
+                "--resume takes the profile, job and policy from the run directory; drop --profile/--profile-set/"
+                "--job/--set/--policy/--run-dir"
+            )
         profile, job = load_run(run_dir)
     else:
         if not args.profile or not args.job:
@@ -104,8 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
-        if run_dir.run_yaml.exists():
-            profile, job = load_run(run_dir)  # the same command again: resume, never overwrite
+        if run_dir.run_yaml.exists():  # the same command again: resume, never overwrite
+            profile, job = _same_run(run_dir, profile, job)
         else:
             # The policy is checked before the run exists: a run directory created from a bad schedule would be
             # resumed, bad schedule and all, by the corrected command.
@@ -122,6 +132,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         png, md = write_report(run_dir)
         print(f"report: {md} and {png}")
     return 0 if state.status in ("done", "stopped") else 1
+
+
+def _same_run(run_dir: RunDir, profile: ClusterProfile, job: Job) -> tuple[ClusterProfile, Job]:
+    """The stored profile and job of an existing `run_dir`, if they are the ones asked for (the same command run
+    again); UserError when the command names another job or profile, which resuming would silently drop."""
+    from cona.orchestrator.job import job_to_dict
+    from cona.orchestrator.runstate import load_run
+
+    stored_profile, stored_job = load_run(run_dir)
+    asked = job.model_copy(deep=True)
+    asked.data.path = str(Path(job.data.path).resolve())  # as create_run stored it
+    changed = [name for name, a, b in (
+        ("profile", profile.model_dump(mode="json"), stored_profile.model_dump(mode="json")),
+        ("job", job_to_dict(asked), job_to_dict(stored_job)),
+    ) if a != b]  # fmt: skip
+    if changed:
+        raise UserError(
+            f"--run-dir {run_dir.root} holds a run with another {' and '.join(changed)}; resume it as it is with "
+            f"`cona run --resume {run_dir.root}`, or pick another --run-dir"
+        )
+    return stored_profile, stored_job
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -147,7 +178,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from cona.orchestrator.runstate import load_run, request_stop
+    from cona.orchestrator.runstate import load_run, read_state, request_stop
     from cona.protocol.rundir import RunDir
 
     if _remote(args):
@@ -158,6 +189,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
         return 0
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)  # a clear error when this is not a run directory
+    state = read_state(run_dir)
+    if state.final:
+        print(f"{run_dir.root} already ended ({state.status}); nothing to stop")
+        return 0
     request_stop(run_dir)
     print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")
     return 0
@@ -180,6 +215,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 0
     run_dir = RunDir(Path(args.run_dir))
     load_run(run_dir)
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out}: a file, not a directory; give a directory for the report")
     png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
     print(f"wrote {md} and {png}")
     return 0
@@ -464,6 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a path the command reads or writes (a file where a directory belongs, no permission)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"cona: error: {_one_line(where + (e.strerror or str(e)))}; check the path", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

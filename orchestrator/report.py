@@ -11,14 +11,25 @@ from typing import Any
 from cona.orchestrator.runstate import load_run, read_events, read_state
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.rundir import RunDir, read_jsonl
+from cona.protocol.strategy import Strategy
 
 
 def _heartbeats(run_dir: RunDir) -> list[dict[str, Any]]:
     beats = []
     if run_dir.heartbeats.is_dir():
         for path in sorted(run_dir.heartbeats.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
-            beats.extend(read_jsonl(path)[0])
+            beats.extend(b for b in read_jsonl(path)[0] if _usable(b))
     return sorted(beats, key=lambda b: b.get("time", 0))
+
+
+def _usable(record: dict[str, Any]) -> bool:
+    """A heartbeat the typed record accepts (a damaged line that still parses as JSON is skipped, as the scheduler
+    skips it)."""
+    try:
+        Strategy.from_dict(Heartbeat.from_dict(record).strategy)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _short(s: dict[str, int]) -> str:

@@ -41,7 +41,10 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
         )
     job.data.path = str(data_path.resolve())  # workers may start in another directory
     restrict_umask()
-    run_dir.root.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir.root}: cannot create it ({e.strerror}); pick a writable directory") from None
     document = {
         "created": time.time(),
         "profile": profile.model_dump(mode="json"),
@@ -54,7 +57,7 @@ def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
     """The profile and job a run was created with."""
     try:
         document = yaml.safe_load(run_dir.run_yaml.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)") from None
     except yaml.YAMLError:
         raise ConfigError(f"{run_dir.run_yaml}: corrupt YAML; the run directory cannot be resumed") from None
@@ -71,7 +74,11 @@ def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:
     from cona.protocol.rundir import ControlRecord
 
     current = run_dir.read_control()
-    seq = (current.seq if current else 0) + 1
+    try:  # the orchestrator acts only on a seq above the newest it took note of (control.json may be damaged)
+        noted = read_state(run_dir).control_seq
+    except ConfigError:
+        noted = 0
+    seq = max(current.seq if current else 0, noted) + 1
     run_dir.write_control(ControlRecord(seq=seq, command="stop", reason=reason))
     log_event(run_dir, "stop-command", seq=seq, reason=reason)
     return seq
@@ -84,8 +91,24 @@ def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
     return record
 
 
+def _usable_event(record: dict[str, Any]) -> bool:
+    """Whether a record has what readers of events.jsonl rely on: a numeric `time`, a string `event`, and for a
+    switch two strategies. A line damaged by hand (or by a disk) that still parses as JSON is skipped like a torn one."""
+    time_ = record.get("time")
+    if not isinstance(record.get("event"), str) or isinstance(time_, bool) or not isinstance(time_, int | float):
+        return False
+    if record["event"] == "switch":
+        try:
+            Strategy.from_dict(record["from"])
+            Strategy.from_dict(record["to"])
+        except (KeyError, TypeError, ValueError):
+            return False
+    return True
+
+
 def read_events(run_dir: RunDir) -> list[dict[str, Any]]:
-    return read_jsonl(run_dir.events)[0]
+    """The records of events.jsonl that readers can use (see `_usable_event`)."""
+    return [e for e in read_jsonl(run_dir.events)[0] if _usable_event(e)]
 
 
 STATE_VERSION = 2

@@ -7,6 +7,7 @@ command line as `--set section.field=value`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -255,6 +256,13 @@ class BatchSpec(StrictModel):
             raise ValueError(f"base_gbs={self.base_gbs} must lie within [min_gbs, max_gbs]")
         if not self.mbs_choices or any(m <= 0 for m in self.mbs_choices):
             raise ValueError("mbs_choices must be a non-empty list of positive integers")
+        if self.gbs_choices is not None:
+            outside = [g for g in self.gbs_choices if not self.min_gbs <= g <= self.max_gbs]
+            if outside or not self.gbs_choices:
+                raise ValueError(
+                    f"gbs_choices {self.gbs_choices} must be a non-empty list within [min_gbs, max_gbs] = "
+                    f"[{self.min_gbs}, {self.max_gbs}]: {outside} lie outside; change them or the bounds"
+                )
         return self
 
     def candidate_gbs(self) -> list[int]:
@@ -357,12 +365,16 @@ class HeartbeatSpec(StrictModel):
     for `policy.noise_estimator: adam`; off, the step skips their extra pass over the gradients."""
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
 class JobSpec(StrictModel):
     """A training job as the trainer reads it. Load with `load_job`; the orchestrator's `cona.orchestrator.job.Job`
     adds the `policy` section."""
 
     name: str = "cona-job"
-    """A short name for run directories and cluster jobs."""
+    """A short name for run directories and cluster jobs: letters, digits, `.`, `_` and `-`, starting with a letter
+    or digit (it becomes a directory name, a Slurm job name and part of Kubernetes object names)."""
     seed: int = 0
     """Seeds the initialisation, the data order and BERT's masks."""
     model: ModelSpec
@@ -374,6 +386,16 @@ class JobSpec(StrictModel):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.fullmatch(value):
+            raise ValueError(
+                "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit (it names the run "
+                "directory and the cluster jobs)"
+            )
+        return value
 
     @property
     def decay_samples(self) -> int:

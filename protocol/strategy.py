@@ -73,6 +73,7 @@ class Strategy:
     def parse(cls, text: str) -> Strategy:
         """Parse `dp=2,tp=2,pp=1,mbs=2,gbs=16`; omitted degrees default to 1."""
         values: dict[str, Any] = {"dp": 1, "tp": 1, "pp": 1}
+        given: set[str] = set()
         for part in text.replace(" ", "").split(","):
             if not part:
                 continue
@@ -85,6 +86,9 @@ class Strategy:
                 close = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.4)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"strategy {text!r}: unknown field {key!r}{hint}; valid: {', '.join(_FIELDS)}")
+            if key in given:
+                raise ValueError(f"strategy {text!r}: {key} is given twice; give each field once")
+            given.add(key)
             try:
                 values[key] = int(raw)
             except ValueError:

@@ -107,6 +107,9 @@ def _describe(model: type[pydantic.BaseModel], error: dict[str, Any]) -> str:
         msg = msg[len("Value error, ") :]
     value = error.get("input")
     shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    if kind == "string_type" and isinstance(value, int | float) and not isinstance(value, bool):
+        # `memory: 80` lacks its unit; YAML reads an unquoted 24:00:00 as the number 86400.
+        shown += '; YAML read a number here: write the value in quotes, with its unit if it has one (e.g. "80 GB", "24:00:00")'
     return f"field {path!r}: {msg}{shown}"
 
 

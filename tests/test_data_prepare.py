@@ -107,7 +107,12 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
     tokenizer_path, docs = corpus
     (tmp_path / "broken.json").write_text("{}")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "blank.txt").write_text("")
+    (tmp_path / "a-file").write_text("x")
     for args, expected in [
+        (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "blank.txt")], "no text to tokenize"),
+        (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--out", str(tmp_path / "a-file")],
+         "a file, not a directory"),
         (["--tokenizer", str(tmp_path / "none.json"), "--input", str(docs)], "no such file"),
         (["--tokenizer", str(tmp_path / "broken.json"), "--input", str(docs)], "not a tokenizers JSON file"),
         (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "missing")], "no such file or directory"),
@@ -115,7 +120,7 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
         (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--eos", "<nope>"], "--eos '<nope>': not a token"),
         (["--tokenizer", str(tokenizer_path)], "the following arguments are required: --input, --out"),
     ]:
-        if "--input" in args:
+        if "--input" in args and "--out" not in args:
             args = [*args, "--out", str(tmp_path / "out")]
         try:
             status = main(["prepare", *args])
@@ -123,3 +128,14 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
             status = e.code
         err = capsys.readouterr().err
         assert status == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bytes_that_are_not_utf8_are_replaced_and_counted(tmp_path, corpus, capsys):
+    from cona.trainer.prepare import main
+
+    tokenizer_path, _ = corpus
+    (tmp_path / "mixed.txt").write_bytes(b"to be or not to be\n" * 20 + b"\xff\xfe stray bytes\n")
+    assert main(["prepare", "--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "mixed.txt"),
+                 "--out", str(tmp_path / "out")]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "mixed.txt: not UTF-8 from byte 380 on; 2 of" in err and "U+FFFD" in err, err

@@ -19,6 +19,9 @@ from typing import Any
 import pytest
 import yaml
 from cona.orchestrator import cli
+from cona.orchestrator.job import load_job
+from cona.orchestrator.profile import load_profile
+from cona.protocol.rundir import RunDir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -231,3 +234,82 @@ def test_a_run_with_a_bad_schedule_leaves_no_run_directory(tmp_path):
     line = assert_works_or_one_line(code, err, bad)
     assert code == 2 and "policy.schedule[0]" in line
     assert not (run / "run.yaml").exists()
+
+
+def test_paths_of_the_wrong_kind_are_one_line(tmp_path):
+    """A file where a run directory belongs, a run directory that cannot be created, `--out` naming a file."""
+    from cona.orchestrator.runstate import create_run
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for argv, expected in [
+        (["status", str(a_file)], "not a cona run directory"),
+        (["report", str(a_file)], "not a cona run directory"),
+        (["stop", str(a_file)], "not a cona run directory"),
+        (["run", "--resume", str(a_file)], "not a cona run directory"),
+        (["run", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", str(a_file / "run")],
+         f"--run-dir {a_file / 'run'}: cannot create it"),
+    ]:  # fmt: skip
+        code, _, err = run_cli(argv)
+        line = assert_works_or_one_line(code, err, " ".join(argv))
+        assert code == 2 and expected in line, (argv, err)
+    run = tmp_path / "run"
+    create_run(run_dir=RunDir(run), profile=load_profile(PROFILE), job=load_job(JOB))
+    code, _, err = run_cli(["report", str(run), "--out", str(a_file)])
+    assert code == 2 and f"--out {a_file}: a file, not a directory" in assert_works_or_one_line(code, err, "report")
+
+
+def test_resume_and_rerun_never_drop_what_the_command_asks_for(tmp_path):
+    """`run --resume` with flags it would ignore, and the same --run-dir given another job: refused, not resumed."""
+    from cona.orchestrator.runstate import create_run
+
+    run = tmp_path / "run"
+    create_run(run_dir=RunDir(run), profile=load_profile(PROFILE), job=load_job(JOB))
+    for argv, expected in [
+        (["run", "--resume", str(run), "--set", "optimizer.lr=99"], "drop --profile/--profile-set/--job/--set"),
+        (["run", "--resume", str(run), "--policy", "static"], "--resume takes the profile, job and policy"),
+        (["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", "optimizer.lr=0.5", "--run-dir", str(run)],
+         f"--run-dir {run} holds a run with another job"),
+        (["run", "--profile", str(PROFILE), "--profile-set", "nodes=2", "--job", str(JOB), "--run-dir", str(run)],
+         f"--run-dir {run} holds a run with another profile"),
+    ]:  # fmt: skip
+        code, _, err = run_cli(argv)
+        line = assert_works_or_one_line(code, err, " ".join(argv))
+        assert code == 2 and expected in line, (argv, err)
+
+
+def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_path):
+    from cona.orchestrator.runstate import RunState, create_run, read_state, write_state
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    write_state(run, RunState(status="running", control_seq=5))
+    run.control_json.write_text('{"seq": 5, "comm')  # torn: the orchestrator has taken note of seq 5
+    code, out, _ = run_cli(["stop", str(run.root)])
+    assert code == 0 and run.read_control().seq == 6 and run.read_control().command == "stop"
+    write_state(run, RunState(status="done", final=True, control_seq=6))
+    code, out, _ = run_cli(["stop", str(run.root)])
+    assert code == 0 and "already ended (done); nothing to stop" in out
+    assert run.read_control().seq == 6 and read_state(run).status == "done"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--top", "-3"], "--top -3: give a positive count"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--gbs", "7"], "no feasible strategy for tiny-gpt"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "batch.gbs_choices=[1000]"],
+     "field 'batch': gbs_choices [1000] must be a non-empty list within [min_gbs, max_gbs]"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "name=../../evil"], "field 'name': use 1-63 letters"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--profile-set", "accelerator.memory=4"],
+     "YAML read a number here: write the value in quotes, with its unit"),
+    (["render", "slurm", "--profile", str(REPO / "slurm" / "profiles" / "local-slurm.yaml"), "--job", str(JOB),
+      "--profile-set", "slurm.time_limit=forever"], "field 'slurm.time_limit': not a Slurm time"),
+    (["render", "slurm", "--profile", str(REPO / "slurm" / "profiles" / "local-slurm.yaml"), "--job", str(JOB),
+      "--profile-set", "slurm.time_limit=24:00:00"], "YAML read a number here"),
+    (["run", "--profile", str(PROFILE), "--job", str(JOB), "--policy", "fixed:dp=1,dp=4,tp=1,pp=1,mbs=2,gbs=16",
+      "--run-dir", "/nonexistent/x"], "dp is given twice"),
+])  # fmt: skip
+def test_values_that_were_taken_silently_are_one_line(argv, expected):
+    code, _, err = run_cli(argv)
+    line = assert_works_or_one_line(code, err, " ".join(argv))
+    assert code == 2 and expected in line, (argv, err)
+    assert not Path("/nonexistent").exists()

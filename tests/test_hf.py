@@ -173,6 +173,19 @@ def test_export_from_a_layout_loads_in_transformers(tmp_path, family, strategy, 
     _export_here(tmp_path / "run", out, "--max-shard-size", "100KB")
     assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
     _check_export_matches_checkpoint(family, spec, tmp_path / "run", out)
+    # A damaged checkpoint of the right size (the manifest's sizes hold) and an --out that is a file: one line each.
+    from cona.trainer.export import main
+
+    (tmp_path / "a-file").write_text("x")
+    assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "a-file")]) == ExitCode.CONFIG
+    newest = max((tmp_path / "run" / "checkpoints").glob("step-*"))
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 4 : len(data) // 2] = bytes(len(data) // 2 - len(data) // 4)
+    shard.write_bytes(bytes(data))
+    assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "again")]) == ExitCode.CONFIG
+    (newest / ".metadata").write_bytes(bytes((newest / ".metadata").stat().st_size))
+    assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "again")]) == ExitCode.CONFIG
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "bert", "bert-without-token-types"])

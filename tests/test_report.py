@@ -28,3 +28,31 @@ def test_report_lists_switches_and_their_measured_costs_by_kind(tmp_path):
     assert png.stat().st_size > 10_000
     assert "`d1t1p4 m4 g16` → `d2t1p2 m16 g64`" in text
     assert "1.2 s in place (predicted 1.0 s)" in text
+
+
+def test_damaged_records_that_still_parse_are_skipped_by_status_and_report(tmp_path):
+    """A heartbeat or event line of the wrong types (edited by hand, or bytes flipped into valid JSON) is skipped
+    as a torn line is: status and report still work from the rest."""
+    import json
+
+    from cona.orchestrator.live import status_summary
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILES / "local-cpu.yaml"), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    a, b = Strategy.parse("dp=1,tp=1,pp=4,mbs=4,gbs=16"), Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16")
+    log_event(run, "start", strategy=a.to_dict())
+    log_event(run, "switch", attempt=1, **{"from": a.to_dict()}, to=b.to_dict(), reason="R 1.2× current")
+    with open(run.events, "a") as f:
+        f.write(json.dumps({"event": "switch", "time": "now", "from": "x", "to": 3}) + "\n")
+        f.write(json.dumps({"event": "switch", "time": 5.0, "from": a.to_dict(), "to": {"dp": "four"}}) + "\n")
+        f.write(json.dumps({"event": 7, "time": 5.0}) + "\n")
+    run.heartbeats.mkdir(parents=True, exist_ok=True)
+    good = {"attempt": 1, "time": 10.0, "step": 1, "samples": 16, "train_loss": 5.0, "strategy": a.to_dict(),
+            "samples_per_s": 100.0, "val_loss": 5.1}  # fmt: skip
+    bad = {**good, "samples": "lots", "time": "now", "val_loss": "low"}
+    odd_strategy = {**good, "strategy": {"dp": 1}}
+    run.heartbeat_file(1).write_text("".join(json.dumps(r) + "\n" for r in (good, bad, odd_strategy)))
+    summary = status_summary(run)
+    assert [s["to"] for s in summary["switches"]] == [b.to_dict()]
+    _, md = write_report(run)
+    assert "`d1t1p4 m4 g16` → `d4t1p1 m4 g16`" in md.read_text()

@@ -109,6 +109,26 @@ def test_token_files_and_directories(tmp_path):
     assert corpus.train.slice(4990, 5010).tolist() == [97] * 10 + [98] * 10
 
 
+def test_bad_token_files_are_config_errors_naming_the_file(tmp_path):
+    from cona.protocol.yamlconfig import ConfigError
+
+    def job(name: str, vocab: int = 1000):
+        return job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": vocab}, "data": {"path": str(tmp_path / name)}})
+
+    (tmp_path / "empty.bin").write_bytes(b"")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))
+    (np.arange(20_000) % 1200).astype(np.uint16).tofile(tmp_path / "wide.bin")
+    with pytest.raises(ConfigError, match=r"empty.bin'?: 0 tokens are too few"):
+        load_corpus(job("empty.bin"))
+    with pytest.raises(ConfigError, match=r"objects.npy: not a NumPy array of token ids"):
+        load_corpus(job("objects.npy"))
+    # Ids beyond the vocabulary are found in the batch that holds them (no pass over the corpus at start-up).
+    batcher = Batcher(job("wide.bin"), load_corpus(job("wide.bin")))
+    with pytest.raises(ConfigError, match=r"wide.bin' holds token id 1\d{3}, beyond model.vocab_size=1000"):
+        for start in range(0, 64, 8):
+            batcher.samples(start, start + 8)
+
+
 # Learning rate ------------------------------------------------------------------------------------------------
 
 

@@ -68,7 +68,7 @@ def _is_disk_full(error: BaseException) -> bool:
     return False
 
 
-def _first_failure(error: BaseException) -> BaseException:
+def first_failure(error: BaseException) -> BaseException:
     """The error itself, or for DCP's CheckpointException (which says only "ranks: [1]") the lowest failed rank's."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -99,7 +99,7 @@ def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> s
     # torch.save's zip writer reports a short write as "unexpected pos", not as ENOSPC: the space left tells.
     full = _is_disk_full(error) or (free is not None and needed is not None and free < needed) or free == 0
     if not full:
-        error = _first_failure(error)
+        error = first_failure(error)
         first = str(error).splitlines()[0] if str(error) else ""
         return f"cannot write checkpoint {path}: {type(error).__name__}: {first[:300]}; {resumes}"
     free = free or 0

@@ -82,11 +82,16 @@ class Corpus:
 
 def _read_tokens(path: Path, token_dtype: str) -> np.ndarray:
     if path.suffix == ".npy":
-        array = np.load(path, mmap_mode="r")
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:  # not a .npy file, or one holding pickled objects (never loaded)
+            raise ConfigError(f"{path}: not a NumPy array of token ids ({e}); check data.path") from None
         if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
             raise ConfigError(f"{path}: expected a 1-D array of token ids (uint16/uint32), got {array.dtype}{array.shape}")
         return array
     dtype = np.dtype(token_dtype)
+    if path.stat().st_size == 0:  # numpy cannot map an empty file; the token count check names the problem
+        return np.zeros(0, dtype)
     if path.stat().st_size % dtype.itemsize:
         raise ConfigError(
             f"{path}: size {path.stat().st_size} is not a multiple of {dtype.itemsize} bytes; "
@@ -254,6 +259,14 @@ class Batcher:
         )
 
     def _make(self, windows: list[np.ndarray], keys: list[tuple[int, ...]]) -> Batch:
+        # Checked per batch, not over the whole corpus at start-up (a pass over gigabytes): an id beyond the model's
+        # vocabulary would otherwise end in an index error deep inside the embedding.
+        top = max((int(w.max()) for w in windows if len(w)), default=-1)
+        if top >= self.corpus.vocab_size:
+            raise ConfigError(
+                f"data.path {self.corpus.source!r} holds token id {top}, beyond model.vocab_size="
+                f"{self.corpus.vocab_size}; set model.vocab_size above it or check data.token_dtype"
+            )
         if not self.mlm:
             stacked = np.stack(windows) if windows else np.zeros((0, self.window_len), np.int64)
             return Batch(inputs=stacked[:, :-1], labels=stacked[:, 1:])

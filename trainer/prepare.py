@@ -120,11 +120,16 @@ def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | Non
     else:
         eos_id = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a directory; give a directory for {TOKENS_FILE} and {TOKENS_META}")
+    texts = [_read_text(path) for path in files]
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"{input_path}: no text to tokenize (the input is empty); check the --input path")
     out.mkdir(parents=True, exist_ok=True)
     target = out / TOKENS_FILE
     tmp = target.with_suffix(".bin.tmp")
     size = max(1, int(chunk_mb * 1e6))
-    tasks = [(k, piece) for k, path in enumerate(files) for piece in chunks(path.read_text(encoding="utf-8", errors="replace"), size)]
+    tasks = [(k, piece) for k, text in enumerate(texts) for piece in chunks(text, size)]
     last_of_document = {k: i for i, (k, _) in enumerate(tasks)}  # a document's EOS follows its last chunk
     ends = set(last_of_document.values())
     from tqdm import tqdm
@@ -152,6 +157,21 @@ def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | Non
     }  # fmt: skip
     (out / TOKENS_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; bytes that are not UTF-8 become U+FFFD, and how many is said on stderr (a corpus with
+    a few stray bytes is still worth training on; a binary file given by mistake shows up as mostly replaced)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = data.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd")
+        print(f"cona data prepare: warning: {path}: not UTF-8 from byte {e.start} on; {bad:,} of {len(text):,} "
+              "characters replaced by U+FFFD (convert the file to UTF-8, e.g. with iconv, to keep them)",
+              file=sys.stderr)  # fmt: skip
+        return text
 
 
 def main(argv: list[str] | None = None) -> int:
