@@ -53,6 +53,11 @@ class PolicySpec(StrictModel):
     """Rank with the noise scale expected halfway through the horizon instead of today's: B_noise grows as the loss
     falls, and its growth per sample is fitted on the estimates of past evaluations (at least six; at most 2×
     today's). Measured neutral or better on every benchmark workload (docs/benchmarks.md); off ranks with today's."""
+    noise_monotone: bool = True
+    """Never rank with a noise scale below the largest trusted estimate so far: B_noise grows as the loss falls, so
+    an estimate that dips below an earlier one is taken as noise, not as a reason for a smaller batch (a rise is
+    taken at once). Measured neutral or better on every benchmark workload (docs/benchmarks.md); off ranks with
+    the latest estimate."""
     probe_layouts: int = Field(2, ge=0)
     """Layouts that never ran which cona may try once each (a few heartbeats at the current batch) when the cost
     model puts them within 0.6× of the current strategy, the model has been seen to miss a measured step time by

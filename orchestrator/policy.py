@@ -304,6 +304,7 @@ class ConaPolicy(Policy):
         critical_batch_factor: float = 1.0,
         lr_rule: LrRule | None = None,
         noise_growth: bool = False,
+        noise_monotone: bool = False,
         probe_layouts: int = 0,
         start_batch: int | None = None,
     ) -> None:
@@ -323,6 +324,8 @@ class ConaPolicy(Policy):
         self.critical_batch_factor = float(critical_batch_factor)
         self.lr_rule = lr_rule
         self.noise_growth = bool(noise_growth)
+        self.noise_monotone = bool(noise_monotone)
+        self._peak = 0.0  # the largest trusted B_noise used so far (`noise_monotone`)
         self.probe_layouts = int(probe_layouts)
         self.start_batch = start_batch
         self._probes_used = 0
@@ -347,7 +350,7 @@ class ConaPolicy(Policy):
             min_dwell_s=spec.min_dwell_s, decision_interval_s=spec.decision_interval_s,
             horizon_intervals=spec.horizon_intervals, blend_evaluations=blend_evaluations,
             critical_batch_factor=spec.critical_batch_factor, lr_rule=lr_rule if spec.lr_aware else None,
-            noise_growth=spec.noise_growth, probe_layouts=spec.probe_layouts,
+            noise_growth=spec.noise_growth, noise_monotone=spec.noise_monotone, probe_layouts=spec.probe_layouts,
             start_batch=base_gbs if spec.prior_noise_scale is None else None,
         )  # fmt: skip
 
@@ -509,6 +512,9 @@ class ConaPolicy(Policy):
         if source == "estimate":
             self._history.append((int(ctx.samples), noise))
             del self._history[:-GROWTH_HISTORY]
+            if self.noise_monotone:  # a dip below an earlier trusted estimate is noise: B_noise grows in training
+                self._peak = max(self._peak, noise)
+                noise = self._peak
         noise_now = noise
         current_candidate = find_candidate(ctx.candidates, ctx.current)
         if self.noise_growth and current_candidate is not None:
@@ -657,6 +663,7 @@ class ConaPolicy(Policy):
             "evaluations": self._evaluations,
             "switches": self._switches,
             "noise_history": [[n, b] for n, b in self._history],
+            "noise_peak": self._peak,
             "probes_used": self._probes_used,
             "probing": self._probing.to_dict() if self._probing else None,
         }
@@ -670,6 +677,7 @@ class ConaPolicy(Policy):
         self._evaluations = int(data.get("evaluations", 0))
         self._switches = int(data.get("switches", 0))
         self._history = [(int(n), float(b)) for n, b in data.get("noise_history") or [] if float(b) > 0]
+        self._peak = float(data.get("noise_peak", 0.0))
         self._probes_used = int(data.get("probes_used", 0))
         probing = data.get("probing")
         self._probing = Strategy.from_dict(probing) if probing else None

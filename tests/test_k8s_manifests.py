@@ -589,10 +589,13 @@ def test_cona_render_kubernetes_refuses_another_backends_profile():
     assert "`cona render kubernetes` needs a kubernetes profile" in out.stderr
 
 
-def test_cona_render_kubernetes_keeps_a_hostile_job_name_inert():
+def test_cona_render_kubernetes_keeps_a_hostile_run_directory_inert_and_refuses_a_hostile_job_name():
     name = "x\";$(rm -rf /)'`id`"
+    refused = run_cona("render", "kubernetes", "--profile", str(K8S_PROFILE), "--job", str(EXAMPLES / "tiny-gpt.yaml"),
+                       "--set", f"name={name}")  # fmt: skip
+    assert refused.returncode == 2 and "field 'name'" in refused.stderr and "Traceback" not in refused.stderr
     out = run_cona("render", "kubernetes", "--profile", str(K8S_PROFILE), "--job", str(EXAMPLES / "tiny-gpt.yaml"),
-                   "--set", f"name={name}")  # fmt: skip
+                   "--run-dir", f"/runs/{name}-RUN")  # fmt: skip
     assert out.returncode == 0, out.stderr
     docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
     for doc in docs:

@@ -590,3 +590,22 @@ def test_noise_growth_ranks_with_the_noise_scale_expected_over_the_horizon():
     off = cona()
     d = off.decide(context(cur, now=100.0, samples=10_000, noise=200.0, throughput=tm, remaining=1e6))
     assert d.metrics["B_noise"] == pytest.approx(200.0)
+
+
+def test_noise_monotone_ranks_a_dip_at_the_largest_trusted_estimate_and_survives_a_restart():
+    tm = ThroughputModel(candidates=FAMILY)
+    cur = G[32].strategy
+    policy = cona(noise_monotone=True)
+    for i, noise in enumerate([100.0, 400.0, 150.0]):  # the last evaluation dips below the one before
+        d = policy.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=noise, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise"] == pytest.approx(400.0)
+    assert d.metrics["B_noise_estimate"] == pytest.approx(150.0)
+    restored = cona(noise_monotone=True).from_dict(json.loads(json.dumps(policy.to_dict())))
+    d = restored.decide(context(cur, now=30.0, samples=3000, noise=90.0, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise"] == pytest.approx(400.0)
+    d = restored.decide(context(cur, now=40.0, samples=4000, noise=500.0, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise"] == pytest.approx(500.0)  # a rise is taken at once
+    off = cona()
+    for i, noise in enumerate([100.0, 400.0, 150.0]):
+        d = off.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=noise, throughput=tm, remaining=1e6))
+    assert d.metrics["B_noise"] == pytest.approx(150.0)
