@@ -286,7 +286,9 @@ class ConaPolicy(Policy):
     the prior to the estimate over `blend_evaluations` evaluations with a stable estimate (1 = jump at once).
     The weight never moves back: once trusted, even a momentarily unsettled EMA estimate is closer to the truth
     than a guess made before training, and falling back to the prior late in training would pull towards small
-    batches. The blend avoids a step in R the moment the estimator first reports stable.
+    batches. The blend avoids a step in R the moment the estimator first reports stable. With `noise_monotone`,
+    B_noise never falls below the largest trusted value so far (the noise scale grows as the loss falls; a dip is
+    noise); with `noise_growth`, it is then extrapolated over the horizon (`expected_noise_scale`).
     """
 
     name = "cona"
@@ -535,6 +537,7 @@ class ConaPolicy(Policy):
         metrics: dict[str, Any] = {
             "B_noise": noise,
             "B_noise_now": noise_now,
+            "B_noise_peak": self._peak if self.noise_monotone else None,
             "B_noise_growth_per_sample": self.growth_per_sample(),
             "B_noise_estimate": estimate,
             "noise_stable": bool(ctx.noise_stable),

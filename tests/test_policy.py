@@ -598,7 +598,7 @@ def test_noise_monotone_ranks_a_dip_at_the_largest_trusted_estimate_and_survives
     policy = cona(noise_monotone=True)
     for i, noise in enumerate([100.0, 400.0, 150.0]):  # the last evaluation dips below the one before
         d = policy.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=noise, throughput=tm, remaining=1e6))
-    assert d.metrics["B_noise"] == pytest.approx(400.0)
+    assert d.metrics["B_noise"] == d.metrics["B_noise_peak"] == pytest.approx(400.0)
     assert d.metrics["B_noise_estimate"] == pytest.approx(150.0)
     restored = cona(noise_monotone=True).from_dict(json.loads(json.dumps(policy.to_dict())))
     d = restored.decide(context(cur, now=30.0, samples=3000, noise=90.0, throughput=tm, remaining=1e6))
