@@ -8,7 +8,14 @@ from typing import Literal
 import pydantic
 from cona.orchestrator.backends.kubernetes.spec import KubernetesSpec
 from cona.orchestrator.backends.slurm.spec import SlurmSpec
-from cona.protocol.yamlconfig import StrictModel, apply_overrides, load_yaml, parse_bytes, validate
+from cona.protocol.yamlconfig import (
+    ConfigError,
+    StrictModel,
+    apply_overrides,
+    load_yaml,
+    parse_bytes,
+    validate,
+)
 from pydantic import Field
 
 
@@ -168,4 +175,6 @@ class ClusterProfile(StrictModel):
 def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterProfile:
     """Load and validate a cluster profile; raises `cona.protocol.yamlconfig.ConfigError` with a one-line message."""
     data = apply_overrides(load_yaml(path), list(overrides), source="--profile-set")
+    if "model" in data and "backend" not in data:  # the commonest mix-up: a job file given as the profile
+        raise ConfigError(f"{path}: a job file (it has a model section), given as --profile; did you swap --profile and --job?")
     return validate(ClusterProfile, data, source=str(path))

@@ -421,6 +421,9 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
     data = load_yaml(path)
     data = apply_overrides(data, list(overrides))
     if "model" not in data:
+        if "backend" in data and "accelerator" in data:  # the commonest mix-up: a profile given as the job
+            raise ConfigError(f"{path}: a cluster profile (it has backend and accelerator), given as --job; did you "
+                              "swap --profile and --job?")  # fmt: skip
         raise ConfigError(f"{path}: missing required section 'model' (e.g. model: {{preset: tiny-gpt}})")
     ignored = [k for k in ORCHESTRATOR_SECTIONS if k not in cls.model_fields]
     job = validate(cls, {k: v for k, v in data.items() if k not in ignored}, source=str(path))

@@ -307,6 +307,11 @@ def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_
       "--profile-set", "slurm.time_limit=24:00:00"], "YAML read a number here"),
     (["run", "--profile", str(PROFILE), "--job", str(JOB), "--policy", "fixed:dp=1,dp=4,tp=1,pp=1,mbs=2,gbs=16",
       "--run-dir", "/nonexistent/x"], "dp is given twice"),
+    (["render", "kubernetes", "--profile", str(REPO / "manifests" / "profiles" / "h100-k8s.yaml"), "--job", str(JOB),
+      "--profile-set", "kubernetes.tolerations=[{key: a, operator: Maybe, effect: NoSchedule}]"],
+     "field 'kubernetes.tolerations': [0].operator 'Maybe': use one of 'Exists', 'Equal'"),
+    (["plan", "--profile", str(JOB), "--job", str(PROFILE)], "given as --profile; did you swap --profile and --job?"),
+    (["plan", "--profile", str(PROFILE), "--job", str(PROFILE)], "given as --job; did you swap --profile and --job?"),
 ])  # fmt: skip
 def test_values_that_were_taken_silently_are_one_line(argv, expected):
     code, _, err = run_cli(argv)

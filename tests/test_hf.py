@@ -258,6 +258,7 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         ([str(tmp_path / "run")], "no complete checkpoint to export"),
         ([str(tmp_path / "run"), "--step", "3"], "--step 3: no complete checkpoint step-00000003 (complete steps: none)"),
         ([str(tmp_path / "run"), "--max-shard-size", "lots"], "--max-shard-size 'lots'"),
+        ([str(tmp_path / "run"), "--step", "-1"], "--step -1: give an optimizer step (0 or more)"),
     ]:
         assert main([*args, "--format", "hf", "--out", str(tmp_path / "out")]) == ExitCode.CONFIG
         err = capsys.readouterr().err

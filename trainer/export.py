@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"cona: error: --max-shard-size {args.max_shard_size!r}: {e}", file=sys.stderr)
         return 2
+    if args.step is not None and args.step < 0:
+        print(f"cona: error: --step {args.step}: give an optimizer step (0 or more), or leave it out for the newest",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         run_dir = RunDir(args.run_dir)
         checkpoint = find_checkpoint(run_dir, args.step)

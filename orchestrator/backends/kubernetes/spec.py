@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from cona.protocol.yamlconfig import StrictModel
 from pydantic import Field
+
+_TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+_TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 class KubernetesSpec(StrictModel):
@@ -66,3 +70,21 @@ class KubernetesSpec(StrictModel):
     lease_duration_s: int = Field(default=15, ge=3, le=300)
     """How long the orchestrator's Lease lasts without renewal (renewed every third of it): after the orchestrator
     dies, a restarted one waits this long before it takes over the run."""
+
+    @pydantic.field_validator("tolerations")
+    @classmethod
+    def _tolerations(cls, value: list[dict[str, str | int]]) -> list[dict[str, str | int]]:
+        # Checked here, not by the API server at submission: a typo would otherwise surface as a failed pod later.
+        for i, toleration in enumerate(value):
+            unknown = sorted(set(toleration) - set(_TOLERATION_FIELDS))
+            if unknown:
+                raise ValueError(f"[{i}]: unknown key(s) {unknown}; valid: {', '.join(_TOLERATION_FIELDS)}")
+            for name, allowed in (("operator", ("Exists", "Equal")), ("effect", _TAINT_EFFECTS)):
+                if name in toleration and toleration[name] not in allowed:
+                    raise ValueError(f"[{i}].{name} {toleration[name]!r}: use one of {', '.join(map(repr, allowed))}")
+            seconds = toleration.get("tolerationSeconds")
+            if seconds is not None and (not isinstance(seconds, int) or isinstance(seconds, bool)):
+                raise ValueError(f"[{i}].tolerationSeconds {seconds!r}: give whole seconds")
+            if toleration.get("operator") == "Exists" and toleration.get("value"):
+                raise ValueError(f"[{i}]: operator 'Exists' takes no value; drop value or use operator 'Equal'")
+        return value
