@@ -174,10 +174,16 @@ def test_export_from_a_layout_loads_in_transformers(tmp_path, family, strategy, 
     assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
     _check_export_matches_checkpoint(family, spec, tmp_path / "run", out)
     # A damaged checkpoint of the right size (the manifest's sizes hold) and an --out that is a file: one line each.
+    from cona.trainer import hf
     from cona.trainer.export import main
 
     (tmp_path / "a-file").write_text("x")
     assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "a-file")]) == ExitCode.CONFIG
+    # Into the directory it exported before: refused without --overwrite, identical with it.
+    digest = hf.directory_digest(out)
+    assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == ExitCode.CONFIG
+    _export_here(tmp_path / "run", out, "--max-shard-size", "100KB", "--overwrite")
+    assert hf.directory_digest(out) == digest
     newest = max((tmp_path / "run" / "checkpoints").glob("step-*"))
     shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())

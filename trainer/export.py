@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory")
     parser.add_argument("--step", type=int, help="the checkpoint's optimizer step (default: the newest complete one)")
     parser.add_argument("--format", choices=["hf"], required=True, help="hf: a transformers model directory")
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write (created)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write (created; must be new or empty)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out, replacing its config.json and model weights")  # fmt: skip
     parser.add_argument("--job", type=Path, metavar="JOB.yaml",
                         help="the job, when neither the checkpoint nor the run directory records the model")  # fmt: skip
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -99,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise ConfigError(f"--out {args.out}: a file, not a directory; give a directory for config.json and the weights")
+        # Another model may live there (the one the run started from, say): replacing its weights takes a decision.
+        if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
+            raise ConfigError(f"--out {args.out}: not empty; give a new directory, or --overwrite to replace its "
+                              "config.json and model weights")  # fmt: skip
         from cona.trainer.checkpoint import first_failure
         from torch.distributed.checkpoint.api import CheckpointException
 
