@@ -133,12 +133,17 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     if spell is not None:
         pending = {"attempt": spell.attempt, "since": spell.since, "for_s": round(time.time() - spell.since, 1),
                    "detail": spell.detail, "timed_out": spell.timed_out}  # fmt: skip
+    status, reason = state.status, state.reason
+    # An attempt was launched (state.json is written before every launch), but the run's record of it is gone.
+    if not run_dir.state_json.exists() and any(e["event"] == "launch" for e in events):
+        status = "unknown"
+        reason = f"{run_dir.state_json.name} is missing; the last event in {run_dir.events.name} is {events[-1]['event']!r}"
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
         "profile": profile.name,
         "policy": job.policy.name,
-        "status": state.status,
+        "status": status,
         "attempt": current.number if current else 0,
         "strategy": current.strategy.to_dict() if current else None,
         "step": live.get("step", 0),
@@ -155,7 +160,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
         ],
         "last_decision": state.model.get("last_decision"),
-        "reason": state.reason,
+        "reason": reason,
         "pending": pending,
         "restarts_in_row": state.restarts_in_row,
         "latest_checkpoint": str(latest) if latest else None,

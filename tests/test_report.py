@@ -56,3 +56,19 @@ def test_damaged_records_that_still_parse_are_skipped_by_status_and_report(tmp_p
     assert [s["to"] for s in summary["switches"]] == [b.to_dict()]
     _, md = write_report(run)
     assert "`d1t1p4 m4 g16` → `d4t1p1 m4 g16`" in md.read_text()
+
+
+def test_status_without_state_json_says_so_instead_of_created(tmp_path):
+    from cona.orchestrator.live import status_summary
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILES / "local-cpu.yaml"), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    assert status_summary(run)["status"] == "created"  # nothing launched yet
+    a = Strategy.parse("dp=1,tp=1,pp=4,mbs=4,gbs=16")
+    log_event(run, "start", strategy=a.to_dict())
+    log_event(run, "launch", attempt=1, strategy=a.to_dict(), reason="initial strategy")
+    log_event(run, "done", samples=100, val_perplexity=5.4)
+    summary = status_summary(run)
+    assert summary["status"] == "unknown" and "state.json is missing" in summary["reason"] and "'done'" in summary["reason"]
+    write_state(run, RunState(status="done", final=True))
+    assert status_summary(run)["status"] == "done"
