@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -99,27 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         spec = model_of(run_dir, checkpoint, args.job)
         from cona.trainer import hf
 
-        if Path(args.out).exists() and not Path(args.out).is_dir():
+        if args.out.exists() and not args.out.is_dir():
             raise ConfigError(f"--out {args.out}: a file, not a directory; give a directory for config.json and the weights")
         # Another model may live there (the one the run started from, say): replacing its weights takes a decision.
-        if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
+        if args.out.is_dir() and any(args.out.iterdir()) and not args.overwrite:
             raise ConfigError(f"--out {args.out}: not empty; give a new directory, or --overwrite to replace its "
                               "config.json and model weights")  # fmt: skip
-        from cona.trainer.checkpoint import first_failure
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            state = hf.checkpoint_model_tensors(checkpoint)
-        # torch's reader raises whatever a damaged file gives it (pickle, struct, ...), wrapped by DCP in a
-        # CheckpointException, which is no Exception.
-        except (Exception, CheckpointException) as error:
-            e = first_failure(error)
-            # torch's own text for a damaged pickle advises weights_only=False, which is no fix for damage.
-            detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or ["no detail"])[0]
-            raise ConfigError(
-                f"{checkpoint}: unreadable checkpoint ({type(e).__name__}: {detail}); export an older one with --step"
-            ) from None
-        files = hf.save_directory(args.out, spec, state, max_shard_bytes=max_shard)
+        files = hf.export_checkpoint(checkpoint, args.out, spec=spec, max_shard_bytes=max_shard)
     except (ConfigError, ValueError) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2

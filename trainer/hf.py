@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -482,14 +483,24 @@ def save_directory(
 
 def checkpoint_model_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     """The model's tensors of a DCP checkpoint written under any layout, by one process without a process group
-    (the optimizer state is not read)."""
+    (the optimizer state is not read). ValueError, in one line, for a checkpoint whose files are damaged."""
+    from cona.trainer.checkpoint import first_failure
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    keys = {k for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith("model.")}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(keys, checkpoint_id=str(path))
+    try:
+        keys = {k for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith("model.")}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            state = _load_state_dict_from_keys(keys, checkpoint_id=str(path))
+    # torch's reader raises whatever a damaged file gives it (pickle, struct, ...), wrapped by DCP in a
+    # CheckpointException, which is no Exception.
+    except (Exception, CheckpointException) as error:
+        e = first_failure(error)
+        # torch's own text for a damaged pickle advises weights_only=False, which is no fix for damage.
+        detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or ["?"])[0]
+        raise ValueError(f"{path}: unreadable checkpoint ({type(e).__name__}: {detail}); use an older one (cona export --step K)") from None
     return dict(state["model"])
 
 
