@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.job import Job
-from cona.orchestrator.runstate import read_events, read_state
+from cona.orchestrator.runstate import read_events, read_state, warn_skipped
 from cona.protocol.rundir import RunDir, read_jsonl
 
 if TYPE_CHECKING:
@@ -123,7 +123,9 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
 
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
-    events = read_events(run_dir)
+    skipped: list[str] = []
+    events = read_events(run_dir, skipped=skipped)
+    warn_skipped(skipped)
     switches = [e for e in events if e.get("event") == "switch"]
     live = state.live
     current = state.current

@@ -8,17 +8,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from cona.orchestrator.runstate import load_run, read_events, read_state
+from cona.orchestrator.runstate import load_run, read_events, read_state, warn_skipped
 from cona.protocol.heartbeat_record import Heartbeat
 from cona.protocol.rundir import RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
 
-def _heartbeats(run_dir: RunDir) -> list[dict[str, Any]]:
+def _heartbeats(run_dir: RunDir, skipped: list[str]) -> list[dict[str, Any]]:
     beats = []
     if run_dir.heartbeats.is_dir():
         for path in sorted(run_dir.heartbeats.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
-            beats.extend(b for b in read_jsonl(path)[0] if _usable(b))
+            records = read_jsonl(path, damaged=skipped)[0]
+            usable = [b for b in records if _usable(b)]
+            skipped.extend([f"{path}: a heartbeat the typed record does not accept"] * (len(records) - len(usable)))
+            beats.extend(usable)
     return sorted(beats, key=lambda b: b.get("time", 0))
 
 
@@ -45,8 +48,10 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
 
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
-    events = read_events(run_dir)
-    beats = _heartbeats(run_dir)
+    skipped: list[str] = []
+    events = read_events(run_dir, skipped=skipped)
+    beats = _heartbeats(run_dir, skipped)
+    warn_skipped(skipped)
     out_dir = out_dir or run_dir.root
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = min([e["time"] for e in events if e.get("event") == "start"] or [b["time"] for b in beats[:1]] or [0.0])

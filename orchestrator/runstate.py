@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -106,9 +107,25 @@ def _usable_event(record: dict[str, Any]) -> bool:
     return True
 
 
-def read_events(run_dir: RunDir) -> list[dict[str, Any]]:
-    """The records of events.jsonl that readers can use (see `_usable_event`)."""
-    return [e for e in read_jsonl(run_dir.events)[0] if _usable_event(e)]
+def read_events(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of events.jsonl that readers can use (see `_usable_event`); the lines left out are described in
+    `skipped` when it is given."""
+    damaged: list[str] = []
+    records = read_jsonl(run_dir.events, damaged=damaged)[0]
+    usable = [e for e in records if _usable_event(e)]
+    if skipped is not None:
+        skipped.extend(damaged)
+        unusable = len(records) - len(usable)
+        skipped.extend([f"{run_dir.events}: a record without a numeric time, an event name or its strategies"] * unusable)
+    return usable
+
+
+def warn_skipped(skipped: list[str]) -> None:
+    """Say on stderr, in one line, that a reader left damaged lines out (how many, and the first), rather than drop
+    them silently: the rest of the file is still used."""
+    if skipped:
+        more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        print(f"cona: warning: skipped a damaged line, {skipped[0]}{more}; the rest is used", file=sys.stderr, flush=True)
 
 
 STATE_VERSION = 2

@@ -165,8 +165,11 @@ class Scheduler:
 
     def _tail_heartbeats(self, attempt: Attempt) -> list[Heartbeat]:
         path = self.run_dir.heartbeat_file(attempt.number)
-        records, offset = read_jsonl(path, offset=self.state.heartbeat_offset)
+        damaged: list[str] = []
+        records, offset = read_jsonl(path, offset=self.state.heartbeat_offset, damaged=damaged)
         self.state.heartbeat_offset = offset
+        for what in damaged:
+            log_event(self.run_dir, "bad-heartbeat", attempt=attempt.number, record=what)
         beats = []
         for record in records:
             try:

@@ -111,10 +111,12 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path, *, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+def read_jsonl(path: Path, *, offset: int = 0, damaged: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Records from byte `offset` on, and the offset after the last whole line.
 
-    A torn last line (no newline yet) is left for the next call; a corrupt whole line is skipped.
+    A torn last line (no newline yet) is left for the next call. A whole line that is not a JSON object (a disk or a
+    hand edit damaged it) is skipped; when `damaged` is given, one description per such line is appended to it, so
+    the caller can say so instead of losing it silently.
     """
     try:
         with open(path, "rb") as f:
@@ -124,15 +126,19 @@ def read_jsonl(path: Path, *, offset: int = 0) -> tuple[list[dict[str, Any]], in
         return [], offset
     records = []
     end = data.rfind(b"\n") + 1
-    for line in data[:end].splitlines():
+    position = offset
+    for line in data[:end].split(b"\n"):
+        at, position = position, position + len(line) + 1
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
         if isinstance(record, dict):
             records.append(record)
+        elif damaged is not None:
+            damaged.append(f"{path}: the line at byte {at} is not a JSON object")
     return records, offset + end
 
 

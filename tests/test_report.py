@@ -30,9 +30,10 @@ def test_report_lists_switches_and_their_measured_costs_by_kind(tmp_path):
     assert "1.2 s in place (predicted 1.0 s)" in text
 
 
-def test_damaged_records_that_still_parse_are_skipped_by_status_and_report(tmp_path):
-    """A heartbeat or event line of the wrong types (edited by hand, or bytes flipped into valid JSON) is skipped
-    as a torn line is: status and report still work from the rest."""
+def test_damaged_records_are_skipped_by_status_and_report_and_said(tmp_path, capsys):
+    """A heartbeat or event line of the wrong types (edited by hand, or bytes flipped into valid JSON), or one that is
+    not JSON at all, is skipped: status and report still work from the rest, and each says in one line on stderr
+    how many lines it left out and where the first one is."""
     import json
 
     from cona.orchestrator.live import status_summary
@@ -46,16 +47,22 @@ def test_damaged_records_that_still_parse_are_skipped_by_status_and_report(tmp_p
         f.write(json.dumps({"event": "switch", "time": "now", "from": "x", "to": 3}) + "\n")
         f.write(json.dumps({"event": "switch", "time": 5.0, "from": a.to_dict(), "to": {"dp": "four"}}) + "\n")
         f.write(json.dumps({"event": 7, "time": 5.0}) + "\n")
+        f.write("\x00\x00 garbage\n")
     run.heartbeats.mkdir(parents=True, exist_ok=True)
     good = {"attempt": 1, "time": 10.0, "step": 1, "samples": 16, "train_loss": 5.0, "strategy": a.to_dict(),
-            "samples_per_s": 100.0, "val_loss": 5.1}  # fmt: skip
+            "samples_per_s": 100.0, "val_loss": 5.1, "tokens": 1024, "lr": 1e-3, "step_time_s": 0.16}  # fmt: skip
     bad = {**good, "samples": "lots", "time": "now", "val_loss": "low"}
     odd_strategy = {**good, "strategy": {"dp": 1}}
-    run.heartbeat_file(1).write_text("".join(json.dumps(r) + "\n" for r in (good, bad, odd_strategy)))
+    run.heartbeat_file(1).write_text("".join(json.dumps(r) + "\n" for r in (good, bad, odd_strategy)) + "{oops\n")
+    capsys.readouterr()
     summary = status_summary(run)
     assert [s["to"] for s in summary["switches"]] == [b.to_dict()]
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and f"{run.events}: the line at byte" in warning[0] and "(and 3 more)" in warning[0]
     _, md = write_report(run)
     assert "`d1t1p4 m4 g16` → `d4t1p1 m4 g16`" in md.read_text()
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "(and 6 more)" in warning[0]  # 4 event lines, 3 heartbeats (one not JSON)
 
 
 def test_status_without_state_json_says_so_instead_of_created(tmp_path):
