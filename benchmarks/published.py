@@ -1,12 +1,18 @@
-"""The cost and memory models against Megatron-LM's published runs (Narayanan et al., SC 2021).
+"""The cost and memory models against published runs (by default Megatron-LM's, Narayanan et al., SC 2021).
 
     .venv/bin/python -m benchmarks.published            # prints the tables, writes benchmarks/results/published.json
+    .venv/bin/python -m benchmarks.published --record my-runs.yaml --out my-runs.json   # another record
 
-The record (`tests/published/megatron_sc21.yaml`, with its sources) is costed with cona's own model on the
-shipped DGX A100 profile (`slurm/profiles/a100-4x8.yaml` widened to each run's node count), with the run's
-settings: full recomputation, unfused attention (`attention="materialized"`), the paper's micro-batch, global batch
-and virtual stages. Throughput is reported the paper's way: its FLOP formula over the predicted iteration time.
-`tests/test_costmodel_published.py` asserts the targets on the same numbers; docs/costmodel.md shows the tables.
+The record (`tests/published/megatron_sc21.yaml`, with its sources) is costed with cona's own model on a shipped
+profile (`profile`, with `profile_set` overrides, widened to each run's node count), with the runs' settings:
+recomputation (`recompute`, default full), attention (`attention`: `materialized` — unfused, the scores written to
+memory, the default — or `sdpa`), the micro-batch, global batch and virtual stages, and the models' vocabulary and
+sequence length (`model_defaults`). Throughput is reported the paper's way: its FLOP formula over the predicted
+iteration time (a run may give `iter_time_s` instead of `tflops`; it is converted with the same formula, so the
+ratio is published over predicted time). Every section is optional: `runs` (or `table_1`) lists runs with their own
+model, `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
+the paper names. `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md
+shows the tables.
 """
 
 from __future__ import annotations
@@ -22,15 +28,130 @@ from cona.orchestrator.costmodel import Prediction, predict
 from cona.orchestrator.job import Job, job_from_dict
 from cona.orchestrator.planner import evaluate, layout_reason
 from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.protocol.yamlconfig import ConfigError
 
 from benchmarks.common import REPO, RESULTS, write_json
 
 RECORD = REPO / "tests" / "published" / "megatron_sc21.yaml"
 VOCAB, SEQ = 51200, 2048
+"""The default record's vocabulary and sequence length (`model_defaults` of a record overrides them)."""
+SECTIONS = ("runs", "table_1", "table_2", "figure_13", "figure_14", "figure_16")
+MODEL_KEYS = ("name", "layers", "hidden", "heads")
 
 
-def load_record(path: Path = RECORD) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+class RecordError(ValueError):
+    """A record that cannot be costed: one line naming the file, the field and what to do."""
+
+
+def _require(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise RecordError(f"{where}: {what}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_model(model: Any, where: str) -> None:
+    _require(isinstance(model, dict), where, "must be a mapping with name, layers, hidden and heads")
+    for key in MODEL_KEYS:
+        _require(key in model, f"{where}.{key}", "missing (a model needs name, layers, hidden and heads)")
+    for key in ("layers", "hidden", "heads"):
+        _require(_positive_int(model[key]), f"{where}.{key}", f"must be a positive integer, got {model[key]!r}")
+
+
+def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
+    """A run: gpus, t, p (d = gpus/(t·p) must be whole), mbs, gbs, and what was published."""
+    _require(isinstance(row, dict), where, "must be a mapping")
+    if model:
+        _check_model(row, where)
+    for key in ("gpus", "t", "p", "mbs", "gbs", "v"):
+        if key in row or key != "v":
+            _require(key in row, f"{where}.{key}", "missing")
+            _require(_positive_int(row[key]), f"{where}.{key}", f"must be a positive integer, got {row[key]!r}")
+    _require(row["gpus"] % (row["t"] * row["p"]) == 0, f"{where}.gpus",
+             f"{row['gpus']} GPUs are not a multiple of t·p = {row['t'] * row['p']}; fix t, p or gpus")  # fmt: skip
+    if published:
+        given = [k for k in ("tflops", "iter_time_s") if row.get(k) is not None]
+        _require(len(given) == 1, where, "give exactly one of tflops (per GPU) and iter_time_s")
+        value = row[given[0]]
+        _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+                 f"{where}.{given[0]}", f"must be a positive number, got {value!r}")  # fmt: skip
+
+
+def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
+    """The record, checked; raises `RecordError` naming the file and the field."""
+    _require(isinstance(record, dict), str(path), "a published record must be a YAML mapping (see tests/published/)")
+    where = str(path)
+    unknown = sorted(set(record) - {*SECTIONS, "profile", "profile_set", "model_defaults", "recompute", "attention"})
+    _require(not unknown, f"{where}: {', '.join(unknown)}",
+             f"unknown field; valid: profile, profile_set, model_defaults, recompute, attention, {', '.join(SECTIONS)}")  # fmt: skip
+    _require(isinstance(record.get("profile"), str), f"{where}: profile",
+             "missing: the shipped cluster profile the runs are costed on, e.g. slurm/profiles/a100-4x8.yaml")  # fmt: skip
+    _require(isinstance(record.get("profile_set", []), list), f"{where}: profile_set", "must be a list of key=value")
+    defaults = record.get("model_defaults", {})
+    _require(isinstance(defaults, dict) and set(defaults) <= {"vocab_size", "seq_len"}, f"{where}: model_defaults",
+             "must be a mapping of vocab_size and seq_len")  # fmt: skip
+    for key, value in defaults.items():
+        _require(_positive_int(value), f"{where}: model_defaults.{key}", f"must be a positive integer, got {value!r}")
+    _require(record.get("recompute", "full") in ("none", "selective", "full"), f"{where}: recompute",
+             f"must be none, selective or full, got {record.get('recompute')!r}")  # fmt: skip
+    _require(record.get("attention", "materialized") in ("materialized", "sdpa"), f"{where}: attention",
+             f"must be materialized or sdpa, got {record.get('attention')!r}")  # fmt: skip
+    _require(any(k in record for k in SECTIONS), where, f"no runs: give at least one of {', '.join(SECTIONS)}")
+    for section in ("runs", "table_1"):
+        if section in record:
+            rows = record[section]
+            _require(isinstance(rows, list) and rows, f"{where}: {section}", "must be a non-empty list of runs")
+            for i, row in enumerate(rows):
+                _check_run(row, f"{where}: {section}[{i}]", model=True, published=True)
+    if "table_2" in record:
+        spec = record["table_2"]
+        _require(isinstance(spec, dict) and isinstance(spec.get("rows"), list), f"{where}: table_2",
+                 "must have model, gbs and rows")  # fmt: skip
+        _check_model(spec.get("model"), f"{where}: table_2.model")
+        _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", "must be a positive integer")
+        for i, row in enumerate(spec["rows"]):
+            _check_run({**row, "gbs": spec["gbs"]}, f"{where}: table_2.rows[{i}]", model=False, published=True)
+            _require(row.get("scheme") in ("ptd-p", "zero-3"), f"{where}: table_2.rows[{i}].scheme",
+                     "must be ptd-p or zero-3")  # fmt: skip
+    for name, keys in (("figure_13", ("gpus", "mbs", "gbs", "configs")), ("figure_14", ("gpus", "mbs", "gbs", "pipeline_sizes")),
+                       ("figure_16", ("gpus", "t", "p", "gbs", "mbs"))):  # fmt: skip
+        if name in record:
+            spec = record[name]
+            _require(isinstance(spec, dict), f"{where}: {name}", "must be a mapping")
+            _check_model(spec.get("model"), f"{where}: {name}.model")
+            for key in keys:
+                _require(key in spec, f"{where}: {name}.{key}", "missing")
+            gpus = spec["gpus"]
+            _require(_positive_int(gpus), f"{where}: {name}.gpus", f"must be a positive integer, got {gpus!r}")
+            if name == "figure_13":
+                layouts = spec["configs"] if isinstance(spec["configs"], list) else [None]
+            elif name == "figure_14":
+                layouts = [[1, q] for q in spec["pipeline_sizes"]] if isinstance(spec["pipeline_sizes"], list) else [None]
+            else:
+                layouts = [[spec["t"], spec["p"]]]
+            for layout in layouts:
+                ok = (isinstance(layout, list) and len(layout) == 2 and all(_positive_int(x) for x in layout)
+                      and gpus % (layout[0] * layout[1]) == 0)  # fmt: skip
+                _require(ok, f"{where}: {name}", f"every [t, p] must be positive integers whose product divides "
+                                                 f"gpus = {gpus}, got {layout!r}")  # fmt: skip
+    return record
+
+
+def load_record(path: Path | str = RECORD) -> dict[str, Any]:
+    """Read and check a record; `RecordError` (one line) for a missing file, bad YAML or a bad field."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read the record ({e.strerror or e}); give an existing YAML file") from None
+    try:
+        record = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise RecordError(f"{path}: not valid YAML{at}; fix the syntax there") from None
+    return validate_record(record, path)
 
 
 def paper_flops(*, layers: int, hidden: int, gbs: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
@@ -39,7 +160,8 @@ def paper_flops(*, layers: int, hidden: int, gbs: int, seq: int = SEQ, vocab: in
 
 
 def record_cluster(record: dict[str, Any]) -> ClusterProfile:
-    """The record's cluster: a shipped profile with the record's overrides."""
+    """The record's cluster: a shipped profile (a path relative to the repository, or absolute) with the record's
+    overrides."""
     return load_profile(REPO / record["profile"], record.get("profile_set", []))
 
 
@@ -49,15 +171,16 @@ def a100_cluster(gpus: int, profile: ClusterProfile) -> ClusterProfile:
     return profile.model_copy(update={"nodes": nodes})
 
 
-def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False) -> Job:
-    """A cona job for one published run: a GPT of the run's shape, full recompute, its batch and schedule."""
-    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": "full"}
+def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False,
+                 recompute: str = "full", vocab: int = VOCAB, seq: int = SEQ) -> Job:  # fmt: skip
+    """A cona job for one published run: a GPT of the run's shape, its recompute, batch and schedule."""
+    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": recompute}
     if v > 1:
         parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
     return job_from_dict({
-        "name": f"megatron-{model['name']}",
+        "name": f"published-{model['name']}",
         "model": {"family": "gpt", "num_layers": model["layers"], "hidden_size": model["hidden"],
-                  "num_heads": model["heads"], "vocab_size": VOCAB, "seq_len": SEQ},
+                  "num_heads": model["heads"], "vocab_size": vocab, "seq_len": seq},
         "batch": {"min_gbs": 1, "max_gbs": max(gbs, 1), "base_gbs": gbs, "mbs_choices": [mbs]},
         "parallel": parallel,
     }, source=f"published run {model['name']}")  # fmt: skip
@@ -103,60 +226,81 @@ class Case:
         }  # fmt: skip
 
 
-def cost(group: str, label: str, model: dict[str, Any], *, cluster: ClusterProfile, gpus: int, t: int, p: int,
-         mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False, published: float | None = None) -> Case:  # fmt: skip
+def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any], cluster: ClusterProfile, gpus: int,
+         t: int, p: int, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False, published: float | None = None,
+         published_time_s: float | None = None) -> Case:  # fmt: skip
     d = gpus // (t * p)
-    assert d * t * p == gpus, (label, gpus, t, p)
-    job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp)
+    assert d * t * p == gpus, (label, gpus, t, p)  # validate_record refuses a record where this fails
+    defaults = record.get("model_defaults", {})
+    vocab, seq = defaults.get("vocab_size", VOCAB), defaults.get("seq_len", SEQ)
+    attention = record.get("attention", "materialized")
+    job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp, recompute=record.get("recompute", "full"),
+                       vocab=vocab, seq=seq)  # fmt: skip
     profile = a100_cluster(gpus, cluster)
     problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p)
     c = evaluate(profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, layout_problem=problem,
-                 attention="materialized")  # fmt: skip
+                 attention=attention)  # fmt: skip
     prediction = c.prediction or predict(
-        profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, attention="materialized"
+        profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, attention=attention
     )
-    return Case(group, label, gpus, t, p, d, mbs, gbs, published, c.feasible, c.reason, prediction,
-                paper_flops(layers=model["layers"], hidden=model["hidden"], gbs=gbs))  # fmt: skip
+    flops = paper_flops(layers=model["layers"], hidden=model["hidden"], gbs=gbs, seq=seq, vocab=vocab)
+    if published_time_s is not None:  # the same formula over the published time: the ratio is of times
+        published = flops / (published_time_s * gpus) / 1e12
+    return Case(group, label, gpus, t, p, d, mbs, gbs, published, c.feasible, c.reason, prediction, flops)
 
 
-def table_1(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+def runs(record: dict[str, Any], cluster: ClusterProfile, section: str = "runs") -> list[Case]:
     return [
-        cost("table_1", row["name"], row, cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"], mbs=row["mbs"], gbs=row["gbs"],
-             v=row["v"], published=row["tflops"])
-        for row in record["table_1"]
+        cost(section, str(row["name"]), row, record=record, cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"],
+             mbs=row["mbs"], gbs=row["gbs"], v=row.get("v", 1), sharded_dp=bool(row.get("sharded_dp", False)),
+             published=row.get("tflops"), published_time_s=row.get("iter_time_s"))
+        for row in record.get(section, [])
     ]  # fmt: skip
 
 
+def table_1(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+    return runs(record, cluster, "table_1")
+
+
 def table_2(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+    if "table_2" not in record:
+        return []
     spec = record["table_2"]
     return [
-        cost("table_2", f"{row['scheme']} {row['gpus']}", spec["model"], cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"],
-             mbs=row["mbs"], gbs=spec["gbs"], sharded_dp=row["scheme"] == "zero-3", published=row["tflops"])
+        cost("table_2", f"{row['scheme']} {row['gpus']}", spec["model"], record=record, cluster=cluster, gpus=row["gpus"],
+             t=row["t"], p=row["p"], mbs=row["mbs"], gbs=spec["gbs"], sharded_dp=row["scheme"] == "zero-3",
+             published=row.get("tflops"), published_time_s=row.get("iter_time_s"))
         for row in spec["rows"]
     ]  # fmt: skip
 
 
 def figure_13(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+    if "figure_13" not in record:
+        return []
     spec = record["figure_13"]
     return [
-        cost("figure_13", f"t{t} p{p} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=t, p=p, mbs=spec["mbs"], gbs=gbs)
+        cost("figure_13", f"t{t} p{p} B{gbs}", spec["model"], record=record, cluster=cluster, gpus=spec["gpus"], t=t, p=p, mbs=spec["mbs"], gbs=gbs)
         for gbs in spec["gbs"] for t, p in spec["configs"]
     ]  # fmt: skip
 
 
 def figure_14(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+    if "figure_14" not in record:
+        return []
     spec = record["figure_14"]
     return [
-        cost("figure_14", f"p{p} d{spec['gpus'] // p} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=1, p=p,
+        cost("figure_14", f"p{p} d{spec['gpus'] // p} B{gbs}", spec["model"], record=record, cluster=cluster, gpus=spec["gpus"], t=1, p=p,
              mbs=spec["mbs"], gbs=gbs)
         for gbs in spec["gbs"] for p in spec["pipeline_sizes"]
     ]  # fmt: skip
 
 
 def figure_16(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
+    if "figure_16" not in record:
+        return []
     spec = record["figure_16"]
     return [
-        cost("figure_16", f"mbs{mbs} B{gbs}", spec["model"], cluster=cluster, gpus=spec["gpus"], t=spec["t"], p=spec["p"], mbs=mbs,
+        cost("figure_16", f"mbs{mbs} B{gbs}", spec["model"], record=record, cluster=cluster, gpus=spec["gpus"], t=spec["t"], p=spec["p"], mbs=mbs,
              gbs=gbs)
         for gbs in spec["gbs"] for mbs in spec["mbs"]
     ]  # fmt: skip
@@ -165,7 +309,7 @@ def figure_16(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
 def all_cases(record: dict[str, Any] | None = None) -> list[Case]:
     record = record or load_record()
     cluster = record_cluster(record)
-    return [c for table in (table_1, table_2, figure_13, figure_14, figure_16) for c in table(record, cluster)]
+    return [c for table in (runs, table_1, table_2, figure_13, figure_14, figure_16) for c in table(record, cluster)]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -201,18 +345,29 @@ def print_cases(cases: list[Case]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.published", description=__doc__.splitlines()[0])
+    parser.add_argument("--record", type=Path, default=RECORD, help="the published runs (YAML, see the module doc)")
     parser.add_argument("--out", type=Path, default=RESULTS / "published.json")
     args = parser.parse_args(argv)
-    record = load_record()
-    cases = all_cases(record)
+    try:
+        record = load_record(args.record)
+        cases = all_cases(record)
+    except RecordError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except ConfigError as e:  # the profile the record names, or its profile_set
+        parser.exit(2, f"{parser.prog}: error: {args.record}: profile: {e}\n")
     print_cases(cases)
-    t1 = [c for c in cases if c.group == "table_1"]
-    worst = max(t1, key=lambda c: abs(math.log(c.ratio or 1)))
-    print(f"\nTable 1: predicted/published from {min(c.ratio for c in t1):.2f} to {max(c.ratio for c in t1):.2f} "
-          f"(worst {worst.label}); Table 2 rank correlation "
-          f"{spearman([c.predicted_tflops for c in cases if c.group == 'table_2'], [c.published_tflops for c in cases if c.group == 'table_2']):.2f}")  # fmt: skip
-    write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"]})
+    for group in ("runs", "table_1"):
+        rows = [c for c in cases if c.group == group and c.ratio]
+        if rows:
+            worst = max(rows, key=lambda c: abs(math.log(c.ratio or 1)))
+            print(f"\n{group}: predicted/published from {min(c.ratio for c in rows):.2f} to "
+                  f"{max(c.ratio for c in rows):.2f} (worst {worst.label})")  # fmt: skip
+    t2 = [c for c in cases if c.group == "table_2"]
+    if len(t2) > 1:
+        print(f"table_2: rank correlation {spearman([c.predicted_tflops for c in t2], [c.published_tflops for c in t2]):.2f}")
+    write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
+                          "record": str(args.record)})  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 
