@@ -50,13 +50,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"--top {args.top}: give a positive count, or 0 for every feasible strategy")
     profile = load_profile(args.profile, args.profile_overrides)
     job = load_job(args.job, args.overrides)
+    if args.gbs is not None and args.gbs <= 0:
+        raise UserError(f"--gbs {args.gbs}: give a positive global batch size (or leave --gbs out for every one)")
     gbs_values = [args.gbs] if args.gbs else None
     candidates = enumerate_candidates(profile=profile, job=job, gbs_values=gbs_values)
     ranked = rank_by_iter_time(candidates)
     if not ranked and not args.all and not args.json:
         at = f" at --gbs {args.gbs}" if args.gbs else ""
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
-                        "candidates; run `cona plan --all` to see why each is rejected")  # fmt: skip
+                        f"candidates; {_batch_hint(job, profile.num_gpus, gbs_values)}"
+                        "run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
     ties = ties_with_best(ranked)
@@ -229,7 +232,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from cona.protocol.rundir import RunDir
 
     profile = load_profile(args.profile, args.profile_overrides)
-    job = load_job(args.job, args.overrides)
+    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
     if profile.backend != args.target:
         raise UserError(
             f"{args.profile}: backend is {profile.backend!r}; `cona render {args.target}` needs a {args.target} profile"
@@ -238,6 +241,23 @@ def cmd_render(args: argparse.Namespace) -> int:
     backend = backend_class(args.target)(run_dir=run_dir, profile=profile, job=job)
     sys.stdout.write(backend.render(strategy=first_strategy(profile, job)))
     return 0
+
+
+def _batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
+    """When nothing is feasible and the device count has an odd factor that no candidate global batch is a multiple
+    of (3 nodes of 8 GPUs and the default power-of-two batches), that is the usual cause: the data-parallel degree
+    has to take part of the factor unless tensor and pipeline degrees take all of it. Say so, and which batches
+    would do."""
+    odd = devices
+    while odd % 2 == 0:
+        odd //= 2
+    batches = gbs_values or job.batch.candidate_gbs()
+    if odd == 1 or any(g % odd == 0 for g in batches):
+        return ""
+    fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0 and (g // odd) & (g // odd - 1) == 0]
+    example = f" e.g. batch.gbs_choices={fitting[:4]}" if fitting else f" a batch range that holds a multiple of {odd}"
+    return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
+            f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
 
 
 def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
@@ -251,7 +271,8 @@ def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     candidates = [c for devices in device_counts(profile, job)
                   for c in enumerate_candidates(profile=profile, job=job, num_devices=devices) if c.feasible]  # fmt: skip
     if not candidates:
-        raise UserError(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
+        raise UserError(f"no feasible strategy for {job.name} on {profile.name}; "
+                        f"{_batch_hint(job, profile.num_gpus, None)}run `cona plan --all` to see why")  # fmt: skip
     policy = make_policy(job, profile=profile, candidates=candidates)
     return policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
 
@@ -447,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the backend (slurm: the batch script; local: the command; kubernetes: the manifests)")  # fmt: skip
     _add_config_args(render)
     render.add_argument("--run-dir", metavar="DIR", help="run directory to render for (default: a placeholder)")
+    render.add_argument("--policy", metavar="POLICY", help="as for cona run (it decides the first strategy)")
     render.set_defaults(func=cmd_render)
 
     # Listed here for `cona --help`; `main` hands their arguments to the data plane's own program.

@@ -6,6 +6,9 @@ Torch-free: the orchestrator imports this on login nodes.
 from __future__ import annotations
 
 import difflib
+import math
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,7 +109,8 @@ def _describe(model: type[pydantic.BaseModel], error: dict[str, Any]) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     value = error.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    # Say what was given, unless the message already quotes it (`must be positive, got '0 GB'`).
+    shown = f" (got {value!r})" if not isinstance(value, dict | list) and repr(value) not in msg else ""
     if kind == "string_type" and isinstance(value, int | float) and not isinstance(value, bool):
         # `memory: 80` lacks its unit; YAML reads an unquoted 24:00:00 as the number 86400.
         shown += '; YAML read a number here: write the value in quotes, with its unit if it has one (e.g. "80 GB", "24:00:00")'
@@ -130,6 +134,35 @@ class StrictModel(pydantic.BaseModel):
     infinite or NaN number: none means anything here, and one reaches the cost model as a division by zero."""
 
     model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        # pydantic's lax mode reads YAML's true/false as 1/0 in a number field (`nodes: true` is one node); a
+        # boolean where the field takes none is a slip, so say so.
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _stray_bool(field.annotation, value):
+            raise ValueError("expects a number (or a list of numbers), not true/false")
+        return value
+
+
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any or isinstance(annotation, bool):
+        return True
+    return any(_admits_bool(arm) for arm in typing.get_args(annotation))
+
+
+def _stray_bool(annotation: Any, value: Any) -> bool:
+    """Whether `value` holds a true/false where `annotation` (a field's type) admits no boolean."""
+    if isinstance(value, bool):
+        return not _admits_bool(annotation)
+    origin = typing.get_origin(annotation)
+    arms = [a for a in typing.get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    if origin in (typing.Union, types.UnionType):
+        return bool(arms) and all(_stray_bool(arm, value) for arm in arms)
+    if isinstance(value, list | tuple) and origin in (list, tuple, set, frozenset) and arms:
+        return any(_stray_bool(arms[0], item) for item in value)
+    return False
 
 
 _UNITS = {
@@ -164,7 +197,12 @@ def parse_bytes(value: Any, *, per_second: bool = False) -> float:
         amount = float(number)
     except ValueError:
         raise ValueError(f"cannot read a number in {value!r}") from None
+    if not math.isfinite(amount):
+        raise ValueError(f"must be a finite number, got {value!r}")
     bits = unit.endswith("bit") or (unit.endswith("b") and not unit.endswith("B"))
+    if bits and not per_second:
+        # A memory size in bits is almost always a mistyped "GB" ("80 gb" would silently be 10 GB).
+        raise ValueError(f"{value!r} is in bits (a lower-case b); a size is in bytes: write e.g. '80 GB' or '80 GiB'")
     if unit.endswith("bit"):
         unit = unit[:-3] + "b"
     key = unit.lower()

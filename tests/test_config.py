@@ -132,6 +132,9 @@ BAD_JOBS = [
     ("model: {preset: tiny-gpt, type_vocab_size: 2}\n", "type_vocab_size: token-type embeddings are BERT's"),
     ("model: {preset: tiny-gpt, rope_scaling: {factor: 8}}\n", "rope_scaling: only llama uses RoPE"),
     ("model: {preset: tiny-llama, rope_scaling: {factr: 8}}\n", "unknown field 'model.rope_scaling.factr'; did you mean 'factor'"),
+    # YAML's true/false where a number belongs is a slip, not 1/0.
+    ("model: {preset: tiny-gpt}\nbatch: {max_gbs: true}\n", "field 'batch.max_gbs': expects a number"),
+    ("model: {preset: tiny-gpt}\nbatch: {mbs_choices: [2, true]}\n", "field 'batch.mbs_choices': expects a number"),
 ]
 
 
@@ -156,6 +159,15 @@ BAD_PROFILES = [
      "unknown field 'accelerator.memroy'; did you mean 'memory'"),
     ("name: x\nbackend: kubernetes\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
      "needs a kubernetes: section"),
+    ("name: x\nbackend: local\nnodes: true\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
+     "field 'nodes': expects a number"),
+    # A size in bits is a mistyped GB ("80 gb" would be 10 GB); a number too large for a float is not infinity.
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 80 gb}\n",
+     "'80 gb' is in bits"),
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 1e400 GB}\n",
+     "must be a finite number"),
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 0 GB}\n",
+     "must be positive, got '0 GB'"),
 ]  # fmt: skip
 
 
@@ -166,6 +178,7 @@ def test_bad_profile_messages(tmp_path, text, expected):
         load_profile(path)
     assert expected in str(info.value)
     assert "\n" not in str(info.value)
+    assert str(info.value).count("got") <= 1  # the value is quoted once
 
 
 def test_units_are_unambiguous():
@@ -204,6 +217,16 @@ def test_strategy_parse_and_errors():
          "did you mean 'lr'"),
         (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "novalue"],
          "expected dotted.key=value"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--gbs", "0"],
+         "--gbs 0: give a positive global batch size"),
+        # 3 nodes of 8: the odd factor no power-of-two batch has is named, with batches that have it.
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job", "examples/tiny-gpt.yaml"],
+         "24 devices have the factor 3, and none of the global batches [8, 16, 32, 64, 128] is a multiple of it: "
+         "give e.g. batch.gbs_choices=[12, 24, 48, 96]"),
+        (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
+          "examples/tiny-gpt.yaml"], "24 devices have the factor 3"),
+        (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/tiny-gpt.yaml",
+          "--policy", "statc"], "did you mean 'static'"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_exit_2(args, expected):
