@@ -57,9 +57,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_by_iter_time(candidates)
     if not ranked and not args.all and not args.json:
         at = f" at --gbs {args.gbs}" if args.gbs else ""
+        from cona.orchestrator.elastic import is_elastic
+
+        # An elastic run starts on fewer nodes when nothing fits on all of them (`cona render` shows which).
+        elastic = (f"the profile is elastic (min_nodes={profile.min_nodes}): a run starts on the largest node count "
+                   "where a strategy fits, `--profile-set nodes=K` plans K nodes; ") if is_elastic(profile) else ""  # fmt: skip
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
-                        f"candidates; {_batch_hint(job, profile.num_gpus, gbs_values)}"
-                        "run `cona plan --all` to see why each is rejected")  # fmt: skip
+                        f"candidates on all {profile.num_gpus} devices; {_batch_hint(job, profile.num_gpus, gbs_values)}"
+                        f"{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
     ties = ties_with_best(ranked)
@@ -262,14 +267,25 @@ def _batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
 
 def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     """The strategy a run would start with: the policy's own choice over the feasible candidates."""
-    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.elastic import node_range
+    from cona.orchestrator.planner import Candidate, enumerate_candidates
     from cona.orchestrator.policy import make_policy
     from cona.orchestrator.scheduler import device_counts
     from cona.orchestrator.throughput import ThroughputModel
 
-    # The candidates the scheduler plans with (a schedule may name smaller worlds).
-    candidates = [c for devices in device_counts(profile, job)
-                  for c in enumerate_candidates(profile=profile, job=job, num_devices=devices) if c.feasible]  # fmt: skip
+    # The candidates the scheduler plans with (a schedule may name smaller worlds). The run starts on all devices
+    # when anything fits there (`RunModel.initial_strategy`), so the other node counts of an elastic range —
+    # thousands on a large elastic profile — are enumerated only when nothing does.
+    counts = device_counts(profile, job)
+    elastic = set(n * profile.gpus_per_node for n in node_range(profile)) - {profile.num_gpus}
+    first = [d for d in counts if d not in elastic]
+
+    def feasible(devices: list[int]) -> list[Candidate]:
+        return [c for d in devices for c in enumerate_candidates(profile=profile, job=job, num_devices=d) if c.feasible]
+
+    candidates = feasible(first)
+    if not any(c.strategy.world_size == profile.num_gpus for c in candidates):
+        candidates += feasible([d for d in counts if d in elastic])
     if not candidates:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}; "
                         f"{_batch_hint(job, profile.num_gpus, None)}run `cona plan --all` to see why")  # fmt: skip

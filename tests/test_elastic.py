@@ -105,3 +105,30 @@ def test_the_table_follows_the_policy_on_when_the_noise_estimate_counts(tmp_path
     model.policy._noise_weight = 1.0  # what the policy's evaluations set once the estimate is stable
     trusted = plan_table(model, reason="estimate trusted", time=3.0)
     assert all(p.strategy is not None and p.strategy.gbs > model.job.batch.base_gbs for p in trusted.plans)
+
+
+def test_render_starts_on_all_devices_without_planning_every_node_count(monkeypatch):
+    """`cona render`/`submit` show the run's first strategy: on all devices when anything fits there, as the run
+    starts (`RunModel.initial_strategy`); the thousands of smaller node counts of a wide elastic range are planned
+    only when nothing fits on all of them (a 2,048-node range took 21 s before)."""
+    import cona.orchestrator.planner as planner
+    from cona.orchestrator.cli import first_strategy
+
+    job = load_job(REPO / "examples" / "gpt3-1.3b.yaml")
+    profile = load_profile(REPO / "slurm" / "profiles" / "a100-4x8.yaml", ["nodes=2048", "min_nodes=1"])
+    planned = []
+    enumerate_all = planner.enumerate_candidates
+
+    def counting(**kwargs):
+        planned.append(kwargs.get("num_devices"))
+        return enumerate_all(**kwargs)
+
+    monkeypatch.setattr(planner, "enumerate_candidates", counting)
+    assert first_strategy(profile, job).world_size == profile.num_gpus
+    assert planned == [profile.num_gpus]
+    # Nothing fits on all 3 × 6 devices (gpt3-1.3b's batches hold no factor 9): the smaller node counts are planned
+    # and the run starts on the fastest of them.
+    planned.clear()
+    small = load_profile(REPO / "slurm" / "profiles" / "a100-4x8.yaml", ["nodes=3", "gpus_per_node=6", "min_nodes=1"])
+    start = first_strategy(small, job)
+    assert planned == [18, 12, 6] and start.world_size in (12, 6)
