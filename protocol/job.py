@@ -426,7 +426,7 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
                               "swap --profile and --job?")  # fmt: skip
         raise ConfigError(f"{path}: missing required section 'model' (e.g. model: {{preset: tiny-gpt}})")
     ignored = [k for k in ORCHESTRATOR_SECTIONS if k not in cls.model_fields]
-    job = validate(cls, {k: v for k, v in data.items() if k not in ignored}, source=str(path))
+    job = validate(cls, {k: v for k, v in data.items() if k not in ignored}, source=str(path), overrides=overrides)
     base = Path(path).resolve().parent
     # A relative data path is read relative to the current directory when it exists there, else to the job file.
     data_path = Path(job.data.path)

@@ -114,11 +114,15 @@ def _describe(model: type[pydantic.BaseModel], error: dict[str, Any]) -> str:
     if kind == "string_type" and isinstance(value, int | float) and not isinstance(value, bool):
         # `memory: 80` lacks its unit; YAML reads an unquoted 24:00:00 as the number 86400.
         shown += '; YAML read a number here: write the value in quotes, with its unit if it has one (e.g. "80 GB", "24:00:00")'
-    return f"field {path!r}: {msg}{shown}"
+    return f"field {path!r}: {msg}{shown}" if loc else f"{msg}{shown}"
 
 
-def validate(model: type[ModelT], data: dict[str, Any], *, source: str) -> ModelT:
-    """Build `model` from `data`, answering the first problem as a one-line `ConfigError` naming its path."""
+def validate(
+    model: type[ModelT], data: dict[str, Any], *, source: str, overrides: list[str] | tuple[str, ...] = (),
+    flag: str = "--set",
+) -> ModelT:  # fmt: skip
+    """Build `model` from `data`, answering the first problem as a one-line `ConfigError` naming its path (and the
+    `flag` override that set it, when one of `overrides` did: the file is then not where to look)."""
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
@@ -126,7 +130,12 @@ def validate(model: type[ModelT], data: dict[str, Any], *, source: str) -> Model
         errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
         first = _describe(model, errors[0])
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        raise ConfigError(f"{source}: {first}{more}") from None
+        path = ".".join(str(p) for p in errors[0]["loc"])
+        keys = [(o, o.partition("=")[0].strip() + ".") for o in overrides]
+        given = [o for o, key in keys if (path + ".").startswith(key)]  # the field itself, or a section set whole
+        inside = [o for o, key in keys if key.startswith(path + ".")]  # a field of the section that is wrong
+        origin = f", set by {flag} {given[-1]}" if given else f", with {flag} {' '.join(inside)}" if inside else ""
+        raise ConfigError(f"{source}: {first}{more}{origin}") from None
 
 
 class StrictModel(pydantic.BaseModel):

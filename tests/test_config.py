@@ -217,6 +217,12 @@ def test_strategy_parse_and_errors():
          "did you mean 'lr'"),
         (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "novalue"],
          "expected dotted.key=value"),
+        # A value from the command line is named as such: the file is not where to look.
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=2.5", "--job", "examples/tiny-gpt.yaml"],
+         "field 'nodes': Input should be a valid integer, got a number with a fractional part (got 2.5), set by "
+         "--profile-set nodes=2.5"),
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "batch.min_gbs=1000"],
+         "min_gbs=1000 is larger than max_gbs=128, with --set batch.min_gbs=1000"),
         (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--gbs", "0"],
          "--gbs 0: give a positive global batch size"),
         # 3 nodes of 8: the odd factor no power-of-two batch has is named, with batches that have it.
