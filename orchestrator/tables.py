@@ -12,11 +12,17 @@ from rich.table import Table
 
 
 def _fmt_time(seconds: float) -> str:
+    if seconds >= 1e5:  # a profile with an absurdly slow link: keep the column readable
+        return f"{seconds:.2e} s"
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} µs"
+
+
+def _fmt_rate(per_s: float) -> str:
+    return f"{per_s:,.1f}" if per_s >= 0.1 or per_s == 0 else f"{per_s:.2e}"
 
 
 def print_plan(
@@ -41,11 +47,12 @@ def print_plan(
         comm = p.tp_comm_s + p.p2p_s + p.dp_comm_s
         table.add_row(
             str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), _fmt_time(c.iter_time_s),
-            f"{c.samples_per_s:,.1f}", "≈" if c.strategy in ties else "", f"{c.memory_gb:.2f} GB",
+            _fmt_rate(c.samples_per_s), "≈" if c.strategy in ties else "", f"{c.memory_gb:.2f} GB",
             _fmt_time(p.compute_s),
             _fmt_time(p.pipeline_bubble_s), _fmt_time(comm),
         )  # fmt: skip
-    console.print(table)
+    if shown:  # with nothing feasible (`plan --all`), only the rejected table says something
+        console.print(table)
     by_gbs: dict[int, int] = {}
     for c in shown:
         if c.strategy in ties:
