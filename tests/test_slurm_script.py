@@ -21,6 +21,7 @@ from cona.orchestrator.backends.slurm.script import (
     render_batch_script,
     sbatch_quote,
 )
+from cona.orchestrator.backends.slurm.spec import slurm_time_seconds
 from cona.orchestrator.profile import ClusterProfile, load_profile
 from cona.protocol.yamlconfig import ConfigError
 
@@ -107,6 +108,97 @@ def test_extra_sbatch_options():
     for bad in ("exclusive", "; rm -rf /", "--x=\n#!"):
         with pytest.raises(ConfigError):
             parse_extra_option(bad)
+
+
+A100 = PROFILES / "a100-4x8.yaml"  # 4 nodes × 8 GPUs, partition gpu, time limit 24:00:00
+
+
+def _profile_set(*overrides: str, base: Path = A100) -> ClusterProfile:
+    """The profile as `cona ... --profile-set` loads it (validated, unlike `_profile`'s model_copy)."""
+    return load_profile(base, list(overrides))
+
+
+def _extra(*entries: str) -> str:
+    return f"slurm.extra_sbatch={json.dumps(list(entries))}"
+
+
+@pytest.mark.parametrize(
+    "entry, option, advice",
+    [
+        ("--gpus-per-node=4", "gpus-per-node", "set gpus_per_node in the profile"),
+        ("-N 8", "nodes", "set nodes / min_nodes in the profile"),
+        ("-N8", "nodes", "set nodes / min_nodes in the profile"),
+        ("--nodes 8", "nodes", "set nodes / min_nodes in the profile"),
+        ("--gres=gpu:4", "gres", "set gpus_per_node in the profile"),
+        ("--gres=nvme:1,gpu:a100:2", "gres", "set gpus_per_node in the profile"),
+        ("--ntasks-per-node=8", "ntasks-per-node", "set nodes / gpus_per_node in the profile"),
+        ("-n 32", "ntasks", "set nodes / gpus_per_node in the profile"),
+        ("--time=1:00:00", "time", "set slurm.time_limit instead"),
+        ("-t 60", "time", "set slurm.time_limit instead"),
+        ("--signal=B:USR1@60", "signal", "set slurm.signal_before_timeout_s instead"),
+        ("-J other", "job-name", "set name there"),
+        ("--output=/tmp/x.out", "output", "remove the entry"),
+        ("-e /tmp/x.err", "error", "remove the entry"),
+        ("--open-mode=truncate", "open-mode", "remove the entry"),
+        ("--no-requeue", "no-requeue", "remove the entry"),
+        ("-G 4", "gpus", "set gpus_per_node in the profile"),
+        ("--gpus-per-task=1", "gpus-per-task", "set gpus_per_node in the profile"),
+        ("--gpus-per-n=4", "gpus-per-node", "set gpus_per_node"),  # sbatch's getopt_long takes a unique prefix
+        ("-HN 8", "nodes", "set nodes / min_nodes"),  # -H takes no argument: N is the next option
+        ("--partition=other", "partition", "slurm.partition is set ('gpu'); set it there only"),
+        ("-p other", "partition", "slurm.partition is set ('gpu'); set it there only"),
+    ],
+)
+def test_extra_sbatch_refuses_options_cona_decides(entry, option, advice):
+    """sbatch takes the last of two equal options, and extra_sbatch comes after cona's own: refused at load."""
+    with pytest.raises(ConfigError) as raised:
+        _profile_set(_extra("--exclusive", entry))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"field 'slurm.extra_sbatch': {entry!r} sets --{option}, which cona decides itself" in message
+    assert advice in message
+
+
+def test_extra_sbatch_keeps_options_cona_leaves_alone():
+    allowed = ["--account=proj", "-A proj", "--qos=high", "--constraint=a100", "-C a100", "--exclusive",
+               "--mail-type=END", "--gres=nvme:1", "--mem=0", "-c 16", "--time-min=30", "--nodelist=n[1-4]"]  # fmt: skip
+    text = render_batch_script(_profile_set(_extra(*allowed)), None, "/runs/r")
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch[-len(allowed) :] == [f"#SBATCH {entry}" for entry in allowed]
+    # account and qos are refused only beside the profile's own field of that name
+    with pytest.raises(ConfigError, match=r"'--qos=high' sets --qos, .*slurm\.qos is set \('normal'\)"):
+        _profile_set("slurm.qos=normal", _extra("--qos=high"))
+
+
+@pytest.mark.parametrize(
+    "time_limit, seconds",
+    [("10", 600), ("10:30", 630), ("1:00:00", 3600), ("2-3", 183600), ("2-03:04", 183840),
+     ("2-03:04:05", 183845), ("UNLIMITED", None), ("infinite", None), ("0", None), ("", None)],
+)  # fmt: skip
+def test_slurm_time_seconds(time_limit, seconds):
+    assert slurm_time_seconds(time_limit) == seconds
+
+
+def test_signal_must_come_before_the_time_limit():
+    """A lead at or above the limit fires the signal as the job starts: checkpoint, requeue, again, forever."""
+    with pytest.raises(ConfigError) as raised:
+        _profile_set('slurm.time_limit="10"', "slurm.signal_before_timeout_s=900")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "slurm.signal_before_timeout_s=900 is not below slurm.time_limit '10' (600 s)" in message
+    assert "lower signal_before_timeout_s or raise time_limit" in message
+    with pytest.raises(ConfigError, match=r"signal_before_timeout_s=600 is not below"):
+        _profile_set('slurm.time_limit="10"', "slurm.signal_before_timeout_s=600")
+    assert _profile_set('slurm.time_limit="10"', "slurm.signal_before_timeout_s=599").slurm.signal_before_timeout_s == 599
+    # No limit to count back from, or no signal: nothing to compare.
+    assert _profile_set("slurm.time_limit=UNLIMITED", "slurm.signal_before_timeout_s=65535").slurm is not None
+    assert _profile_set('slurm.time_limit="1"', "slurm.signal_before_timeout_s=0").slurm is not None
+
+
+@pytest.mark.parametrize("lead", [-1, 65536, 70000])
+def test_signal_lead_is_within_sbatch_range(lead):
+    with pytest.raises(ConfigError, match=r"field 'slurm.signal_before_timeout_s': must be 0 \(no signal\) to 65535"):
+        _profile_set("slurm.time_limit=UNLIMITED", f"slurm.signal_before_timeout_s={lead}")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,102 @@ from pydantic import Field
 _SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|unlimited|infinite", re.IGNORECASE)
 """The forms `sbatch --time` accepts (man sbatch)."""
 
+SIGNAL_MAX_S = 65535
+"""The largest `--signal=...@N` sbatch accepts (man sbatch: 0 to 65535)."""
+
+_NODES = "the node count comes from the profile and each submission's strategy; set nodes / min_nodes in the profile"
+_TASKS = "cona runs one task per node, which starts gpus_per_node trainers; set nodes / gpus_per_node in the profile"
+_GPUS = "each node runs gpus_per_node trainer processes; set gpus_per_node in the profile"
+_LOG = "the job's log stays in the run directory (attempts/slurm-%j.out); remove the entry"
+_OWN_OPTIONS: dict[str, str] = {
+    # Options the batch script renders itself (`script.sbatch_lines`, `script.node_options`): sbatch takes the
+    # last of two, so a second one in extra_sbatch would silently win over cona's.
+    "nodes": _NODES,
+    "ntasks": _TASKS,
+    "ntasks-per-node": _TASKS,
+    "time": "set slurm.time_limit instead",
+    "signal": "set slurm.signal_before_timeout_s instead",
+    "job-name": "the job is named after the job file's name; set name there",
+    "output": _LOG,
+    "error": _LOG,
+    "open-mode": _LOG,
+    "requeue": "cona requests it already; remove the entry",
+    "no-requeue": "the job requeues itself after the pre-timeout signal; remove the entry",
+    "gpus-per-node": _GPUS,
+    # Not rendered, but they change how many GPUs or tasks a node gets, which torchrun's process count assumes.
+    "gpus": _GPUS,
+    "gpus-per-task": _GPUS,
+    "gpus-per-socket": _GPUS,
+    "ntasks-per-socket": _TASKS,
+    "ntasks-per-core": _TASKS,
+    "ntasks-per-gpu": _TASKS,
+}
+_GRES = "gres"
+"""Refused only when it requests GPUs (`gpu`, `gpu:4`, `gpu:a100:4`); other generic resources stay allowed."""
+_PROFILE_FIELDS = ("partition", "account", "qos")
+"""Rendered from the field of that name when it is set: refused in extra_sbatch only then."""
+_SHORT = {"N": "nodes", "n": "ntasks", "t": "time", "J": "job-name", "o": "output", "e": "error", "G": "gpus",
+          "p": "partition", "A": "account", "q": "qos"}  # fmt: skip
+_SHORT_FLAGS = frozenset("hHIkOQsvVW")
+"""sbatch's short options without an argument: in a cluster such as `-HN8` the letters after them are options
+too, while the rest after one that takes an argument is its value."""
+
+
+def _sbatch_options(entry: str) -> list[tuple[str, str | None]]:
+    """The (long name, value) of the sbatch options in one `extra_sbatch` entry; short ones by their long name.
+
+    Only for refusing options here; an entry that is no option at all is left to `script.parse_extra_option`."""
+    text = entry.strip()
+    if text.startswith("--"):
+        long = re.fullmatch(r"--([^=\s]*)(?:[=\s]\s*(.*))?", text, re.DOTALL)
+        assert long is not None  # every text that starts with -- matches
+        return [(long.group(1), long.group(2) or None)]
+    if not text.startswith("-"):
+        return []
+    word, _, rest = text[1:].partition(" ")
+    options: list[tuple[str, str | None]] = []
+    for i, letter in enumerate(word):
+        attached = word[i + 1 :]
+        options.append((_SHORT.get(letter, letter), (attached or rest.strip()) or None))
+        if letter not in _SHORT_FLAGS:
+            break  # it takes an argument: the rest of the word (or the next one) is its value
+    return options
+
+
+def _refusal(name: str, value: str | None, set_fields: dict[str, str | None]) -> tuple[str, str] | None:
+    """(the option cona owns, what to do instead) when sbatch would read `--name` as an option cona sets itself."""
+    owned = dict(_OWN_OPTIONS)
+    owned.update({field: f"slurm.{field} is set ({set_fields[field]!r}); set it there only" for field in _PROFILE_FIELDS
+                  if set_fields.get(field)})  # fmt: skip
+    if value is not None and any(item.split(":")[0].removeprefix("gres/") == "gpu" for item in value.split(",")):
+        owned[_GRES] = _GPUS
+    if name in owned:
+        return name, owned[name]
+    # sbatch reads options with getopt_long, which takes any unambiguous prefix (`--gpus-per-n=4` is
+    # `--gpus-per-node=4`). No sbatch option left alone here is a prefix of an owned one, so a prefix of an owned
+    # option means that option (or is ambiguous, which sbatch refuses anyway).
+    full = [option for option in owned if len(name) >= 2 and option.startswith(name)]
+    return (full[0], owned[full[0]]) if full else None
+
+
+def slurm_time_seconds(text: str) -> int | None:
+    """Seconds of a Slurm time limit in one of the `_SLURM_TIME` forms; None for no limit (empty, `0`,
+    `UNLIMITED`, `INFINITE`: the partition's limit, or none).
+
+    man sbatch: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`."""
+    text = text.strip()
+    if not text or text.lower() in ("unlimited", "infinite"):
+        return None
+    days, dash, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if dash:  # D-HH, D-HH:MM, D-HH:MM:SS
+        parts += [0] * (3 - len(parts))
+    elif len(parts) < 3:  # MM, MM:SS (only three fields are HH:MM:SS)
+        parts = [0, *parts] + [0] * (2 - len(parts))
+    hours, minutes, seconds = parts
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return total or None  # `--time=0` asks for no time limit at all
+
 
 class SlurmSpec(StrictModel):
     """How to submit to Slurm. Every value is shell-quoted into the batch script."""
@@ -30,8 +126,9 @@ class SlurmSpec(StrictModel):
     """Shell commands run before training (module loads, `source venv/bin/activate`)."""
     use_submitit: bool = False
     """Submit through submitit instead of a rendered sbatch script."""
-    signal_before_timeout_s: int = Field(120, ge=0)
-    """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints."""
+    signal_before_timeout_s: int = 120
+    """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints (0: no signal); below
+    `time_limit` and at most 65535 (sbatch's limit)."""
     rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
     """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
     python: str = "python3"
@@ -45,3 +142,36 @@ class SlurmSpec(StrictModel):
         if value.strip() and not _SLURM_TIME.fullmatch(value.strip()):  # empty: no --time line (the partition's)
             raise ValueError("not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
         return value.strip()
+
+    @pydantic.field_validator("extra_sbatch")
+    @classmethod
+    def _extra_sbatch(cls, value: list[str], info: pydantic.ValidationInfo) -> list[str]:
+        # partition, account and qos are declared (and so validated) before extra_sbatch: info.data has them.
+        set_fields = {field: info.data.get(field) for field in _PROFILE_FIELDS}
+        for entry in value:
+            for name, option_value in _sbatch_options(entry):
+                refused = _refusal(name, option_value, set_fields)
+                if refused is not None:
+                    option, advice = refused
+                    raise ValueError(f"{entry.strip()!r} sets --{option}, which cona decides itself: {advice}")
+        return value
+
+    @pydantic.field_validator("signal_before_timeout_s")
+    @classmethod
+    def _signal_range(cls, value: int) -> int:
+        if not 0 <= value <= SIGNAL_MAX_S:
+            raise ValueError(f"must be 0 (no signal) to {SIGNAL_MAX_S} seconds, the range of sbatch --signal")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _signal_before_time_limit(self) -> SlurmSpec:
+        # A lead at or above the limit fires the signal as the job starts: it checkpoints, requeues itself and
+        # starts again, forever.
+        limit = slurm_time_seconds(self.time_limit)
+        if self.signal_before_timeout_s > 0 and limit is not None and self.signal_before_timeout_s >= limit:
+            raise ValueError(
+                f"slurm.signal_before_timeout_s={self.signal_before_timeout_s} is not below slurm.time_limit "
+                f"{self.time_limit!r} ({limit} s), so the pre-timeout signal would come as the job starts; "
+                "lower signal_before_timeout_s or raise time_limit"
+            )
+        return self
