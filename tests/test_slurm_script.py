@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cona.orchestrator.backends.slurm import SlurmBackend
 from cona.orchestrator.backends.slurm.script import (
     HELPER,
     parse_extra_option,
@@ -22,10 +23,15 @@ from cona.orchestrator.backends.slurm.script import (
     sbatch_quote,
 )
 from cona.orchestrator.backends.slurm.spec import slurm_time_seconds
+from cona.orchestrator.elastic import plan_table
+from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import ClusterProfile, load_profile
+from cona.orchestrator.scheduler import Scheduler
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
-from tests.conftest import PROFILES, REPO, assert_golden
+from tests.conftest import EXAMPLES, PROFILES, REPO, assert_golden, run_cona
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
 BASH = shutil.which("bash")
@@ -87,6 +93,66 @@ def test_gpu_profile_lines():
     assert "#SBATCH --exclusive" in text
     assert "#SBATCH --signal=B:USR1@300" in text
     assert "--gpus-per-node" not in render_batch_script(_profile(), None, "/runs/x")
+
+
+# --- the node count: what `cona render slurm` shows is what the submission asks for --------------------------
+
+
+def _sbatch_runner(calls: list[list[str]]):
+    """A Slurm that answers sbatch with job id 7 and records every command."""
+
+    def run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0, stdout="7\n" if argv[0] == "sbatch" else "", stderr="")
+
+    return run
+
+
+def _node_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(("#SBATCH --nodes", "#SBATCH --ntasks"))]
+
+
+def test_render_asks_for_the_nodes_the_submission_asks_for(tmp_path):
+    """A strategy on fewer nodes than the profile's: the rendered #SBATCH lines, the sbatch command line and the
+    script that submission writes all say one node, not the profile's four."""
+    profile = _profile_set()
+    job = load_job(EXAMPLES / "gpt3-1.3b.yaml")
+    strategy = Strategy.parse("dp=8,tp=1,pp=1,mbs=8,gbs=512")
+    calls: list[list[str]] = []
+    backend = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=profile, job=job, runner=_sbatch_runner(calls))
+    rendered = backend.render(strategy=strategy)
+    assert _node_lines(rendered) == ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"] and profile.nodes == 4
+    attempt = backend.launch(attempt=1, strategy=strategy)
+    (sbatch,) = [c for c in calls if c[0] == "sbatch"]
+    assert [f"#SBATCH {option}" for option in sbatch[2:-2]] == _node_lines(rendered)
+    assert _node_lines(Path(sbatch[-2]).read_text()) == _node_lines(rendered)
+    assert attempt.extra["nnodes"] == 1
+
+
+def test_cona_render_slurm_shows_the_strategys_node_count():
+    out = run_cona("render", "slurm", "--profile", str(A100), "--job", str(EXAMPLES / "gpt3-1.3b.yaml"),
+                   "--set", "policy.name=fixed", "--set", "policy.strategy=dp=8,tp=1,pp=1,mbs=8,gbs=512")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert _node_lines(out.stdout) == ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"]
+
+
+def test_render_of_an_elastic_run_asks_for_the_range_the_scheduler_submits(tmp_path):
+    """With 8 GB a GPU, gpt3-1.3b fits on 2 to 4 nodes but not on one: the planning table starts at 2 nodes, so
+    the first submission asks for 2-4, not the profile's min_nodes=1."""
+    profile = _profile_set("min_nodes=1", "accelerator.memory=8 GB")
+    job = load_job(EXAMPLES / "gpt3-1.3b.yaml")
+    calls: list[list[str]] = []
+    run_dir = RunDir(tmp_path / "run")
+    backend = SlurmBackend(run_dir=run_dir, profile=profile, job=job, runner=_sbatch_runner(calls))
+    scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend)
+    plan = plan_table(scheduler.model, reason="start", time=1.0)  # what the scheduler launches an elastic start with
+    assert sorted(plan.by_nodes()) == [2, 3, 4]
+    strategy = plan.strategy_for(plan.max_nodes)
+    rendered = backend.render(strategy=strategy)
+    assert _node_lines(rendered) == ["#SBATCH --nodes=2-4", "#SBATCH --ntasks=4", "#SBATCH --ntasks-per-node=4"]
+    backend.launch(attempt=1, strategy=strategy, elastic=plan.by_nodes())
+    (sbatch,) = [c for c in calls if c[0] == "sbatch"]
+    assert [f"#SBATCH {option}" for option in sbatch[2:-2]] == _node_lines(rendered)
 
 
 def test_sbatch_quote_follows_sbatch_parser():

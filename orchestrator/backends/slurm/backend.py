@@ -27,12 +27,15 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.backends.slurm.script import parse_extra_option, render_batch_script
+from cona.orchestrator.backends.slurm.script import node_options, parse_extra_option, render_batch_script
+from cona.orchestrator.elastic import is_elastic, node_range, world_candidates
 from cona.orchestrator.job import Job
+from cona.orchestrator.planner import enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.feasibility import placement
@@ -331,11 +334,41 @@ class SlurmBackend(Backend):
     # -- Backend API ---------------------------------------------------------------------------------------
 
     def render(self, *, strategy: Strategy) -> str:
-        """The batch script every submission of this run uses (the strategy reaches it through launch.json)."""
-        return render_batch_script(self.profile, self.job, str(self.run_dir.root))
+        """The batch script of the run's first submission, starting `strategy`: its `#SBATCH --nodes` is the one
+        `launch` would pass (the strategy's node count, or an elastic run's range). The strategy itself reaches
+        the job through launch.json."""
+        nodes = self.node_request(strategy, self._startable_node_counts())
+        return render_batch_script(self.profile, self.job, str(self.run_dir.root), nodes=nodes)
 
     def placement(self, strategy: Strategy) -> tuple[int, int]:
         return placement(strategy, self.profile.gpus_per_node, self.profile.nodes)
+
+    def node_request(self, strategy: Strategy, elastic: Collection[int] | None = None) -> str:
+        """The `--nodes` of a submission that starts `strategy`: its node count, or `MIN-MAX` when it may start on
+        any of several node counts (`elastic`: those of an elastic run's planning table). The one place that
+        decides it, for `launch` and for `render` alike."""
+        if elastic and len(elastic) > 1:
+            return f"{min(elastic)}-{max(elastic)}"
+        return str(self.placement(strategy)[0])
+
+    def _startable_node_counts(self) -> list[int] | None:
+        """The node counts an elastic run's first submission may start on, for `render`: the scheduler launches on
+        the keys of its planning table (`ElasticPlan.by_nodes`), the counts of the profile's range with a
+        feasible strategy; only the lowest and the highest matter for `node_request`. None when not elastic."""
+        if not is_elastic(self.profile):
+            return None
+        counts = node_range(self.profile)
+        if self.job is None:
+            return counts
+
+        def feasible(nodes: int) -> bool:
+            devices = nodes * self.profile.gpus_per_node
+            return bool(world_candidates(enumerate_candidates(profile=self.profile, job=self.job, num_devices=devices), devices))
+
+        # Searched from both ends: usually only the two ends of a range are planned, however large it is.
+        low = next((n for n in counts if feasible(n)), None)
+        high = next((n for n in reversed(counts) if feasible(n)), None)
+        return sorted({low, high} - {None})
 
     # A relaunch is a new srun step in the running allocation: step start on every node, interpreter and imports,
     # the c10d rendezvous and, on GPUs, NCCL initialisation. Another node count needs a new allocation: the
@@ -382,13 +415,12 @@ class SlurmBackend(Backend):
         nnodes, nproc = self.placement(strategy)
         (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
         extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
-        node_counts = f"{nnodes}"
+        node_counts = self.node_request(strategy, elastic)
         if elastic and len(elastic) > 1:
             # `--nodes=MIN-MAX`: Slurm starts the job on as many nodes of the range as it can give, and the batch
             # script's helper runs the table's strategy for `$SLURM_NNODES` (no round trip through the queue).
             table = {str(n): {"strategy": s.to_dict(), "nproc_per_node": self.placement(s)[1]} for n, s in elastic.items()}
             extra["by_nnodes"] = table
-            node_counts = f"{min(elastic)}-{max(elastic)}"
         elif previous is not None and self._can_relaunch_in_allocation(previous, nnodes):
             # A new srun step of the same allocation (new processes; an in-place switch keeps them, `continued`).
             extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="relaunch")
@@ -478,8 +510,9 @@ class SlurmBackend(Backend):
     def script_path(self) -> Path:
         return self.run_dir.root / "slurm" / "cona.sbatch"
 
-    def write_script(self) -> Path:
-        text = render_batch_script(self.profile, self.job, self.run_dir.root.absolute())
+    def write_script(self, nodes: str | None = None) -> Path:
+        """The run's batch script, for a submission on `nodes` nodes (`node_request`; default: the profile's)."""
+        text = render_batch_script(self.profile, self.job, self.run_dir.root.absolute(), nodes=nodes)
         path = self.script_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -490,8 +523,10 @@ class SlurmBackend(Backend):
 
     def _submit_sbatch(self, nnodes: str, submission: str) -> str:
         """Submit the batch script on `nnodes` nodes (a count, or `MIN-MAX` for an elastic launch)."""
-        script = self.write_script()
-        argv = ["sbatch", "--parsable", f"--nodes={nnodes}", *_range_tasks(nnodes), str(script), submission]
+        script = self.write_script(nnodes)
+        # The script's #SBATCH lines say the same; on the command line as well, which wins over any script.
+        options = [f"{option}={value}" for option, value in node_options(nnodes)]
+        argv = ["sbatch", "--parsable", *options, str(script), submission]
         result = self._cmd(argv, check=True, env=self.submission_env())
         job_id = result.stdout.strip().split(";")[0]
         if not job_id.isdigit():
@@ -507,13 +542,13 @@ class SlurmBackend(Backend):
         import submitit
 
         spec = self.profile.slurm
-        script = self.write_script()
+        script = self.write_script(nnodes)
         folder = self.run_dir.root / "slurm" / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit, "ntasks_per_node": 1}
-        for option in _range_tasks(nnodes):
-            key, _, value = option[2:].partition("=")
-            additional[key.replace("-", "_")] = int(value)
+        additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit}
+        for option, value in node_options(nnodes):
+            if option != "--nodes":  # submitit's own parameter, below
+                additional[option[2:].replace("-", "_")] = int(value)
         if spec.signal_before_timeout_s > 0:
             additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
         for entry in spec.extra_sbatch:
@@ -648,17 +683,6 @@ class SlurmBackend(Backend):
             with contextlib.suppress(SlurmError):
                 self._release(job_id, wait=False)
         self._jobs.clear()
-
-
-def _range_tasks(nnodes: str) -> list[str]:
-    """sbatch options that let a `--nodes=MIN-MAX` job get up to MAX nodes.
-
-    Slurm allocates at most as many nodes as the job has tasks, and `--ntasks-per-node=1` (the batch script's)
-    without `--ntasks` makes that MIN: the job would always get MIN nodes. MAX tasks, up to MAX a node, fit on
-    any node count of the range, so Slurm gives as many nodes as it can. (The training steps set their own task
-    counts.)"""
-    _, sep, high = nnodes.partition("-")
-    return [f"--ntasks={high}", f"--ntasks-per-node={high}"] if sep and high.isdigit() else []
 
 
 def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:

@@ -126,10 +126,27 @@ def helper_digest() -> str:
     return hashlib.sha256(helper_text().encode()).hexdigest()[:12]
 
 
+def node_options(nodes: int | str) -> list[tuple[str, str]]:
+    """The sbatch options that give a job `nodes` nodes: a count, or `MIN-MAX` for an elastic launch. Both the
+    script's `#SBATCH` lines and SlurmBackend's sbatch command line come from here, so they cannot differ.
+
+    One task per node: the batch script's `srun` starts one helper agent on each node, and it starts the
+    node's trainers. A range needs more: Slurm allocates at most as many nodes as the job has tasks, and
+    `--ntasks-per-node=1` without `--ntasks` makes that MIN, so the job would always get MIN nodes. MAX tasks, up
+    to MAX a node, fit on any node count of the range, so Slurm gives as many nodes as it can. (The training
+    steps set their own task counts.)"""
+    text = str(nodes)
+    _, sep, high = text.partition("-")
+    if sep and high.isdigit():
+        return [("--nodes", text), ("--ntasks", high), ("--ntasks-per-node", high)]
+    return [("--nodes", text), ("--ntasks-per-node", "1")]
+
+
 def sbatch_lines(
-    profile: ClusterProfile, job_name: str, run_dir: Path, *, nodes: int | None = None
+    profile: ClusterProfile, job_name: str, run_dir: Path, *, nodes: int | str | None = None
 ) -> list[str]:
-    """The `#SBATCH` lines of the run's batch script."""
+    """The `#SBATCH` lines of the run's batch script, for `nodes` nodes (a count or `MIN-MAX`; default: the
+    profile's `nodes`)."""
     spec = profile.slurm
     assert spec is not None
     output = filename_pattern(str(run_dir / "attempts")) + "/slurm-%j.out"
@@ -142,8 +159,7 @@ def sbatch_lines(
         lines.append(sbatch_line("--qos", spec.qos, "slurm.qos"))
     if spec.time_limit:
         lines.append(sbatch_line("--time", spec.time_limit, "slurm.time_limit"))
-    lines.append(sbatch_line("--nodes", nodes or profile.nodes))
-    lines.append(sbatch_line("--ntasks-per-node", 1))
+    lines += [sbatch_line(option, value) for option, value in node_options(nodes or profile.nodes)]
     if spec.gpus_per_node_flag:
         lines.append(sbatch_line("--gpus-per-node", profile.gpus_per_node))
     lines.append(sbatch_line("--requeue"))
@@ -186,14 +202,14 @@ def render_batch_script(
     job: Job | None,
     run_dir: str | Path,
     *,
-    nodes: int | None = None,
+    nodes: int | str | None = None,
     job_name: str | None = None,
 ) -> str:
     """The batch script of a run: `#SBATCH` lines from `profile.slurm`, setup commands, the attempt loop.
 
-    `nodes` is the `#SBATCH --nodes` default (the profile's node count); SlurmBackend passes the node count of
-    each submission on the sbatch command line, which wins. Raises ConfigError for values that cannot be
-    rendered safely.
+    `nodes` is what its `#SBATCH --nodes` asks for, a count or `MIN-MAX` (default: the profile's node count).
+    SlurmBackend renders each submission's own (`SlurmBackend.node_request`) and passes the same options on the
+    sbatch command line as well. Raises ConfigError for values that cannot be rendered safely.
     """
     if profile.slurm is None:
         raise ConfigError(f"profile {profile.name!r} has no slurm: section (backend is {profile.backend!r})")
