@@ -23,12 +23,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
 from cona.orchestrator.costmodel import Prediction, predict
 from cona.orchestrator.job import Job, job_from_dict
 from cona.orchestrator.planner import evaluate, layout_reason
 from cona.orchestrator.profile import ClusterProfile, load_profile
-from cona.protocol.yamlconfig import ConfigError
+from cona.protocol.yamlconfig import ConfigError, load_yaml
 
 from benchmarks.common import REPO, RESULTS, write_json
 
@@ -142,15 +141,9 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
 def load_record(path: Path | str = RECORD) -> dict[str, Any]:
     """Read and check a record; `RecordError` (one line) for a missing file, bad YAML or a bad field."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise RecordError(f"{path}: cannot read the record ({e.strerror or e}); give an existing YAML file") from None
-    try:
-        record = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise RecordError(f"{path}: not valid YAML{at}; fix the syntax there") from None
+        record = load_yaml(path)  # the same reading, and the same one-line errors, as profiles and jobs
+    except ConfigError as e:
+        raise RecordError(str(e)) from None
     return validate_record(record, path)
 
 
