@@ -33,7 +33,9 @@ modeled switch cost). On the same seeds:
 Time to target (TTP) is the modeled time at which the validation loss first reaches the target, linearly
 interpolated between evaluations (every `eval.interval_samples` samples). Fixed runs stop at the lowest target, the
 sample budget or `--cap` × the best fixed time so far; a run that stops first has no TTP ("—"), and a static/cona
-ratio that needs it is reported as a lower bound (≥, `lower_bound: true`). `best_fixed_over_cona` uses each seed's
+ratio that needs it is reported as a lower bound (≥, `lower_bound: true`). A cona run that runs out of samples
+before a target counts at its last modeled time: cona/oracle is then a lower bound (≥) and every ratio over cona an
+upper bound (≤, `upper_bound: true`; `cona_missed` lists the seeds). `best_fixed_over_cona` uses each seed's
 fastest fixed candidate in hindsight; `best_fixed_on_average_over_cona` the one candidate fastest on average.
 Workers run the (workload, seed) pairs in parallel (`--jobs`); `--resummarize JSON` redoes tables and plots.
 """
@@ -599,7 +601,11 @@ def summarize(workload: str, targets: list[float], results: list[dict[str, Any]]
     gbs_values = sorted(int(g) for g in results[0]["fixed"])
     for target in targets:
         key = str(target)
-        cona = [r["cona"]["ttp_s"][key] for r in results]
+        cona_reached = [r["cona"]["ttp_s"][key] for r in results]
+        # A cona run that ran out of samples before the target: its last modeled time bounds its time from below,
+        # so cona/oracle is a lower bound and every ratio over cona an upper bound (said, never averaged away).
+        cona = [t if t is not None else r["cona"]["last_t_s"] for t, r in zip(cona_reached, results, strict=True)]
+        missed = any(t is None for t in cona_reached)
         oracle = [r["oracle"]["ttp_s"][key] for r in results]
         best_fixed, best_fixed_which = [], []
         for r in results:
@@ -622,23 +628,31 @@ def summarize(workload: str, targets: list[float], results: list[dict[str, Any]]
             static_ttp[str(g)] = spread([f["ttp_s"][key] for f in runs])
             bounded = [f["ttp_s"][key] if f["ttp_s"][key] is not None else f["last_t_s"] for f in runs]
             static_ratio[str(g)] = {**spread(_ratios(bounded, cona)),
-                                    "lower_bound": any(f["ttp_s"][key] is None for f in runs)}  # fmt: skip
+                                    "lower_bound": any(f["ttp_s"][key] is None for f in runs), "upper_bound": missed}  # fmt: skip
         out["per_target"][key] = {
-            "ttp_s": {"cona": spread(cona), "oracle": spread(oracle), "best_fixed": spread(best_fixed),
+            "ttp_s": {"cona": spread(cona_reached), "oracle": spread(oracle), "best_fixed": spread(best_fixed),
                       "static": static_ttp},
+            "cona_missed": [r["seed"] for t, r in zip(cona_reached, results, strict=True) if t is None],
             "best_fixed_strategy": best_fixed_which,
             "static_over_cona": static_ratio,
             "static_over_cona_at_standard_batch": static_ratio[str(preset_base)],
-            "cona_over_oracle": spread(_ratios(cona, oracle)),
-            "best_fixed_over_cona": spread(_ratios(best_fixed, cona)),
+            "cona_over_oracle": {**spread(_ratios(cona, oracle)), "lower_bound": missed},
+            "best_fixed_over_cona": {**spread(_ratios(best_fixed, cona)), "upper_bound": missed},
             "best_fixed_on_average": mean_best,
-            "best_fixed_on_average_over_cona": spread(_ratios(mean_best_ttp, cona)),
+            "best_fixed_on_average_over_cona": {**spread(_ratios(mean_best_ttp, cona)), "upper_bound": missed},
             "fitted_critical_batch": spread([r["fitted_critical_batch"][key] for r in results]),
         }  # fmt: skip
         greedy = [r["greedy_window"]["ttp_s"][key] for r in results if "greedy_window" in r]
         if len(greedy) == len(results):
             out["per_target"][key]["ttp_s"]["greedy_window"] = spread(greedy)
     return out
+
+
+def bounded_ratio(stats: dict[str, Any], digits: int = 2) -> str:
+    """A ratio with its bound: ≥ when its numerator's run stopped short of the target, ≤ when its denominator's (cona)
+    did, ? when both did (no bound)."""
+    low, high = stats.get("lower_bound", False), stats.get("upper_bound", False)
+    return ("?" if low and high else "≥" if low else "≤" if high else "") + fmt_ratio(stats, digits)
 
 
 def print_summary(workload: str, summary: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -664,12 +678,9 @@ def print_summary(workload: str, summary: dict[str, Any], results: list[dict[str
     rows = []
     for target in targets:
         p = summary["per_target"][str(target)]
-        statics = []
-        for g in gbs_values:
-            r = p["static_over_cona"][str(g)]
-            statics.append(("≥" if r.get("lower_bound") else "") + fmt_ratio(r))
-        rows.append([f"{target:.2f}", *statics, fmt_ratio(p["cona_over_oracle"], 3),
-                     fmt_ratio(p["best_fixed_over_cona"], 3), fmt_ratio(p["best_fixed_on_average_over_cona"], 3)])
+        statics = [bounded_ratio(p["static_over_cona"][str(g)]) for g in gbs_values]
+        rows.append([f"{target:.2f}", *statics, bounded_ratio(p["cona_over_oracle"], 3),
+                     bounded_ratio(p["best_fixed_over_cona"], 3), bounded_ratio(p["best_fixed_on_average_over_cona"], 3)])
     std = summary["standard_batch"]
     print_table(f"{workload}: ratios, mean [min–max] over seeds {seeds}; the preset's standard batch is {std}; best fixed: "
                 "per seed in hindsight / the one with the lowest mean",

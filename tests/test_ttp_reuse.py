@@ -54,3 +54,30 @@ def test_reuse_refuses_a_run_with_other_settings(tmp_path, extra, seeds, message
 def test_reuse_of_a_missing_file_names_it(tmp_path):
     with pytest.raises(SystemExit, match=r"nope\.json not found"):
         ttp._previous_runs(str(tmp_path / "nope.json"), args=args(), names=["gpt"], seeds=[0])
+
+
+def _result(seed: int, cona: float | None, *, oracle: float = 100.0, fixed: float = 110.0) -> dict:
+    key = "2.0"
+    return {
+        "seed": seed,
+        "fitted_critical_batch": {key: None},
+        "fixed": {"128": {"ttp_s": {key: fixed}, "last_t_s": 400.0}},
+        "candidates": [{"strategy": "d8t1p1 m16 g128", "gbs": 128, "ttp_s": {key: fixed}}],
+        "cona": {"ttp_s": {key: cona}, "last_t_s": 300.0},
+        "oracle": {"ttp_s": {key: oracle}},
+    }
+
+
+def test_a_cona_run_that_misses_the_target_bounds_its_ratios_instead_of_vanishing_from_the_mean():
+    """A seed on which cona ran out of samples before the target used to drop out of the means (cona/oracle looked
+    better than it was); its last modeled time now bounds it, and the ratios say they are bounds."""
+    both = ttp.summarize("gpt", [2.0], [_result(0, 120.0), _result(1, 105.0)], 128)["per_target"]["2.0"]
+    assert both["cona_over_oracle"]["mean"] == pytest.approx(1.125) and not both["cona_over_oracle"]["lower_bound"]
+    assert both["cona_missed"] == []
+    one = ttp.summarize("gpt", [2.0], [_result(0, 120.0), _result(1, None)], 128)["per_target"]["2.0"]
+    assert one["cona_missed"] == [1]
+    assert one["cona_over_oracle"]["per_seed"] == pytest.approx([1.2, 3.0])  # seed 1: at least its last 300 s
+    assert one["cona_over_oracle"]["lower_bound"] and one["best_fixed_over_cona"]["upper_bound"]
+    assert one["static_over_cona"]["128"]["upper_bound"] and not one["static_over_cona"]["128"]["lower_bound"]
+    assert ttp.bounded_ratio(one["cona_over_oracle"], 3).startswith("≥2.100")
+    assert ttp.bounded_ratio(one["best_fixed_over_cona"], 3).startswith("≤")
