@@ -4,7 +4,7 @@
                                    [--small 4] [--curvature-batch 256] [--repeats 3] [--seed 0]
                                    [--out curvature.json]
 
-cona ranks with the plain noise scale B_simple = tr Σ / |G|² times `critical_batch_factor` (3), because the critical
+cona ranks with the plain noise scale B_simple = tr Σ / |G|² times `critical_batch_factor` (5), because the critical
 batch the fixed runs of `benchmarks.ttp` show is 1.2–7× B_simple on GPT but 0.3–1.4× on Llama and 0.1–0.4× on
 BERT (docs/benchmarks.md). McCandlish et al. (2018) derive the critical batch as the *curvature-weighted* noise
 scale, B_noise = tr(HΣ) / GᵀHG, of which B_simple is the special case H ∝ I; for Adam the step is P·g (P = 1 /
