@@ -72,8 +72,6 @@ def measure(s: Settings) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     sim = tiny_trainer(WORKLOADS[s.workload], seed=s.seed, stats=True)
-    part = sim.model.parts[0]
-    params = [p for p in part.parameters() if p.requires_grad]
 
     def mean_loss(start: int, end: int) -> torch.Tensor:
         batch = sim.batcher.samples(start, end)
@@ -89,7 +87,8 @@ def measure(s: Settings) -> dict[str, Any]:
         while sim.samples < state:
             sim.train_step()
         val = sim.evaluate()
-        part = sim.model.parts[0]  # the trainer keeps one model per gbs; the base batch's is the one trained
+        part = sim.model.parts[0]  # the trainer keeps one model per gbs; the base batch's is the one trained (and
+        # the one `mean_loss` evaluates)
         params = [p for p in part.parameters() if p.requires_grad]
         optimizer = sim.model.optimizers[0]
         group = optimizer.param_groups[0]

@@ -64,10 +64,9 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
     _require(isinstance(row, dict), where, "must be a mapping")
     if model:
         _check_model(row, where)
-    for key in ("gpus", "t", "p", "mbs", "gbs", "v"):
-        if key in row or key != "v":
-            _require(key in row, f"{where}.{key}", "missing")
-            _require(_positive_int(row[key]), f"{where}.{key}", f"must be a positive integer, got {row[key]!r}")
+    for key in ("gpus", "t", "p", "mbs", "gbs", *(("v",) if "v" in row else ())):  # v (virtual stages) is optional
+        _require(key in row, f"{where}.{key}", "missing")
+        _require(_positive_int(row[key]), f"{where}.{key}", f"must be a positive integer, got {row[key]!r}")
     _require(row["gpus"] % (row["t"] * row["p"]) == 0, f"{where}.gpus",
              f"{row['gpus']} GPUs are not a multiple of t·p = {row['t'] * row['p']}; fix t, p or gpus")  # fmt: skip
     if published:

@@ -277,7 +277,7 @@ def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     # when anything fits there (`RunModel.initial_strategy`), so the other node counts of an elastic range —
     # thousands on a large elastic profile — are enumerated only when nothing does.
     counts = device_counts(profile, job)
-    elastic = set(n * profile.gpus_per_node for n in node_range(profile)) - {profile.num_gpus}
+    elastic = {n * profile.gpus_per_node for n in node_range(profile)} - {profile.num_gpus}
     first = [d for d in counts if d not in elastic]
 
     def feasible(devices: list[int]) -> list[Candidate]:

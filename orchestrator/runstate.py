@@ -110,11 +110,9 @@ def _usable_event(record: dict[str, Any]) -> bool:
 def read_events(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """The records of events.jsonl that readers can use (see `_usable_event`); the lines left out are described in
     `skipped` when it is given."""
-    damaged: list[str] = []
-    records = read_jsonl(run_dir.events, damaged=damaged)[0]
+    records = read_jsonl(run_dir.events, damaged=skipped)[0]
     usable = [e for e in records if _usable_event(e)]
     if skipped is not None:
-        skipped.extend(damaged)
         unusable = len(records) - len(usable)
         skipped.extend([f"{run_dir.events}: a record without a numeric time, an event name or its strategies"] * unusable)
     return usable
