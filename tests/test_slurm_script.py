@@ -213,6 +213,17 @@ def _extra(*entries: str) -> str:
         ("-HN 8", "nodes", "set nodes / min_nodes"),  # -H takes no argument: N is the next option
         ("--partition=other", "partition", "slurm.partition is set ('gpu'); set it there only"),
         ("-p other", "partition", "slurm.partition is set ('gpu'); set it there only"),
+        # An array starts several copies of one run, each writing the same run directory.
+        ("--array=0-3", "array", "a run is one job, which requeues itself"),
+        ("-a 0-3", "array", "an array would start several copies of the run writing one run directory"),
+        ("-a0-3%1", "array", "remove the entry"),
+        ("--arr=1-2", "array", "remove the entry"),
+        ("--tasks-per-node=8", "tasks-per-node", "set nodes / gpus_per_node in the profile"),
+        ("--ntasks-per-tres=1", "ntasks-per-tres", "set nodes / gpus_per_node in the profile"),
+        ("--tres-per-task=gres/gpu:1", "tres-per-task", "set gpus_per_node in the profile"),
+        ("--tres-per-task=cpu=4,gres/gpu=1", "tres-per-task", "set gpus_per_node in the profile"),
+        ("--tres-per-task=gres/gpu:a100=2", "tres-per-task", "set gpus_per_node in the profile"),
+        ("--gres=gres/gpu=2", "gres", "set gpus_per_node in the profile"),
     ],
 )
 def test_extra_sbatch_refuses_options_cona_decides(entry, option, advice):
@@ -227,7 +238,9 @@ def test_extra_sbatch_refuses_options_cona_decides(entry, option, advice):
 
 def test_extra_sbatch_keeps_options_cona_leaves_alone():
     allowed = ["--account=proj", "-A proj", "--qos=high", "--constraint=a100", "-C a100", "--exclusive",
-               "--mail-type=END", "--gres=nvme:1", "--mem=0", "-c 16", "--time-min=30", "--nodelist=n[1-4]"]  # fmt: skip
+               "--mail-type=END", "--gres=nvme:1", "--mem=0", "-c 16", "--time-min=30", "--nodelist=n[1-4]",
+               # placement, not counts: Slurm keeps cona's --nodes with any nodelist (spec.py says why)
+               "-w n[1-4]", "--exclude=n5", "--tres-per-task=cpu=4", "--tres-per-task=gres/nvme:1"]  # fmt: skip
     text = render_batch_script(_profile_set(_extra(*allowed)), None, "/runs/r")
     sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert sbatch[-len(allowed) :] == [f"#SBATCH {entry}" for entry in allowed]

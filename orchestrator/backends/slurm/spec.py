@@ -21,6 +21,8 @@ _NODES = "the node count comes from the profile and each submission's strategy; 
 _TASKS = "cona runs one task per node, which starts gpus_per_node trainers; set nodes / gpus_per_node in the profile"
 _GPUS = "each node runs gpus_per_node trainer processes; set gpus_per_node in the profile"
 _LOG = "the job's log stays in the run directory (attempts/slurm-%j.out); remove the entry"
+_ARRAY = ("a run is one job, which requeues itself, and an array would start several copies of the run writing one "
+          "run directory; remove the entry")  # fmt: skip
 _OWN_OPTIONS: dict[str, str] = {
     # Options the batch script renders itself (`script.sbatch_lines`, `script.node_options`): sbatch takes the
     # last of two, so a second one in extra_sbatch would silently win over cona's.
@@ -36,6 +38,7 @@ _OWN_OPTIONS: dict[str, str] = {
     "requeue": "cona requests it already; remove the entry",
     "no-requeue": "the job requeues itself after the pre-timeout signal; remove the entry",
     "gpus-per-node": _GPUS,
+    "tasks-per-node": _TASKS,  # sbatch's other name for --ntasks-per-node
     # Not rendered, but they change how many GPUs or tasks a node gets, which torchrun's process count assumes.
     "gpus": _GPUS,
     "gpus-per-task": _GPUS,
@@ -43,13 +46,22 @@ _OWN_OPTIONS: dict[str, str] = {
     "ntasks-per-socket": _TASKS,
     "ntasks-per-core": _TASKS,
     "ntasks-per-gpu": _TASKS,
+    "ntasks-per-tres": _TASKS,
+    # Not rendered either, but it breaks the job model: the run directory has one writer, the run's one job.
+    "array": _ARRAY,
 }
-_GRES = "gres"
-"""Refused only when it requests GPUs (`gpu`, `gpu:4`, `gpu:a100:4`); other generic resources stay allowed."""
+# Left alone on purpose: `--nodelist`/`-w` (and `--nodefile`) and `--exclude`/`-x` say where the job runs, not
+# how many nodes or GPUs it gets, and cona sets no placement option they could override. With cona's `--nodes`
+# always given, slurmctld keeps that count: it adds nodes to a shorter nodelist and picks among a longer one (which
+# it turns into "exclude all others"), so a list fits every node count a switch submits. What it costs, that the
+# listed nodes of a shorter list must all be up before the job starts again, is the user's to choose.
+_GPU_REQUESTS = ("gres", "tres-per-task")
+"""Refused only when they request GPUs (`gpu`, `gpu:4`, `gpu:a100:4`, `gres/gpu=1`); other generic resources, and
+`--tres-per-task=cpu=4` (what `-c 4` sets), stay allowed. sbatch has no `--tres-per-node`: `--gres` is its form."""
 _PROFILE_FIELDS = ("partition", "account", "qos")
 """Rendered from the field of that name when it is set: refused in extra_sbatch only then."""
 _SHORT = {"N": "nodes", "n": "ntasks", "t": "time", "J": "job-name", "o": "output", "e": "error", "G": "gpus",
-          "p": "partition", "A": "account", "q": "qos"}  # fmt: skip
+          "p": "partition", "A": "account", "q": "qos", "a": "array"}  # fmt: skip
 _SHORT_FLAGS = frozenset("hHIkOQsvVW")
 """sbatch's short options without an argument: in a cluster such as `-HN8` the letters after them are options
 too, while the rest after one that takes an argument is its value."""
@@ -76,13 +88,21 @@ def _sbatch_options(entry: str) -> list[tuple[str, str | None]]:
     return options
 
 
+def _requests_gpus(value: str | None) -> bool:
+    """Whether a `--gres` or `--tres-per-task` value asks for GPUs: an item named `gpu`, bare or as `gres/gpu`
+    (`gres:gpu`), followed by `:type`, `:count` or `=count`."""
+    names = (re.split(r"[:=]", item.strip().removeprefix("gres/").removeprefix("gres:"))[0]
+             for item in (value or "").split(","))  # fmt: skip
+    return "gpu" in names
+
+
 def _refusal(name: str, value: str | None, set_fields: dict[str, str | None]) -> tuple[str, str] | None:
     """(the option cona owns, what to do instead) when sbatch would read `--name` as an option cona sets itself."""
     owned = dict(_OWN_OPTIONS)
     owned.update({field: f"slurm.{field} is set ({set_fields[field]!r}); set it there only" for field in _PROFILE_FIELDS
                   if set_fields.get(field)})  # fmt: skip
-    if value is not None and any(item.split(":")[0].removeprefix("gres/") == "gpu" for item in value.split(",")):
-        owned[_GRES] = _GPUS
+    if _requests_gpus(value):
+        owned.update(dict.fromkeys(_GPU_REQUESTS, _GPUS))
     if name in owned:
         return name, owned[name]
     # sbatch reads options with getopt_long, which takes any unambiguous prefix (`--gpus-per-n=4` is
