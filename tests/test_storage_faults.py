@@ -223,3 +223,7 @@ def test_deleted_shard_falls_back_to_the_older_checkpoint_and_says_so(tmp_path):
     assert resumed == [{"resume": 1, "samples": 16}]
     skipped = [hb for hb in read_jsonl(run / "heartbeats" / "1.jsonl")[0] if hb.get("event") == "checkpoint-skipped"]
     assert [hb["reason"] for hb in skipped] == [f"skipping checkpoint {shard.parent}: __0_0.distcp is missing"]
+    # The heartbeat is the record; the user is told once, by the warning on stderr when it happens (the progress
+    # line of that heartbeat on stdout would say it again).
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "skipping checkpoint" in line]
+    assert said == [f"cona trainer: warning: skipping checkpoint {shard.parent}: __0_0.distcp is missing"], said

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
+from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, HeartbeatEvent
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.rundir import (
@@ -528,7 +528,10 @@ class Trainer:
             reason=reason,
         )
         now = time.monotonic()
-        if heartbeat is not None and (event is not None or now - self._last_print >= PROGRESS_INTERVAL_S):
+        # A notice (a checkpoint skipped or restored at resume) was said on stderr when it happened, also before a
+        # resume that then fails (`ckpt.warn`); its heartbeat is the record in the run directory, not a second line.
+        shown = event not in NOTICE_EVENTS
+        if heartbeat is not None and shown and (event is not None or now - self._last_print >= PROGRESS_INTERVAL_S):
             self._last_print = now
             print(_progress_line(heartbeat), flush=True)
 
