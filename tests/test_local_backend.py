@@ -82,3 +82,36 @@ def test_a_max_steps_stop_exits_0_and_is_still_told_stopped_by_its_exit_record(t
     backend = ExitingBackend(run_dir=run_dir, code=0)
     outcome = _wait(backend, backend.launch(attempt=1, strategy=STRATEGY))
     assert outcome.status is AttemptStatus.STOPPED and outcome.exit_code == ExitCode.STOPPED, outcome
+
+
+def test_more_processes_than_this_machine_carries_are_warned_about_once(tmp_path, monkeypatch, capsys):
+    """Every process of a local run is on this machine, whatever nodes the profile emulates: 4 × 32 renders
+    `--nproc-per-node=128`, which a 2-CPU machine cannot run as planned. One stderr line, once per count."""
+    from pathlib import Path
+
+    from cona.orchestrator.backends.local import backend as local
+    from cona.orchestrator.profile import load_profile
+
+    monkeypatch.setattr(local, "usable_cpus", lambda: 2)
+    profile_path = Path(__file__).resolve().parent.parent / "slurm" / "profiles" / "local-cpu.yaml"
+    profile = load_profile(profile_path, ["nodes=4", "gpus_per_node=32"])
+    backend = LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=profile)
+    wide = Strategy(dp=128, tp=1, pp=1, mbs=1, gbs=128)
+    assert "--nproc-per-node=128" in backend.render(strategy=wide)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("cona: warning: the local backend starts 128 trainer processes on this one machine")
+    assert "2 CPU(s) for them, more than 2 per CPU" in line and "4 × 32" in line
+    assert "lower nodes or gpus_per_node in the profile" in line
+    backend.render(strategy=wide)  # said already: not at every relaunch
+    backend.render(strategy=Strategy(dp=64, tp=1, pp=1, mbs=1, gbs=64))
+    assert capsys.readouterr().err == ""
+    # The shipped profile's load, 4 processes on 2 CPUs, is what cona is measured at: no warning.
+    LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=profile).render(strategy=Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4))
+    assert capsys.readouterr().err == ""
+    # A launch warns too (the first attempt of `cona run`, or a later one that starts more processes).
+    run_dir = RunDir(tmp_path / "launched")
+    run_dir.root.mkdir()
+    exiting = ExitingBackend(run_dir=run_dir, code=0)
+    _wait(exiting, exiting.launch(attempt=1, strategy=Strategy(dp=5, tp=1, pp=1, mbs=1, gbs=5)))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "starts 5 trainer processes" in line and "profile's nodes" not in line

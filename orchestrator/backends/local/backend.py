@@ -35,6 +35,22 @@ from cona.protocol.strategy import Strategy
 EXIT_CODE_FILE = "exit_code"
 DEVICES_FILE = "devices"
 """In the run directory: how many devices an elastic run has now, when fewer than the profile's (one integer)."""
+PROCESSES_PER_CPU = 2
+"""Trainer processes a CPU of this machine carries before the backend warns. Not 1: the shipped `local-cpu` profile
+runs 4 processes on the 2-core machine it was measured on (docs/benchmarks.md), a load cona trains at as planned, and
+a warning on every default run would teach users to ignore it. Far beyond it, e.g. a profile that emulates 4 nodes
+× 32 devices (128 processes on one machine), every collective waits on processes the kernel has not scheduled, each
+process holds its own torch and model in the machine's one memory, and the profile's nodes describe machines that
+are not there: the step times the planner expects are out of reach."""
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a container's cpuset, `taskset`), which `os.cpu_count()`
+    ignores; all of the machine's where the platform has no affinity."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _process_start_time(pid: int) -> str | None:
@@ -92,6 +108,8 @@ class LocalBackend(Backend):
         self.python = python or sys.executable
         self.extra_env = dict(extra_env or {})
         self._children: dict[int, subprocess.Popen] = {}
+        self._warned_processes = 0
+        """The most processes `_warn_if_crowded` has warned about: said once, not at every relaunch."""
 
     @property
     def elastic(self) -> bool:
@@ -138,7 +156,24 @@ class LocalBackend(Backend):
         cmd = shlex.join(self.command(attempt=attempt, strategy=strategy))
         return f"{cmd}; rc=$?; echo $rc > {exit_file}.tmp && mv {exit_file}.tmp {exit_file}; exit $rc"
 
+    def _warn_if_crowded(self, strategy: Strategy) -> None:
+        """One stderr line when `strategy` would start more processes than this machine has CPUs for
+        (`PROCESSES_PER_CPU` a CPU): all of them run here, whatever nodes the profile describes. A warning, not a
+        refusal: the run still works, only slower than planned, and a test may want exactly that."""
+        processes, cpus = strategy.world_size, usable_cpus()
+        if processes <= PROCESSES_PER_CPU * cpus or processes <= self._warned_processes:
+            return
+        self._warned_processes = processes
+        layout = ""
+        if self.profile is not None:
+            layout = f" (the profile's nodes × gpus_per_node, {self.profile.nodes} × {self.profile.gpus_per_node}, all run here)"
+        print(f"cona: warning: the local backend starts {processes} trainer processes on this one machine, which has "
+              f"{cpus} CPU(s) for them, more than {PROCESSES_PER_CPU} per CPU{layout}; they train far slower than "
+              "planned: lower nodes or gpus_per_node in the profile to what this machine has", file=sys.stderr,
+              flush=True)  # fmt: skip
+
     def render(self, *, strategy: Strategy) -> str:
+        self._warn_if_crowded(strategy)
         return (
             "# cona local backend: each attempt runs in its own session, from the run directory, with\n"
             "# OMP_NUM_THREADS=1 (unless set) and PYTHONUNBUFFERED=1; the first attempt would be:\n"
@@ -154,6 +189,7 @@ class LocalBackend(Backend):
             # The table's strategy for the whole nodes there are devices for; the smallest when there are fewer
             # (nothing smaller is planned: a worker without its device crashes, and the run retries as after any).
             strategy = table_choice(elastic, self.available_nodes(Attempt(number=attempt, strategy=strategy)) or 0)
+        self._warn_if_crowded(strategy)
         attempt_dir = self.run_dir.attempt_dir(attempt)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         self.write_launch(attempt, strategy)
