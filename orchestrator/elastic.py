@@ -4,7 +4,9 @@ The orchestrator plans for every node count of that range (the planning table, `
 policy would run on that world. A launch may then start on whatever the cluster gives — Slurm `--nodes=MIN-MAX`,
 the batch script's helper picking the table's strategy for `$SLURM_NNODES` inside the allocation — and a run that
 loses a node goes on, replanned, on the nodes that are left (`Scheduler`). The table is kept in the run directory
-(`elastic.json`, `ElasticPlan`) for `cona status`.
+(`elastic.json`, `ElasticPlan`) for `cona status`. Which counts of the range can start the job at all is decided
+in one place, `startable_nodes`: the table, the start strategy `cona render`/`submit` show and the `--nodes` of a
+Slurm submission all ask it.
 
 No I/O beyond `write_plan`/`read_plan`; torch-free.
 """
@@ -12,6 +14,7 @@ No I/O beyond `write_plan`/`read_plan`; torch-free.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cona.protocol.feasibility import placement
@@ -19,6 +22,7 @@ from cona.protocol.rundir import RunDir, atomic_write_json, read_json
 from cona.protocol.strategy import Strategy
 
 if TYPE_CHECKING:
+    from cona.orchestrator.job import Job
     from cona.orchestrator.planner import Candidate
     from cona.orchestrator.profile import ClusterProfile
     from cona.orchestrator.runmodel import RunModel
@@ -112,18 +116,62 @@ def world_candidates(candidates: list[Candidate], devices: int) -> list[Candidat
     return [c for c in candidates if c.feasible and c.strategy.world_size == devices]
 
 
+def startable_nodes(
+    profile: ClusterProfile, job: Job, *, candidates: Sequence[Candidate] | None = None, descending: bool = False,
+) -> Iterator[tuple[int, list[Candidate]]]:  # fmt: skip
+    """The node counts of `profile`'s range ([min_nodes, nodes], `node_range`) on which `job` can start, each with
+    its feasible candidates on exactly that many devices: (node count, candidates), ascending (`descending`: from
+    the top). A count where nothing is feasible is left out; nothing at all when nothing fits anywhere (the caller
+    says what that means: `cona render` refuses, the planning table waits).
+
+    The one place that decides it, because three callers must agree: the run's planning table (`plan_table`: a
+    strategy for each count), the strategy `cona render`/`submit` show the run starting with (`cli.first_strategy`)
+    and the `--nodes MIN-MAX` of a Slurm submission (`SlurmBackend.render`), which must ask for the counts the run
+    itself would launch on. A count's candidates are the planner's own (`enumerate_candidates` for its devices), or
+    those of `candidates` on that world when the caller has them already (a run's model, planned for every count
+    of the range by `scheduler.device_counts`): the same either way.
+
+    Lazy: a count is enumerated only when the caller reads that far, so a caller that needs only the ends of a
+    range of thousands of counts (the Slurm range, the start on all nodes) enumerates few of them; and `candidates`
+    is grouped by world size once, not scanned again for every count."""
+    counts = node_range(profile)
+    if descending:
+        counts.reverse()
+    if candidates is None:
+        from cona.orchestrator.planner import enumerate_candidates
+
+        for nodes in counts:
+            devices = nodes * profile.gpus_per_node
+            enumerated = enumerate_candidates(profile=profile, job=job, num_devices=devices)
+            pool = world_candidates(enumerated, devices)
+            if pool:
+                yield nodes, pool
+        return
+    by_world: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        if c.feasible:
+            by_world.setdefault(c.strategy.world_size, []).append(c)
+    for nodes in counts:
+        pool = by_world.get(nodes * profile.gpus_per_node)
+        if pool:
+            yield nodes, pool
+
+
 def plan_table(model: RunModel, *, reason: str, time: float) -> ElasticPlan:
     """The planning table of `model`'s run: for each node count of the profile's range, the strategy its policy
-    chooses among that world's candidates (`RunModel.best_for_world`, under the current noise scale)."""
+    chooses among that world's candidates (`RunModel.best_for_world`, under the current noise scale). Only the
+    counts that can start (`startable_nodes`) are planned; the others are listed with no strategy (the run waits
+    there), so a range of thousands of counts costs about as much as the few that fit."""
     profile = model.profile
+    pools = dict(startable_nodes(profile, model.job, candidates=model.candidates))
+    counts = node_range(profile)
     plans = []
-    for nodes in node_range(profile):
+    for nodes in counts:
         devices = nodes * profile.gpus_per_node
-        pool = world_candidates(model.candidates, devices)
+        pool = pools.get(nodes, [])
         plans.append(NodePlan(nodes=nodes, devices=devices, feasible=len(pool),
                               strategy=model.best_for_world(devices) if pool else None))  # fmt: skip
-    nodes = node_range(profile)
-    return ElasticPlan(min_nodes=nodes[0], max_nodes=nodes[-1], plans=tuple(plans),
+    return ElasticPlan(min_nodes=counts[0], max_nodes=counts[-1], plans=tuple(plans),
                        noise_scale=model.ranking_noise_scale(), reason=reason, time=time)  # fmt: skip
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 from cona.orchestrator.backends.slurm import SlurmBackend
-from cona.orchestrator.elastic import ElasticPlan, is_elastic, node_range, plan_table, read_plan, write_plan
+from cona.orchestrator.elastic import (
+    ElasticPlan,
+    is_elastic,
+    node_range,
+    plan_table,
+    read_plan,
+    startable_nodes,
+    write_plan,
+)
 from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.runmodel import RunModel
@@ -132,3 +140,112 @@ def test_render_starts_on_all_devices_without_planning_every_node_count(monkeypa
     small = load_profile(REPO / "slurm" / "profiles" / "a100-4x8.yaml", ["nodes=3", "gpus_per_node=6", "min_nodes=1"])
     start = first_strategy(small, job)
     assert planned == [18, 12, 6] and start.world_size in (12, 6)
+
+
+# -- startable_nodes: the one decision of which node counts can start a run -------------------------------------
+
+
+def _counting_enumeration(monkeypatch) -> list[int]:
+    """The device counts the planner is asked to enumerate from now on, in order."""
+    import cona.orchestrator.planner as planner
+
+    planned: list[int] = []
+    enumerate_all = planner.enumerate_candidates
+
+    def counting(**kwargs):
+        planned.append(kwargs.get("num_devices"))
+        return enumerate_all(**kwargs)
+
+    monkeypatch.setattr(planner, "enumerate_candidates", counting)
+    return planned
+
+
+def test_startable_node_counts_skip_an_infeasible_count_and_enumerate_lazily(tmp_path, monkeypatch):
+    """1 to 5 nodes of 2 processes: tiny-gpt's power-of-two batches split over 2, 4 and 8 devices but not over 6
+    or 10 (factors 3 and 5), so 3 nodes in the middle and 5 at the top cannot start. Read from the top, the
+    generator enumerates only as far as the first count that can (what render and submit need)."""
+    profile = load_profile(PROFILE, ["nodes=5", "min_nodes=1"])
+    job = load_job(TINY)
+    found = list(startable_nodes(profile, job))
+    assert [n for n, _ in found] == [1, 2, 4]
+    for nodes, pool in found:
+        devices = nodes * profile.gpus_per_node
+        assert pool and all(c.feasible and c.strategy.world_size == devices for c in pool)
+    assert [n for n, _ in startable_nodes(profile, job, descending=True)] == [4, 2, 1]
+    planned = _counting_enumeration(monkeypatch)
+    top = next(startable_nodes(profile, job, descending=True))
+    assert top[0] == 4 and planned == [10, 8]
+    # A run's own candidates (planned for every count of the range) give the same pools, grouped once.
+    model, _ = _model(tmp_path, min_nodes=1)
+    assert [(n, [c.strategy for c in pool]) for n, pool in startable_nodes(model.profile, model.job, candidates=model.candidates)] == [
+        (n, [c.strategy for c in pool]) for n, pool in startable_nodes(model.profile, model.job)
+    ]  # fmt: skip
+
+
+def test_the_table_render_and_the_start_strategy_agree_on_the_startable_counts(tmp_path):
+    """The three callers of `startable_nodes`: the planning table plans exactly the counts that can start (3 nodes
+    waits), the Slurm render asks for their range, and render/submit start on the largest of them (nothing fits on
+    all 5 nodes)."""
+    from cona.orchestrator.cli import first_strategy
+
+    profile = load_profile(PROFILE, ["nodes=5", "min_nodes=1"])
+    job = load_job(TINY)
+    run_dir = RunDir(tmp_path / "run")
+    backend = SlurmBackend(run_dir=run_dir, profile=profile, job=job)
+    model = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend).model
+    plan = plan_table(model, reason="start", time=1.0)
+    assert sorted(plan.by_nodes()) == [1, 2, 4] and [p.nodes for p in plan.plans] == [1, 2, 3, 4, 5]
+    assert [p.feasible for p in plan.plans if p.strategy is None] == [0, 0]
+    start = first_strategy(profile, job)
+    assert start.world_size == 8 == plan.by_nodes()[4].world_size
+    assert "#SBATCH --nodes=1-4" in backend.render(strategy=start).splitlines()
+
+
+def test_nothing_startable_is_the_clear_error_of_render(tmp_path):
+    """gpt3-1.3b fits on no node count of 1 to 3 CPU "nodes" (4 GB each): nothing can start. render/submit say
+    so in one line (with the odd factor 6 devices have); the Slurm script then asks for the strategy's own nodes."""
+    from cona.orchestrator.cli import UserError, first_strategy
+
+    profile = load_profile(PROFILE, ["nodes=3", "min_nodes=1"])
+    job = load_job(REPO / "examples" / "gpt3-1.3b.yaml")
+    assert list(startable_nodes(profile, job)) == [] == list(startable_nodes(profile, job, descending=True))
+    with pytest.raises(UserError, match=r"^no feasible strategy for gpt3-1.3b on local-slurm; 6 devices have the "
+                                        r"factor 3.*run `cona plan --all` to see why$"):  # fmt: skip
+        first_strategy(profile, job)
+    backend = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=profile, job=job)
+    rendered = backend.render(strategy=Strategy.parse("dp=2,tp=1,pp=1,mbs=1,gbs=64"))
+    assert "#SBATCH --nodes=1" in rendered.splitlines()
+
+
+def test_a_2048_node_range_plans_only_the_counts_that_can_start(monkeypatch):
+    """`cona run` on 1 to 2,048 nodes: the table lists every count, but only those that can start are planned
+    (the policy's choice for that world), and the run's candidates are grouped by world once instead of being
+    scanned again for each of the 2,048 counts (0.75 s for this table before, 0.01 s now, on a 2-core machine)."""
+    import time
+
+    from cona.orchestrator.planner import enumerate_candidates
+
+    job = load_job(REPO / "examples" / "gpt3-1.3b.yaml")
+    profile = load_profile(REPO / "slurm" / "profiles" / "a100-4x8.yaml", ["nodes=2048", "min_nodes=1"])
+    # The run plans every count of the range; the powers of two stand for it here (the others' enumeration takes
+    # the scheduler ~20 s, and a few of them can start too), with thousands of candidates as a real run has.
+    counts = [2**k for k in range(12)]
+    enumerated = [c for n in counts for c in enumerate_candidates(profile=profile, job=job, num_devices=n * 8)]
+    candidates = [c for c in enumerated if c.feasible]
+    model = RunModel(profile=profile, job=job, candidates=candidates, switch_kind=lambda a, b: SwitchKind.RESUBMIT,
+                     switch_overhead_s=lambda kind: 0.0)  # fmt: skip
+    planned: list[int] = []
+    best_for_world = model.best_for_world
+
+    def planning(devices: int) -> Strategy:
+        planned.append(devices)
+        return best_for_world(devices)
+
+    monkeypatch.setattr(model, "best_for_world", planning)
+    began = time.perf_counter()
+    plan = plan_table(model, reason="start", time=0.0)
+    took = time.perf_counter() - began
+    assert len(plan.plans) == 2048 and sorted(plan.by_nodes()) == counts
+    assert planned == [n * 8 for n in counts]
+    assert plan.strategy_for(2048) == model.initial_strategy()
+    assert took < 0.25, f"planning 2,048 node counts took {took:.2f} s"
