@@ -33,9 +33,8 @@ from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.backends.slurm.script import node_options, parse_extra_option, render_batch_script
-from cona.orchestrator.elastic import is_elastic, node_range, world_candidates
+from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
-from cona.orchestrator.planner import enumerate_candidates
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.feasibility import placement
@@ -353,22 +352,17 @@ class SlurmBackend(Backend):
 
     def _startable_node_counts(self) -> list[int] | None:
         """The node counts an elastic run's first submission may start on, for `render`: the scheduler launches on
-        the keys of its planning table (`ElasticPlan.by_nodes`), the counts of the profile's range with a
-        feasible strategy; only the lowest and the highest matter for `node_request`. None when not elastic."""
+        the keys of its planning table (`ElasticPlan.by_nodes`), the counts of the profile's range that can start
+        the job (`startable_nodes`); only the lowest and the highest matter for `node_request`. None when not
+        elastic."""
         if not is_elastic(self.profile):
             return None
-        counts = node_range(self.profile)
         if self.job is None:
-            return counts
-
-        def feasible(nodes: int) -> bool:
-            devices = nodes * self.profile.gpus_per_node
-            return bool(world_candidates(enumerate_candidates(profile=self.profile, job=self.job, num_devices=devices), devices))
-
+            return node_range(self.profile)
         # Searched from both ends: usually only the two ends of a range are planned, however large it is.
-        low = next((n for n in counts if feasible(n)), None)
-        high = next((n for n in reversed(counts) if feasible(n)), None)
-        return sorted({low, high} - {None})
+        low = next(startable_nodes(self.profile, self.job), None)
+        high = next(startable_nodes(self.profile, self.job, descending=True), None)
+        return sorted({end[0] for end in (low, high) if end is not None})
 
     # A relaunch is a new srun step in the running allocation: step start on every node, interpreter and imports,
     # the c10d rendezvous and, on GPUs, NCCL initialisation. Another node count needs a new allocation: the
