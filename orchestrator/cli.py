@@ -267,25 +267,28 @@ def _batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
 
 def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     """The strategy a run would start with: the policy's own choice over the feasible candidates."""
-    from cona.orchestrator.elastic import node_range
-    from cona.orchestrator.planner import Candidate, enumerate_candidates
+    from itertools import chain
+
+    from cona.orchestrator.elastic import node_range, startable_nodes
+    from cona.orchestrator.planner import enumerate_candidates
     from cona.orchestrator.policy import make_policy
     from cona.orchestrator.scheduler import device_counts
     from cona.orchestrator.throughput import ThroughputModel
 
     # The candidates the scheduler plans with (a schedule may name smaller worlds). The run starts on all devices
     # when anything fits there (`RunModel.initial_strategy`), so the other node counts of an elastic range —
-    # thousands on a large elastic profile — are enumerated only when nothing does.
-    counts = device_counts(profile, job)
-    elastic = {n * profile.gpus_per_node for n in node_range(profile)} - {profile.num_gpus}
-    first = [d for d in counts if d not in elastic]
-
-    def feasible(devices: list[int]) -> list[Candidate]:
-        return [c for d in devices for c in enumerate_candidates(profile=profile, job=job, num_devices=d) if c.feasible]
-
-    candidates = feasible(first)
-    if not any(c.strategy.world_size == profile.num_gpus for c in candidates):
-        candidates += feasible([d for d in counts if d in elastic])
+    # thousands on a large elastic profile — are enumerated only when nothing does: `startable_nodes` from the
+    # top stops at the first count that can start.
+    startable = startable_nodes(profile, job, descending=True)
+    top = next(startable, None)
+    # Worlds below the range that a `schedule`/`fixed` policy names (`device_counts`) are always its candidates.
+    in_range = {n * profile.gpus_per_node for n in node_range(profile)}
+    named = [c for d in device_counts(profile, job) if d not in in_range
+             for c in enumerate_candidates(profile=profile, job=job, num_devices=d) if c.feasible]  # fmt: skip
+    if top is not None and top[0] == profile.nodes:
+        candidates = top[1] + named
+    else:
+        candidates = named + [c for _, pool in chain([top] if top else [], startable) for c in pool]
     if not candidates:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}; "
                         f"{_batch_hint(job, profile.num_gpus, None)}run `cona plan --all` to see why")  # fmt: skip
