@@ -142,8 +142,12 @@ def progress_rate(
 
 
 def prior_noise_scale(spec: PolicySpec, *, base_gbs: int) -> float:
-    """The B_noise cona assumes before it has measured one: `policy.prior_noise_scale`, or the base batch."""
-    return float(spec.prior_noise_scale if spec.prior_noise_scale is not None else base_gbs)
+    """The B_noise cona ranks with before it has measured one: `policy.prior_noise_scale`, or, unset, the base
+    batch taken as the estimator's value and ranked through `critical_batch_factor` like every estimate (a batch
+    the user tuned the LR at is guessed to sit at the measured noise scale, not at the critical batch)."""
+    if spec.prior_noise_scale is not None:
+        return float(spec.prior_noise_scale)
+    return float(spec.critical_batch_factor * base_gbs)
 
 
 def _same(candidate: Candidate, strategy: Strategy) -> bool:
@@ -277,10 +281,12 @@ class ConaPolicy(Policy):
     - at least `min_dwell_s` has passed since the last switch (wins keep counting while dwelling).
 
     The batch before the noise scale is measured: with `start_batch` set (the default: `policy.prior_noise_scale`
-    unset, so `batch.base_gbs` stands in for it), cona starts at that batch, on its fastest layout as an offline
-    searcher would, and changes only the layout while B_noise is still the prior: the prior is a guess, and a batch
-    chosen on a guess (one that a switch would then have to undo) costs more than the few evaluations until the
-    estimate is in. With an explicit prior it ranks every batch under it from the start.
+    unset, so the base batch through the critical-batch factor stands in for it), cona starts at that batch, on its
+    fastest layout as an offline searcher would, unless another batch's R under the prior beats it by δ (where the
+    throughput grows steeply with the batch: more devices than the base batch can feed); it then changes only the
+    layout while B_noise is still the prior: the prior is a guess, and a second batch chosen on a guess (one that a
+    switch would then have to undo) costs more than the few evaluations until the estimate is in. With an explicit
+    prior it ranks every batch under it from the start.
 
     B_noise: the prior `prior_noise_scale` until the estimate is stable; then a geometric blend that moves from
     the prior to the estimate over `blend_evaluations` evaluations with a stable estimate (1 = jump at once).
@@ -423,13 +429,18 @@ class ConaPolicy(Policy):
     # ------------------------------------------------------------------------------------------ policy
 
     def initial(self, *, candidates: list[Candidate], throughput: ThroughputModel, samples: int) -> Strategy:
-        """The fastest layout at `start_batch` when it has one (which is the best R under the prior there), else the
-        best R under the prior noise scale over every batch."""
-        at_start = [c for c in candidates if c.feasible and c.gbs == self.start_batch]
-        ranked = self._ranked(at_start or candidates, throughput, self.prior_noise_scale, None)
+        """The best R under the prior noise scale; with `start_batch` set, the fastest layout at that batch (the
+        best R there) unless another batch's R under the prior is ahead of it by the switch margin δ: leaving the
+        user's batch on a guess needs the gain any switch needs, and where the throughput grows steeply with the
+        batch (more devices than a small batch can feed) it is there before a single estimate."""
+        ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
         if not ranked:
             raise ValueError("no feasible candidate to start with")
-        return ranked[0][1].strategy
+        r_best, best = ranked[0]
+        at_start = [(r, c) for r, c in ranked if c.gbs == self.start_batch]
+        if at_start and r_best < (1 + self.min_gain) * at_start[0][0]:
+            return at_start[0][1].strategy
+        return best.strategy
 
     def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy | None:
         """The candidate of highest R under `noise_scale`, or None (an elastic run's replan for another world)."""

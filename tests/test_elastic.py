@@ -109,7 +109,9 @@ def test_the_table_follows_the_policy_on_when_the_noise_estimate_counts(tmp_path
     assert model.policy.noise_weight == 0
     held = plan_table(model, reason="estimate not trusted", time=2.0)
     assert held.plans == before.plans
-    assert all(p.strategy is not None and p.strategy.gbs == model.job.batch.base_gbs for p in held.plans)
+    for p in held.plans:  # the policy's start on each world's candidates, under the prior
+        pool = [c for c in model.candidates if c.strategy.world_size == p.nodes * model.profile.gpus_per_node]
+        assert p.strategy == model.policy.initial(candidates=pool, throughput=model.throughput, samples=0)
     model.policy._noise_weight = 1.0  # what the policy's evaluations set once the estimate is stable
     trusted = plan_table(model, reason="estimate trusted", time=3.0)
     assert all(p.strategy is not None and p.strategy.gbs > model.job.batch.base_gbs for p in trusted.plans)

@@ -151,11 +151,13 @@ def test_without_a_prior_cona_starts_at_the_base_batch_and_holds_it_until_the_no
     tm = ThroughputModel(candidates=FAMILY)
     slow_layout = candidate(32, dp=2, tp=2, slowdown=1.5)
     family = [*FAMILY, slow_layout]
-    # The prior (the base batch, 32) alone would rank gbs 16 first (R(g) peaks at √(10·32) ≈ 18); with the batch
-    # held, cona starts where the user's LR was tuned, on the fastest layout there.
-    assert cona(prior_noise_scale=32.0).initial(candidates=family, throughput=tm, samples=0).gbs == 16
-    policy = cona(prior_noise_scale=32.0, start_batch=32)
+    # Under a prior of 50, R(g) peaks at √(10·50) ≈ 22: gbs 16 ranks first, but only 0.4% ahead of the base batch
+    # 32, within δ, so cona starts where the user's LR was tuned, on the fastest layout there.
+    assert cona(prior_noise_scale=50.0).initial(candidates=family, throughput=tm, samples=0).gbs == 16
+    policy = cona(prior_noise_scale=50.0, start_batch=32)
     assert policy.initial(candidates=family, throughput=tm, samples=0) == G[32].strategy
+    # A batch ahead of the base batch by more than δ under the prior is where it starts (R(16)/R(32) = 1.077 at 32).
+    assert cona(prior_noise_scale=32.0, start_batch=32).initial(candidates=family, throughput=tm, samples=0).gbs == 16
     # No estimate yet: a clearly better batch is not taken, a faster layout at the same batch is.
     for now in (1000.0, 1005.0, 1010.0):
         d = policy.decide(context(slow_layout.strategy, noise=None, now=now, throughput=tm, candidates=family))
@@ -375,10 +377,11 @@ def test_make_policy_cona_uses_the_job_settings(setup):
     profile, job, candidates = setup
     policy = make_policy(job, profile=profile, candidates=candidates)
     assert isinstance(policy, ConaPolicy)
-    expected_prior = job.policy.prior_noise_scale or job.batch.base_gbs
+    expected_prior = job.policy.prior_noise_scale or job.policy.critical_batch_factor * job.batch.base_gbs
     assert policy.prior_noise_scale == expected_prior and policy.persistence == job.policy.persistence
     unset = make_policy(with_policy(job, prior_noise_scale=None), profile=profile, candidates=candidates)
-    assert unset.prior_noise_scale == job.batch.base_gbs  # the documented default: the base batch
+    # The documented default: the base batch, taken as the estimator's value, through the critical-batch factor.
+    assert unset.prior_noise_scale == job.policy.critical_batch_factor * job.batch.base_gbs
     assert unset.start_batch == job.batch.base_gbs  # no prior given: start at the base batch and hold it
     pinned = make_policy(with_policy(job, prior_noise_scale=77.0), profile=profile, candidates=candidates)
     assert pinned.prior_noise_scale == 77.0 and pinned.start_batch is None

@@ -80,9 +80,10 @@ def test_the_scheduler_writes_the_heartbeats_it_tails(tmp_path):
     scheduler.run()
     scalars, texts = read_events(scheduler.run_dir.root / "tensorboard")
     assert [step for step, _ in scalars["train/loss"]] == [strategy.gbs, 2 * strategy.gbs, 3 * strategy.gbs]
-    # The B_noise the policy ranks with before its first decision: the prior, `batch.base_gbs` when unset.
-    prior = scheduler.job.policy.prior_noise_scale or scheduler.job.batch.base_gbs
-    assert prior > 0
+    # The B_noise the policy ranks with before its first decision: the prior; unset, the base batch through the
+    # critical-batch factor.
+    policy = scheduler.job.policy
+    prior = policy.prior_noise_scale or policy.critical_batch_factor * scheduler.job.batch.base_gbs
     assert scalars["noise/scale"] == [(3 * strategy.gbs, prior)] and texts[0][1] == f"{strategy.short()} from sample {strategy.gbs}"
 
 
