@@ -284,7 +284,7 @@ def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     # Worlds below the range that a `schedule`/`fixed` policy names (`device_counts`) are always its candidates.
     in_range = {n * profile.gpus_per_node for n in node_range(profile)}
     named = [c for d in device_counts(profile, job) if d not in in_range
-             for c in enumerate_candidates(profile=profile, job=job, num_devices=d) if c.feasible]  # fmt: skip
+             for c in enumerate_candidates(profile=profile, job=job, num_devices=d, feasible_only=True)]  # fmt: skip
     if top is not None and top[0] == profile.nodes:
         candidates = top[1] + named
     else:

@@ -142,8 +142,7 @@ def startable_nodes(
 
         for nodes in counts:
             devices = nodes * profile.gpus_per_node
-            enumerated = enumerate_candidates(profile=profile, job=job, num_devices=devices)
-            pool = world_candidates(enumerated, devices)
+            pool = enumerate_candidates(profile=profile, job=job, num_devices=devices, feasible_only=True)
             if pool:
                 yield nodes, pool
         return

@@ -64,11 +64,12 @@ class Scheduler:
         self.backend = backend
         self.poll_interval_s = poll_interval_s if poll_interval_s is not None else backend.poll_interval_s
         self.on_update = on_update or (lambda status: None)
+        # Only the feasible ones: a run never shows a rejection (`cona plan --all` does), and on a wide elastic range
+        # building the rejected ones too took most of a run's start.
         self.candidates: list[Candidate] = [
             c
             for devices in device_counts(profile, job)
-            for c in enumerate_candidates(profile=profile, job=job, num_devices=devices)
-            if c.feasible
+            for c in enumerate_candidates(profile=profile, job=job, num_devices=devices, feasible_only=True)
         ]
         if not self.candidates:
             raise RunFailed(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")

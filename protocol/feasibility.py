@@ -57,7 +57,12 @@ def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None 
 
 def batch_problem(job: JobSpec, strategy: Strategy) -> str:
     """Why the batch sizes do not split over the strategy's replicas and stages, or ''."""
-    dp, pp, mbs, gbs = strategy.dp, strategy.pp, strategy.mbs, strategy.gbs
+    return split_problem(job, dp=strategy.dp, pp=strategy.pp, mbs=strategy.mbs, gbs=strategy.gbs)
+
+
+def split_problem(job: JobSpec, *, dp: int, pp: int, mbs: int, gbs: int) -> str:
+    """`batch_problem` on the degrees themselves: the planner asks it of millions of combinations on a large elastic
+    range before it builds a `Strategy` for the few that pass (building one costs more than the rule)."""
     if gbs % (dp * mbs):
         return f"gbs={gbs} is not a multiple of dp·mbs={dp * mbs}; choose gbs, dp and mbs so that it is"
     micro = gbs // (dp * mbs)

@@ -176,3 +176,57 @@ def test_one_authority_the_planner_and_the_trainer_agree(gpt3):
     job = load_job(EXAMPLES / "tiny-gpt.yaml", ["parallel.pipeline_schedule=interleaved", "model.num_layers=8"])
     odd = evaluate(profile=profile, job=job, dp=1, tp=1, pp=4, mbs=2, gbs=18)  # 9 micro-batches in 2 rounds
     assert not odd.feasible and "multiple of its 2 rounds" in odd.reason
+
+
+# feasible_only: the scheduler's enumeration ------------------------------------------------------------------------
+
+_FEASIBLE_ONLY_VARIANTS = {
+    "as shipped": ([], None),
+    # The interleaved schedule's micro-batch rule, the job's own tp and pp bounds, and global batches outside the
+    # job's bounds or with an odd factor: each rule the pruning asks before building a candidate rejects some.
+    "interleaved, bounded, out-of-bounds gbs": (
+        ["parallel.pipeline_schedule=interleaved", "parallel.max_tp=4", "parallel.max_pp=4"], "bounds"
+    ),
+}
+
+
+@pytest.mark.parametrize("job_path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_feasible_only_is_the_full_enumeration_filtered(job_path):
+    """`enumerate_candidates(feasible_only=True)` (a run's scheduler, its start) passes over what the rules reject
+    before building it; what it returns must be exactly the full enumeration's feasible candidates, in its order,
+    predictions and all: on every shipped Slurm profile made elastic down to one node (so that worlds with an odd
+    factor, 3 × 8 devices and the like, are planned too), for every device count a run plans for."""
+    from cona.orchestrator.scheduler import device_counts
+
+    reasons: set[str] = set()
+    feasible = 0
+    for profile_path in sorted(PROFILES.glob("*.yaml")):
+        profile = load_profile(profile_path, ["min_nodes=1"])
+        for overrides, gbs in _FEASIBLE_ONLY_VARIANTS.values():
+            job = load_job(job_path, overrides)
+            # 5/4 of the base batch: 5 micro-batches in 2 rounds of the interleaved schedule at pp=2.
+            gbs_values = [job.batch.min_gbs, job.batch.base_gbs, job.batch.base_gbs * 5 // 4, 2 * job.batch.max_gbs]
+            gbs_values = gbs_values if gbs else None
+            for devices in device_counts(profile, job):
+                full = enumerate_candidates(profile=profile, job=job, num_devices=devices, gbs_values=gbs_values)
+                only = enumerate_candidates(profile=profile, job=job, num_devices=devices, gbs_values=gbs_values,
+                                            feasible_only=True)  # fmt: skip
+                assert only == [c for c in full if c.feasible], (profile.name, overrides, devices)
+                feasible += len(only)
+                reasons |= {rule for c in full for rule in _RULES if rule in c.reason}
+    assert feasible
+    # Each kind of rejection was passed over somewhere: layouts, batch splits, the interleaved schedule's rounds,
+    # the batch bounds, and memory (the larger models on the CPU profiles; the tiny ones fit everywhere).
+    rules = set(_RULES) - ({"GB per device"} if job_path.name.startswith("tiny") else set())
+    assert reasons == rules, rules - reasons
+
+
+_RULES = ("does not divide", "not a multiple of dp·mbs", "multiple of its", "outside batch bounds", "GB per device")
+
+
+def test_divisors_are_every_divisor_ascending():
+    # Found up to √n; the enumeration's order (tp, then pp, ascending) depends on it.
+    from cona.orchestrator.planner import _divisors
+
+    for n in [*range(1, 400), 1024, 4096, 12288, 16384]:
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
