@@ -43,7 +43,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.planner import enumerate_candidates, rank_by_iter_time, ties_with_best
+    from cona.orchestrator.planner import batch_hint, enumerate_candidates, rank_by_iter_time, ties_with_best
     from cona.orchestrator.profile import load_profile
 
     if args.top < 0:
@@ -63,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         elastic = (f"the profile is elastic (min_nodes={profile.min_nodes}): a run starts on the largest node count "
                    "where a strategy fits, `--profile-set nodes=K` plans K nodes; ") if is_elastic(profile) else ""  # fmt: skip
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
-                        f"candidates on all {profile.num_gpus} devices; {_batch_hint(job, profile.num_gpus, gbs_values)}"
+                        f"candidates on all {profile.num_gpus} devices; {batch_hint(job, profile.num_gpus, gbs_values)}"
                         f"{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
@@ -248,29 +248,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
-    """When nothing is feasible and the device count has an odd factor that no candidate global batch is a multiple
-    of (3 nodes of 8 GPUs and the default power-of-two batches), that is the usual cause: the data-parallel degree
-    has to take part of the factor unless tensor and pipeline degrees take all of it. Say so, and which batches
-    would do."""
-    odd = devices
-    while odd % 2 == 0:
-        odd //= 2
-    batches = gbs_values or job.batch.candidate_gbs()
-    if odd == 1 or any(g % odd == 0 for g in batches):
-        return ""
-    fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0 and (g // odd) & (g // odd - 1) == 0]
-    example = f" e.g. batch.gbs_choices={fitting[:4]}" if fitting else f" a batch range that holds a multiple of {odd}"
-    return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
-            f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
-
-
 def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     """The strategy a run would start with: the policy's own choice over the feasible candidates."""
     from itertools import chain
 
     from cona.orchestrator.elastic import node_range, startable_nodes
-    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.planner import enumerate_candidates, no_feasible_strategy
     from cona.orchestrator.policy import make_policy
     from cona.orchestrator.scheduler import device_counts
     from cona.orchestrator.throughput import ThroughputModel
@@ -290,8 +273,7 @@ def first_strategy(profile: ClusterProfile, job: Job) -> Strategy:
     else:
         candidates = named + [c for _, pool in chain([top] if top else [], startable) for c in pool]
     if not candidates:
-        raise UserError(f"no feasible strategy for {job.name} on {profile.name}; "
-                        f"{_batch_hint(job, profile.num_gpus, None)}run `cona plan --all` to see why")  # fmt: skip
+        raise UserError(no_feasible_strategy(profile, job))
     policy = make_policy(job, profile=profile, candidates=candidates)
     return policy.initial(candidates=candidates, throughput=ThroughputModel(candidates=candidates), samples=0)
 

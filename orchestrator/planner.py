@@ -175,6 +175,31 @@ def enumerate_candidates(
     return out
 
 
+def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
+    """When nothing is feasible and the device count has an odd factor that no candidate global batch is a multiple
+    of (3 nodes of 8 GPUs and the default power-of-two batches), that is the usual cause: the data-parallel degree
+    has to take part of the factor unless tensor and pipeline degrees take all of it. Say so, and which batches
+    would do ('' when that is not the cause; otherwise a clause ending in '; ' to go before the next one)."""
+    odd = devices
+    while odd % 2 == 0:
+        odd //= 2
+    batches = gbs_values or job.batch.candidate_gbs()
+    if odd == 1 or any(g % odd == 0 for g in batches):
+        return ""
+    fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0 and (g // odd) & (g // odd - 1) == 0]
+    example = f" e.g. batch.gbs_choices={fitting[:4]}" if fitting else f" a batch range that holds a multiple of {odd}"
+    return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
+            f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
+
+
+def no_feasible_strategy(profile: ClusterProfile, job: Job) -> str:
+    """What a run says when no strategy of any world it plans for is feasible: `cona render`/`submit`/`run` before
+    the run exists (`cli.first_strategy`) and its scheduler after (a resumed run, the Kubernetes orchestrator),
+    in the same words, with the usual cause when it is that (`batch_hint`)."""
+    return (f"no feasible strategy for {job.name} on {profile.name}; {batch_hint(job, profile.num_gpus, None)}"
+            f"run `cona plan --all` to see why")  # fmt: skip
+
+
 def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:
     """Feasible candidates, fastest iteration first (ties: more samples/s, then fewer pipeline stages)."""
     feasible = [c for c in candidates if c.feasible]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
 from cona.orchestrator.elastic import ElasticPlan, is_elastic, node_range, nodes_of, plan_table, write_plan
 from cona.orchestrator.job import Job
-from cona.orchestrator.planner import Candidate, enumerate_candidates
+from cona.orchestrator.planner import Candidate, enumerate_candidates, no_feasible_strategy
 from cona.orchestrator.policy import prior_noise_scale
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
@@ -72,7 +72,7 @@ class Scheduler:
             for c in enumerate_candidates(profile=profile, job=job, num_devices=devices, feasible_only=True)
         ]
         if not self.candidates:
-            raise RunFailed(f"no feasible strategy for {job.name} on {profile.name}; run `cona plan --all` to see why")
+            raise RunFailed(no_feasible_strategy(profile, job))
         self.model = RunModel(
             profile=profile, job=job, candidates=self.candidates,
             switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=job.policy.in_place_switch),
