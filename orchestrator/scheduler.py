@@ -658,7 +658,10 @@ def drive(
             if also is not None:
                 also(live)
 
-        scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
+        try:
+            scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
+        except RunFailed as e:  # nothing feasible for a stored run (a resume after the models changed): one line
+            return read_state(run_dir), str(e)
         view.begin(scheduler)
         try:
             state = scheduler.run()

@@ -404,3 +404,18 @@ def test_nothing_feasible_is_said_as_render_says_it(tmp_path):
         "batches [8, 16, 32, 64, 128] is a multiple of it: give e.g. batch.gbs_choices=[12, 24, 48, 96], or use a "
         "power-of-two number of devices; run `cona plan --all` to see why"
     )
+
+
+def test_drive_says_nothing_feasible_in_one_line(tmp_path):
+    """A stored run for which nothing is feasible any more (resumed after the cost or memory model changed) ends
+    `drive` with the one-line reason, as every other failure does, not with a traceback from the constructor."""
+    from cona.orchestrator.runstate import create_run
+    from cona.orchestrator.scheduler import drive
+
+    profile = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=3"])
+    job = load_job(EXAMPLES / "tiny-gpt.yaml")
+    run_dir = RunDir(tmp_path / "run")
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=True)
+    assert failure is not None and failure.startswith("no feasible strategy for tiny-gpt on a100-4x8;")
+    assert "\n" not in failure and state.status == "created"
