@@ -241,6 +241,11 @@ class Policy(abc.ABC):
     def decide(self, ctx: DecisionContext) -> Decision:
         """Switch or stay, with the reason."""
 
+    def start_reason(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> str:
+        """Why `initial` picks what it picks on these candidates, in a few words for the launch line ('' when the
+        policy's name says it all)."""
+        return ""
+
     def switch_points(self) -> list[int]:
         """Sample counts at which this policy switches whatever it measures (a fixed schedule): the trainer holds
         there for the decision, so the switch lands at the same step in every run. None for measuring policies."""
@@ -433,14 +438,26 @@ class ConaPolicy(Policy):
         best R there) unless another batch's R under the prior is ahead of it by the switch margin δ: leaving the
         user's batch on a guess needs the gain any switch needs, and where the throughput grows steeply with the
         batch (more devices than a small batch can feed) it is there before a single estimate."""
+        return self._start(candidates, throughput)[0]
+
+    def start_reason(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> str:
+        return self._start(candidates, throughput)[1]
+
+    def _start(self, candidates: list[Candidate], throughput: ThroughputModel) -> tuple[Strategy, str]:
+        """`initial`'s choice and why (the one place that decides it)."""
         ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
         if not ranked:
             raise ValueError("no feasible candidate to start with")
         r_best, best = ranked[0]
+        prior = f"the prior B_noise={_fmt(self.prior_noise_scale)}"
         at_start = [(r, c) for r, c in ranked if c.gbs == self.start_batch]
-        if at_start and r_best < (1 + self.min_gain) * at_start[0][0]:
-            return at_start[0][1].strategy
-        return best.strategy
+        if not at_start:
+            return best.strategy, f"best R under {prior}"
+        r_base, base = at_start[0]
+        if r_best < (1 + self.min_gain) * r_base:
+            return base.strategy, f"the base batch g{base.gbs}'s fastest layout ({prior})"
+        return best.strategy, (f"R {_fmt(r_best / r_base, 3)}× the base batch g{base.gbs}'s under {prior}, above the "
+                               f"margin {_fmt(1 + self.min_gain, 3)}×")  # fmt: skip
 
     def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy | None:
         """The candidate of highest R under `noise_scale`, or None (an elastic run's replan for another world)."""

@@ -353,7 +353,8 @@ class Scheduler:
                 plan = self._replan("start")
                 return self._launch(plan.strategy_for(plan.max_nodes) or strategy, previous=None, plan=plan,
                                     why="initial strategy (elastic)")  # fmt: skip
-            return self._launch(strategy, previous=None, why="initial strategy")
+            reason = self.model.initial_reason()
+            return self._launch(strategy, previous=None, why="initial strategy" + (f": {reason}" if reason else ""))
         request = self.state.switch_requested
         control = self.run_dir.read_control()
         if request is not None and (control is None or control.seq < request.seq):

@@ -612,3 +612,16 @@ def test_noise_monotone_ranks_a_dip_at_the_largest_trusted_estimate_and_survives
     for i, noise in enumerate([100.0, 400.0, 150.0]):
         d = off.decide(context(cur, now=10.0 * i, samples=1000 * i, noise=noise, throughput=tm, remaining=1e6))
     assert d.metrics["B_noise"] == pytest.approx(150.0)
+
+
+def test_the_start_says_why():
+    """The launch line says why the run starts where it does: the base batch, or another batch and by how much."""
+    tm = ThroughputModel(candidates=FAMILY)
+    held = cona(prior_noise_scale=50.0, start_batch=32)
+    assert held.start_reason(candidates=FAMILY, throughput=tm) == "the base batch g32's fastest layout (the prior B_noise=50)"
+    moved = cona(prior_noise_scale=32.0, start_batch=32)
+    assert moved.initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 16
+    assert moved.start_reason(candidates=FAMILY, throughput=tm) == (
+        "R 1.08× the base batch g32's under the prior B_noise=32, above the margin 1.05×"
+    )
+    assert cona(prior_noise_scale=32.0).start_reason(candidates=FAMILY, throughput=tm) == "best R under the prior B_noise=32"

@@ -196,7 +196,13 @@ def test_disruptions_in_a_row_finish_with_max_restarts_0(tmp_path):
     assert not _events(sched, "failure")
     ends = [(e["attempt"], e["status"]) for e in _events(sched, "attempt-end")]
     assert ends == [(1, "disrupted"), (2, "disrupted"), (3, "disrupted"), (4, "done")]
-    assert [e["reason"] for e in _events(sched, "launch")][1:] == ["relaunch after a disruption"] * 3
+    reasons = [e["reason"] for e in _events(sched, "launch")]
+    assert reasons[1:] == ["relaunch after a disruption"] * 3
+    # The first launch says why it starts where it does (the cona policy under its prior).
+    assert reasons[0] == "initial strategy: " + sched.model.policy.start_reason(
+        candidates=[c for c in sched.candidates if c.strategy.world_size == sched.profile.num_gpus],
+        throughput=sched.model.throughput)
+    assert "B_noise=" in reasons[0]
 
 
 def test_a_disruption_does_not_consume_max_restarts(tmp_path):
