@@ -76,6 +76,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     print_plan(profile=profile, job=job, shown=shown, rejected=rejected, num_feasible=len(ranked),
                num_total=len(candidates), ties=ties)  # fmt: skip
+    if ranked and args.gbs is None and job.policy.name == "cona":
+        # The fastest iteration is not where cona starts: say where it does and why, as its first launch will.
+        from cona.orchestrator.policy import make_policy
+        from cona.orchestrator.throughput import ThroughputModel
+
+        policy = make_policy(job, profile=profile, candidates=ranked)
+        throughput = ThroughputModel(candidates=ranked)
+        start = policy.initial(candidates=ranked, throughput=throughput, samples=0)
+        print(f"cona starts on {start.short()}: {policy.start_reason(candidates=ranked, throughput=throughput)}")
     return 0
 
 

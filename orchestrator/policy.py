@@ -449,15 +449,16 @@ class ConaPolicy(Policy):
         if not ranked:
             raise ValueError("no feasible candidate to start with")
         r_best, best = ranked[0]
-        prior = f"the prior B_noise={_fmt(self.prior_noise_scale)}"
+        b = self.prior_noise_scale
+        prior = f"the prior B_noise={b:.0f}" if b >= 10 else f"the prior B_noise={b:.3g}"
         at_start = [(r, c) for r, c in ranked if c.gbs == self.start_batch]
         if not at_start:
             return best.strategy, f"best R under {prior}"
         r_base, base = at_start[0]
         if r_best < (1 + self.min_gain) * r_base:
             return base.strategy, f"the base batch g{base.gbs}'s fastest layout ({prior})"
-        return best.strategy, (f"R {_fmt(r_best / r_base, 3)}× the base batch g{base.gbs}'s under {prior}, above the "
-                               f"margin {_fmt(1 + self.min_gain, 3)}×")  # fmt: skip
+        return best.strategy, (f"R {r_best / r_base:.3f}× the base batch g{base.gbs}'s under {prior}, above the "
+                               f"margin {1 + self.min_gain:.3g}×")  # fmt: skip
 
     def best(self, candidates: list[Candidate], throughput: ThroughputModel, noise_scale: float) -> Strategy | None:
         """The candidate of highest R under `noise_scale`, or None (an elastic run's replan for another world)."""

@@ -160,6 +160,21 @@ def test_plan_works_on_every_example(job):
     result = run_cona("plan", "--profile", profile, "--job", str(job), "--top", "3")
     assert result.returncode == 0, result.stderr
     assert "feasible of" in result.stdout
+    assert "cona starts on " in result.stdout  # where the run would start, which is not always the fastest row
+
+
+def test_plan_says_where_cona_starts_and_why():
+    """On the demo's profile the prior (5 × the base batch 16) puts gbs 32 20% ahead of the base batch; on 32 A100s
+    gpt3-1.3b's curve is flat and it starts at its base batch; with --gbs or another policy there is no such line."""
+    demo = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--top", "1")
+    assert demo.returncode == 0, demo.stderr
+    assert ("cona starts on d2t1p2 m8 g32: R 1.204× the base batch g16's under the prior B_noise=80, above the margin "
+            "1.05×") in demo.stdout  # fmt: skip
+    flat = run_cona("plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/gpt3-1.3b.yaml", "--top", "1")
+    assert "cona starts on d8t1p4 m1 g512: the base batch g512's fastest layout (the prior B_noise=2560)" in flat.stdout
+    for extra in (["--gbs", "32"], ["--set", "policy.name=static"]):
+        other = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", *extra)
+        assert other.returncode == 0 and "cona starts" not in other.stdout, other.stderr
 
 
 def test_one_authority_the_planner_and_the_trainer_agree(gpt3):

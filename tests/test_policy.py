@@ -622,6 +622,6 @@ def test_the_start_says_why():
     moved = cona(prior_noise_scale=32.0, start_batch=32)
     assert moved.initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 16
     assert moved.start_reason(candidates=FAMILY, throughput=tm) == (
-        "R 1.08× the base batch g32's under the prior B_noise=32, above the margin 1.05×"
+        "R 1.077× the base batch g32's under the prior B_noise=32, above the margin 1.05×"
     )
     assert cona(prior_noise_scale=32.0).start_reason(candidates=FAMILY, throughput=tm) == "best R under the prior B_noise=32"
