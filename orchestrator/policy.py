@@ -356,7 +356,8 @@ class ConaPolicy(Policy):
         cls, spec: PolicySpec, *, base_gbs: int, lr_rule: LrRule | None = None,
         blend_evaluations: int = DEFAULT_BLEND_EVALUATIONS,
     ) -> ConaPolicy:
-        """The policy `spec` describes; an unset prior is `base_gbs`, where cona then starts and holds the batch until
+        """The policy `spec` describes; an unset prior is `base_gbs` through the critical-batch factor, and cona
+        starts at `base_gbs` unless another batch is ahead by δ under it, and holds the batch it starts at until
         the noise scale is measured; `lr_rule` is used only with `spec.lr_aware`."""
         return cls(
             prior_noise_scale=prior_noise_scale(spec, base_gbs=base_gbs), min_gain=spec.min_gain, persistence=spec.persistence,
