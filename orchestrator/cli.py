@@ -82,9 +82,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from cona.orchestrator.throughput import ThroughputModel
 
         policy = make_policy(job, profile=profile, candidates=ranked)
-        throughput = ThroughputModel(candidates=ranked)
-        start = policy.initial(candidates=ranked, throughput=throughput, samples=0)
-        print(f"cona starts on {start.short()}: {policy.start_reason(candidates=ranked, throughput=throughput)}")
+        start, reason = policy.start(candidates=ranked, throughput=ThroughputModel(candidates=ranked))
+        print(f"cona starts on {start.short()}: {reason}")
     return 0
 
 

@@ -241,10 +241,10 @@ class Policy(abc.ABC):
     def decide(self, ctx: DecisionContext) -> Decision:
         """Switch or stay, with the reason."""
 
-    def start_reason(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> str:
-        """Why `initial` picks what it picks on these candidates, in a few words for the launch line ('' when the
-        policy's name says it all)."""
-        return ""
+    def start(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> tuple[Strategy, str]:
+        """`initial` at sample 0 and why it picks that, in a few words for the launch line ('' when the policy's name
+        says it all), from one ranking."""
+        return self.initial(candidates=candidates, throughput=throughput, samples=0), ""
 
     def switch_points(self) -> list[int]:
         """Sample counts at which this policy switches whatever it measures (a fixed schedule): the trainer holds
@@ -439,12 +439,9 @@ class ConaPolicy(Policy):
         best R there) unless another batch's R under the prior is ahead of it by the switch margin δ: leaving the
         user's batch on a guess needs the gain any switch needs, and where the throughput grows steeply with the
         batch (more devices than a small batch can feed) it is there before a single estimate."""
-        return self._start(candidates, throughput)[0]
+        return self.start(candidates=candidates, throughput=throughput)[0]
 
-    def start_reason(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> str:
-        return self._start(candidates, throughput)[1]
-
-    def _start(self, candidates: list[Candidate], throughput: ThroughputModel) -> tuple[Strategy, str]:
+    def start(self, *, candidates: list[Candidate], throughput: ThroughputModel) -> tuple[Strategy, str]:
         """`initial`'s choice and why (the one place that decides it)."""
         ranked = self._ranked(candidates, throughput, self.prior_noise_scale, None)
         if not ranked:

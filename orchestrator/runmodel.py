@@ -203,14 +203,12 @@ class RunModel:
     def initial_strategy(self) -> Strategy:
         """The strategy the run starts with, on all of the profile's devices (an elastic run may start on fewer
         nodes: then on `best_for_world` of what it got)."""
-        return self.policy.initial(candidates=self._start_pool(), throughput=self.throughput, samples=0)
+        return self.initial_choice()[0]
 
-    def initial_reason(self) -> str:
-        """Why the policy starts with `initial_strategy`, for the launch line ('' when its name says it)."""
-        return self.policy.start_reason(candidates=self._start_pool(), throughput=self.throughput)
-
-    def _start_pool(self) -> list[Candidate]:
-        return world_candidates(self.candidates, self.profile.num_gpus) or self.candidates
+    def initial_choice(self) -> tuple[Strategy, str]:
+        """`initial_strategy` and why the policy starts there, for the launch line ('' when its name says it)."""
+        full = world_candidates(self.candidates, self.profile.num_gpus) or self.candidates
+        return self.policy.start(candidates=full, throughput=self.throughput)
 
     def ranking_noise_scale(self) -> float | None:
         """The B_noise the cona policy ranks with now (prior, estimate or their blend); None for other policies."""

@@ -344,7 +344,7 @@ class Scheduler:
             self.state.run_started = time.time()
         attempt = self.current
         if attempt is None:
-            strategy = self.model.initial_strategy()
+            strategy, reason = self.model.initial_choice()
             self.state.strategy_since = time.time()
             log_event(self.run_dir, "start", strategy=strategy.to_dict(), policy=self.job.policy.name,
                       profile=self.profile.name, num_candidates=len(self.candidates),
@@ -353,7 +353,6 @@ class Scheduler:
                 plan = self._replan("start")
                 return self._launch(plan.strategy_for(plan.max_nodes) or strategy, previous=None, plan=plan,
                                     why="initial strategy (elastic)")  # fmt: skip
-            reason = self.model.initial_reason()
             return self._launch(strategy, previous=None, why="initial strategy" + (f": {reason}" if reason else ""))
         request = self.state.switch_requested
         control = self.run_dir.read_control()

@@ -618,10 +618,10 @@ def test_the_start_says_why():
     """The launch line says why the run starts where it does: the base batch, or another batch and by how much."""
     tm = ThroughputModel(candidates=FAMILY)
     held = cona(prior_noise_scale=50.0, start_batch=32)
-    assert held.start_reason(candidates=FAMILY, throughput=tm) == "the base batch g32's fastest layout (the prior B_noise=50)"
+    assert held.start(candidates=FAMILY, throughput=tm)[1] == "the base batch g32's fastest layout (the prior B_noise=50)"
     moved = cona(prior_noise_scale=32.0, start_batch=32)
     assert moved.initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 16
-    assert moved.start_reason(candidates=FAMILY, throughput=tm) == (
+    assert moved.start(candidates=FAMILY, throughput=tm)[1] == (
         "R 1.077× the base batch g32's under the prior B_noise=32, above the margin 1.05×"
     )
-    assert cona(prior_noise_scale=32.0).start_reason(candidates=FAMILY, throughput=tm) == "best R under the prior B_noise=32"
+    assert cona(prior_noise_scale=32.0).start(candidates=FAMILY, throughput=tm)[1] == "best R under the prior B_noise=32"

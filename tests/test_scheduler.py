@@ -199,9 +199,9 @@ def test_disruptions_in_a_row_finish_with_max_restarts_0(tmp_path):
     reasons = [e["reason"] for e in _events(sched, "launch")]
     assert reasons[1:] == ["relaunch after a disruption"] * 3
     # The first launch says why it starts where it does (the cona policy under its prior).
-    assert reasons[0] == "initial strategy: " + sched.model.policy.start_reason(
+    assert reasons[0] == "initial strategy: " + sched.model.policy.start(
         candidates=[c for c in sched.candidates if c.strategy.world_size == sched.profile.num_gpus],
-        throughput=sched.model.throughput)
+        throughput=sched.model.throughput)[1]
     assert "B_noise=" in reasons[0]
 
 
