@@ -31,7 +31,8 @@ modeled switch cost). On the same seeds:
   first loses ground (short-horizon bias) — and ends far behind the best fixed strategy, so it is not the default.
 
 Time to target (TTP) is the modeled time at which the validation loss first reaches the target, linearly
-interpolated between evaluations (every `eval.interval_samples` samples). Fixed runs stop at the lowest target, the
+interpolated between evaluations (every `eval.interval_samples` samples) over the training time between them: a
+switch's pause in between is skipped. Fixed runs stop at the lowest target, the
 sample budget or `--cap` × the best fixed time so far; a run that stops first has no TTP ("—"), and a static/cona
 ratio that needs it is reported as a lower bound (≥, `lower_bound: true`). A cona run that runs out of samples
 before a target counts at its last modeled time: cona/oracle is then a lower bound (≥) and every ratio over cona an
@@ -147,34 +148,97 @@ class Run:
     sequence: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """[{t, strategy, gbs}] each time a strategy starts (after its switch cost)."""
     switches: int = 0
+    pauses: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    """[(start, end)] of each switch's pause in modeled time: no training, so no loss change, in between."""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def ttp(self, target: float, time_scale: float = 1.0) -> float | None:
-        return crossing(self.points, target, time_scale)
+        return crossing(self.points, target, time_scale, pauses=self.pauses)
 
     def to_dict(self, targets: list[float]) -> dict[str, Any]:
         return {
             "ttp_s": {str(t): finite(self.ttp(t)) for t in targets},
             "last_t_s": self.points[-1].t if self.points else None,
             "switches": self.switches,
+            "pauses": [[round(a, 3), round(b, 3)] for a, b in self.pauses],
             "sequence": self.sequence,
             "evals": [[round(p.t, 3), p.samples, p.step, round(p.val, 5), p.gbs] for p in self.points],
             **self.extra,
         }
 
 
-def crossing(points: list[Point], target: float, time_scale: float = 1.0, *, what: str = "t") -> float | None:
+def crossing(points: list[Point], target: float, time_scale: float = 1.0, *, what: str = "t",
+             pauses: list[tuple[float, float]] | tuple[()] = ()) -> float | None:
     """Modeled time (or `what`: samples) at which the validation loss first reaches `target`, interpolated
-    linearly between the two evaluations around it."""
+    linearly between the two evaluations around it — over the training time between them: a switch's pause
+    (`pauses`, modeled [start, end]) in that interval trains nothing, so the loss cannot cross during it
+    (interpolating in modeled time across a pause counted it as training and could put the crossing inside it)."""
     for i, p in enumerate(points):
         if p.val <= target:
             if i == 0:
                 return getattr(p, what) * time_scale
             q = points[i - 1]
             frac = (q.val - target) / (q.val - p.val) if q.val > p.val else 1.0
-            a, b = getattr(q, what), getattr(p, what)
-            return (a + frac * (b - a)) * time_scale
+            if what != "t":
+                a, b = getattr(q, what), getattr(p, what)
+                return (a + frac * (b - a)) * time_scale
+            return _after_training(q.t, frac * _training_s(q.t, p.t, pauses), pauses) * time_scale
     return None
+
+
+def _training_s(a: float, b: float, pauses) -> float:
+    """The modeled seconds between `a` and `b` that are not a switch's pause."""
+    return (b - a) - sum(max(0.0, min(b, end) - max(a, start)) for start, end in pauses)
+
+
+def _after_training(t: float, seconds: float, pauses) -> float:
+    """The modeled time at which `seconds` of training after `t` have passed, the pauses skipped."""
+    for start, end in sorted(pauses):
+        if end <= t:
+            continue
+        if start > t:
+            if t + seconds <= start:
+                break
+            seconds -= start - t
+        t = max(t, end)
+    return t + seconds
+
+
+def pauses_of(run: dict[str, Any]) -> list[tuple[float, float]] | None:
+    """A stored run's switch pauses: recorded (`pauses`), or, in JSONs written before they were, each switch's
+    decision time (cona's `decisions` with `switch_to`, the oracle's with a new `chosen_gbs`) to its strategy's
+    start in `sequence`; None where neither tells (the greedy-window run)."""
+    if "pauses" in run:
+        return [(float(a), float(b)) for a, b in run["pauses"]]
+    decisions = run.get("decisions")
+    if decisions is None:
+        return None
+    starts, chosen = [], run["sequence"][0]["gbs"]
+    for d in decisions:
+        if d.get("switch_to"):
+            starts.append(d["t"])
+        elif "chosen_gbs" in d and d["chosen_gbs"] != chosen:
+            starts.append(d["t"])
+            chosen = d["chosen_gbs"]
+    ends = [e["t"] for e in run["sequence"][1:]]
+    assert len(starts) == len(ends), "every switch has a decision and a start"
+    return list(zip(starts, ends, strict=True))
+
+
+def refresh_switching_runs(report: dict[str, Any]) -> None:
+    """Recompute the switching runs' (cona, oracle) times to target from their evaluations and pauses, in place: a
+    JSON written before pauses were excluded from the interpolation has them across a pause (`--resummarize`)."""
+    for w in report["workloads"].values():
+        targets = w.get("targets") or w["summary"]["targets"]
+        for r in w["runs"]:
+            for name in ("cona", "oracle", "greedy_window"):
+                run = r.get(name)
+                pauses = pauses_of(run) if run else None
+                if pauses is None:
+                    continue
+                points = [Point(t, samples, step, val, gbs) for t, samples, step, val, gbs in run["evals"]]
+                run["pauses"] = [[a, b] for a, b in pauses]
+                run["ttp_s"] = {str(t): finite(crossing(points, t, pauses=pauses)) for t in targets}
 
 
 def fitted_critical_batch(samples_at: dict[int, float]) -> float | None:
@@ -255,6 +319,7 @@ def rollout(ctx: _Context, sim, *, start=None, t0: float = 0.0, prev: Point | No
         sim.restore(start)
     sim.set_gbs(gbs // cluster.scale)
     t = t0 + (cluster.switch_s(switch_from, cluster.fastest[gbs].strategy) if switch_from is not None else 0.0)
+    pauses = [(t0, t)] if t > t0 else []
     points: list[Point] = []
     if start is None:
         points.append(Point(0.0, 0, 0, sim.evaluate(), gbs))
@@ -277,7 +342,7 @@ def rollout(ctx: _Context, sim, *, start=None, t0: float = 0.0, prev: Point | No
         if deadline is not None and t > deadline:
             stopped = f"deadline {deadline:.0f} s"
             break
-    ttp = crossing(([prev] if prev is not None else []) + points, ctx.lowest)
+    ttp = crossing(([prev] if prev is not None else []) + points, ctx.lowest, pauses=pauses)
     return Rollout(gbs=gbs, points=points, ttp=ttp, snaps=snaps, stopped=stopped)
 
 
@@ -329,6 +394,7 @@ def run_oracle(ctx: _Context, fixed: dict[int, Rollout], segment_s: float) -> Ru
             run.switches += 1
             cost = cluster.switch_s(cluster.fastest[gbs].strategy, cluster.fastest[best.gbs].strategy)
             gbs = best.gbs
+            run.pauses.append((t_now, t_now + cost))
             run.sequence.append({"t": round(t_now + cost, 2),
                                  "strategy": cluster.fastest[gbs].strategy.short(), "gbs": gbs})  # fmt: skip
         chosen = best
@@ -420,6 +486,7 @@ def run_cona(ctx: _Context) -> Run:
                 continue
             # The trainer checkpoints at the next step boundary and goes on in place, or exits and is relaunched.
             cost = cluster.switch_s(strategy, plan.target)
+            run.pauses.append((t, t + cost))
             t += cost
             model.switch_costs.observe(plan.kind, cost)
             strategy = plan.target
@@ -505,6 +572,7 @@ def run_greedy_window(ctx: _Context, horizon_end_s: float, window_s: float) -> R
         if best["strategy"] != current:
             if current is not None:
                 run.switches += 1
+                run.pauses.append((t, t + best["cost"]))
             run.sequence.append({"t": round(t + best["cost"], 2),
                                  "strategy": best["strategy"].short(), "gbs": best["gbs"]})  # fmt: skip
         current = best["strategy"]
@@ -862,6 +930,7 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     from cona.orchestrator.job import load_job
 
     preset_base = load_job(REPO / report["settings"]["preset"]).batch.base_gbs
+    refresh_switching_runs(report)
     for workload, w in report["workloads"].items():
         targets = w.get("targets") or w["summary"]["targets"]
         w["summary"] = summarize(workload, targets, w["runs"], preset_base)

@@ -81,3 +81,31 @@ def test_a_cona_run_that_misses_the_target_bounds_its_ratios_instead_of_vanishin
     assert one["static_over_cona"]["128"]["upper_bound"] and not one["static_over_cona"]["128"]["lower_bound"]
     assert ttp.bounded_ratio(one["cona_over_oracle"], 3).startswith("≥2.100")
     assert ttp.bounded_ratio(one["best_fixed_over_cona"], 3).startswith("≤")
+
+
+def test_a_crossing_is_interpolated_over_training_time_not_across_a_switch_pause():
+    """Evaluations at 100 s (loss 2.2) and 140 s (1.8) with a 20 s switch pause at 105–125 s between them: 20 s of
+    training, the loss crosses 2.0 halfway through it, 5 s after the pause = 130 s (interpolating in modeled time put
+    it at 120 s, inside the pause)."""
+    points = [ttp.Point(100.0, 1000, 10, 2.2, 128), ttp.Point(140.0, 1200, 12, 1.8, 512)]
+    assert ttp.crossing(points, 2.0) == pytest.approx(120.0)
+    assert ttp.crossing(points, 2.0, pauses=[(105.0, 125.0)]) == pytest.approx(130.0)
+    assert ttp.crossing(points, 2.15, pauses=[(105.0, 125.0)]) == pytest.approx(102.5)  # before the pause
+    assert ttp.crossing(points, 2.0, pauses=[(100.0, 120.0)]) == pytest.approx(130.0)  # the switch right at 100 s
+    assert ttp.crossing(points, 2.0, pauses=[(10.0, 30.0)]) == pytest.approx(120.0)  # an earlier pause: no effect
+    assert ttp.crossing(points, 2.0, what="samples", pauses=[(105.0, 125.0)]) == pytest.approx(1100)
+
+
+def test_a_json_written_before_pauses_were_recorded_gets_them_from_its_decisions_and_sequence():
+    cona = {"sequence": [{"t": 0.0, "gbs": 128}, {"t": 125.0, "gbs": 512}],
+            "decisions": [{"t": 60.0, "switch_to": None}, {"t": 105.0, "switch_to": "d8t1p4 m1 g512"}],
+            "evals": [[100.0, 1000, 10, 2.2, 128], [140.0, 1200, 12, 1.8, 512]], "ttp_s": {"2.0": 120.0}}
+    oracle = {"sequence": [{"t": 0.0, "gbs": 128}, {"t": 125.0, "gbs": 512}],
+              "decisions": [{"t": 0.0, "chosen_gbs": 128}, {"t": 50.0, "chosen_gbs": 128},
+                            {"t": 105.0, "chosen_gbs": 512}],
+              "evals": cona["evals"], "ttp_s": {"2.0": 120.0}}  # fmt: skip
+    assert ttp.pauses_of(cona) == ttp.pauses_of(oracle) == [(105.0, 125.0)]
+    report = {"workloads": {"gpt": {"targets": [2.0], "runs": [{"cona": cona, "oracle": oracle}]}}}
+    ttp.refresh_switching_runs(report)
+    assert cona["ttp_s"] == oracle["ttp_s"] == {"2.0": pytest.approx(130.0)}
+    assert cona["pauses"] == [[105.0, 125.0]]
