@@ -93,6 +93,7 @@ def test_more_processes_than_this_machine_carries_are_warned_about_once(tmp_path
     from cona.orchestrator.profile import load_profile
 
     monkeypatch.setattr(local, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(local, "machine_memory_bytes", lambda: 2**40)  # the memory warning is another test's
     profile_path = Path(__file__).resolve().parent.parent / "slurm" / "profiles" / "local-cpu.yaml"
     profile = load_profile(profile_path, ["nodes=4", "gpus_per_node=32"])
     backend = LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=profile)
@@ -115,3 +116,51 @@ def test_more_processes_than_this_machine_carries_are_warned_about_once(tmp_path
     _wait(exiting, exiting.launch(attempt=1, strategy=Strategy(dp=5, tp=1, pp=1, mbs=1, gbs=5)))
     (line,) = capsys.readouterr().err.splitlines()
     assert "starts 5 trainer processes" in line and "profile's nodes" not in line
+
+
+def test_more_processes_than_gpus_or_more_memory_than_the_machine_has_are_warned_about(tmp_path, monkeypatch, capsys):
+    """A local GPU profile that starts more processes than the machine shows GPUs (process k takes GPU k: the rest
+    fail), and a CPU profile whose processes × accelerator.memory exceed the machine's memory (the planner lets each
+    fill it): one stderr line each, once per count, beside the CPU warning, which stays quiet here."""
+    from pathlib import Path
+
+    from cona.orchestrator.backends.local import backend as local
+    from cona.orchestrator.profile import load_profile
+
+    monkeypatch.setattr(local, "usable_cpus", lambda: 64)
+    profiles = Path(__file__).resolve().parent.parent / "slurm" / "profiles"
+    monkeypatch.setattr(local, "visible_gpus", lambda: 1)
+    gpu = LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=load_profile(profiles / "local-h200.yaml", ["gpus_per_node=4"]))
+    gpu.render(strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1))
+    assert capsys.readouterr().err == ""
+    gpu.render(strategy=Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("cona: warning: the local backend starts 4 trainer processes") and "shows 1 GPU(s)" in line
+    assert "1 × 4" in line and "lower nodes or gpus_per_node" in line
+    gpu.render(strategy=Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4))
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(local, "visible_gpus", lambda: None)  # unknown (no NVIDIA driver here): nothing said
+    LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=gpu.profile).render(strategy=Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4))
+    assert capsys.readouterr().err == ""
+
+    monkeypatch.setattr(local, "machine_memory_bytes", lambda: 8 * 2**30)
+    cpu = LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=load_profile(profiles / "local-cpu.yaml"))  # 4 GiB each
+    cpu.render(strategy=Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=2))
+    assert capsys.readouterr().err == ""
+    cpu.render(strategy=Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "starts 4 trainer processes on the CPU" in line and "accelerator.memory='4 GiB' (16.0 GiB in all)" in line
+    assert "this machine has 8.0 GiB" in line and "lower accelerator.memory" in line
+
+
+def test_visible_gpus_counts_device_nodes_narrowed_by_cuda_visible_devices(tmp_path, monkeypatch):
+    from cona.orchestrator.backends.local.backend import visible_gpus
+
+    assert visible_gpus(tmp_path) is None  # no NVIDIA device node: unknown, not 0
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(tmp_path) == 3
+    for listed, count in (("0,2", 2), ("", 0), ("1,-1,2", 1), ("GPU-8a1b,GPU-77c2", 2), ("0,1,2,3,4", 3)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+        assert visible_gpus(tmp_path) == count, listed

@@ -53,6 +53,43 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def visible_gpus(dev: Path = Path("/dev")) -> int | None:
+    """The NVIDIA GPUs a process started here would see, or None when this machine's count is unknown.
+
+    Read without torch (the orchestrator never imports it): the device nodes `/dev/nvidia0`, `/dev/nvidia1`, ...
+    (a container gets only its own), narrowed by `CUDA_VISIBLE_DEVICES` as CUDA narrows them (the list ends at its
+    first negative entry). None without any device node: no NVIDIA driver, or another vendor's (ROCm), which cona
+    cannot count here, so it says nothing rather than something wrong."""
+    nodes = [entry for entry in dev.glob("nvidia[0-9]*") if entry.name[6:].isdigit()]
+    if not nodes:
+        return None
+    count = len(nodes)
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        visible = 0
+        for item in listed.split(","):
+            item = item.strip()
+            if not item or (item.lstrip("-").isdigit() and int(item) < 0):
+                break
+            visible += 1
+        count = min(count, visible)
+    return count
+
+
+def machine_memory_bytes() -> int | None:
+    """The memory of this machine the trainer processes share: its RAM, or the container's cgroup limit when lower
+    (`memory.max`, cgroup v2); None where the platform does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
 def _process_start_time(pid: int) -> str | None:
     """The kernel's start time of `pid` (field 22 of /proc/pid/stat), to tell a reused PID from ours."""
     try:
@@ -108,8 +145,9 @@ class LocalBackend(Backend):
         self.python = python or sys.executable
         self.extra_env = dict(extra_env or {})
         self._children: dict[int, subprocess.Popen] = {}
-        self._warned_processes = 0
-        """The most processes `_warn_if_crowded` has warned about: said once, not at every relaunch."""
+        self._warned_processes: dict[str, int] = {}
+        """The most processes `_warn_if_crowded` has warned about, per kind of warning: said once, not at every
+        relaunch."""
 
     @property
     def elastic(self) -> bool:
@@ -157,20 +195,52 @@ class LocalBackend(Backend):
         return f"{cmd}; rc=$?; echo $rc > {exit_file}.tmp && mv {exit_file}.tmp {exit_file}; exit $rc"
 
     def _warn_if_crowded(self, strategy: Strategy) -> None:
-        """One stderr line when `strategy` would start more processes than this machine has CPUs for
-        (`PROCESSES_PER_CPU` a CPU): all of them run here, whatever nodes the profile describes. A warning, not a
-        refusal: the run still works, only slower than planned, and a test may want exactly that."""
-        processes, cpus = strategy.world_size, usable_cpus()
-        if processes <= PROCESSES_PER_CPU * cpus or processes <= self._warned_processes:
-            return
-        self._warned_processes = processes
+        """One stderr line for each way `strategy` asks more of this machine than it has: all its processes run
+        here, whatever nodes the profile describes. A warning, not a refusal (a test may want exactly that load),
+        each said once per process count, not at every relaunch:
+
+        - more processes than `PROCESSES_PER_CPU` per CPU: they train far slower than planned;
+        - on `cuda`, more processes than the GPUs this machine shows (`visible_gpus`): process k takes GPU k, so
+          the ones past the last GPU fail to start;
+        - on `cpu`, processes × `accelerator.memory` above this machine's memory (`machine_memory_bytes`): the
+          planner lets each process fill `accelerator.memory`, so a strategy it calls feasible can run the machine
+          out of memory."""
+        processes = strategy.world_size
         layout = ""
         if self.profile is not None:
             layout = f" (the profile's nodes × gpus_per_node, {self.profile.nodes} × {self.profile.gpus_per_node}, all run here)"
-        print(f"cona: warning: the local backend starts {processes} trainer processes on this one machine, which has "
-              f"{cpus} CPU(s) for them, more than {PROCESSES_PER_CPU} per CPU{layout}; they train far slower than "
-              "planned: lower nodes or gpus_per_node in the profile to what this machine has", file=sys.stderr,
-              flush=True)  # fmt: skip
+        cpus = usable_cpus()
+        if processes > PROCESSES_PER_CPU * cpus:
+            self._warn_once("cpus", processes, f"the local backend starts {processes} trainer processes on this one "
+                            f"machine, which has {cpus} CPU(s) for them, more than {PROCESSES_PER_CPU} per CPU{layout}; "
+                            "they train far slower than planned: lower nodes or gpus_per_node in the profile to what "
+                            "this machine has")  # fmt: skip
+        if self.profile is None:
+            return
+        accelerator = self.profile.accelerator
+        if accelerator.device == "cuda":
+            gpus = visible_gpus()
+            if gpus is not None and processes > gpus:
+                self._warn_once("gpus", processes, f"the local backend starts {processes} trainer processes on this "
+                                f"one machine, which shows {gpus} GPU(s){layout}; process k takes GPU k, so the ones "
+                                "without a GPU fail: lower nodes or gpus_per_node in the profile to the GPUs this "
+                                "machine has (CUDA_VISIBLE_DEVICES counts)")  # fmt: skip
+        else:
+            memory = machine_memory_bytes()
+            planned = processes * accelerator.memory_bytes
+            if memory is not None and planned > memory:
+                self._warn_once("memory", processes, f"the local backend starts {processes} trainer processes on the "
+                                f"CPU, each planned to use up to accelerator.memory={accelerator.memory!r} "
+                                f"({planned / 2**30:.1f} GiB in all), but this machine has {memory / 2**30:.1f} GiB; "
+                                "the planner's memory check cannot keep them in it: lower accelerator.memory to this "
+                                "machine's memory divided by the processes, or lower gpus_per_node")  # fmt: skip
+
+    def _warn_once(self, kind: str, processes: int, message: str) -> None:
+        """Print `cona: warning: <message>` unless this kind was said already for as many processes or more."""
+        if processes <= self._warned_processes.get(kind, 0):
+            return
+        self._warned_processes[kind] = processes
+        print(f"cona: warning: {message}", file=sys.stderr, flush=True)
 
     def render(self, *, strategy: Strategy) -> str:
         self._warn_if_crowded(strategy)
