@@ -26,7 +26,7 @@ from cona.protocol.rundir import (
     restrict_umask,
 )
 from cona.protocol.strategy import Strategy
-from cona.protocol.yamlconfig import ConfigError, validate
+from cona.protocol.yamlconfig import ConfigError, load_yaml, validate
 
 
 def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
@@ -56,13 +56,11 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
 
 def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
     """The profile and job a run was created with."""
-    try:
-        document = yaml.safe_load(run_dir.run_yaml.read_text())
-    except (FileNotFoundError, NotADirectoryError):
-        raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"{run_dir.run_yaml}: corrupt YAML; the run directory cannot be resumed") from None
-    if not isinstance(document, dict) or "profile" not in document or "job" not in document:
+    if not run_dir.run_yaml.exists():
+        raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)")
+    # `load_yaml` names the file for every way it can be unreadable (corrupt YAML, bytes that are no text, a directory).
+    document = load_yaml(run_dir.run_yaml)
+    if "profile" not in document or "job" not in document:
         raise ConfigError(f"{run_dir.run_yaml}: missing the profile or job section")
     profile = validate(ClusterProfile, document["profile"], source=f"{run_dir.run_yaml} (profile)")
     job = job_from_dict(document["job"], source=f"{run_dir.run_yaml} (job)")

@@ -31,6 +31,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: file not found") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:  # a ValueError that names no file: say which one, and where
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "save it as UTF-8") from None  # fmt: skip
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

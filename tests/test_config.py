@@ -149,6 +149,15 @@ def test_bad_job_messages(tmp_path, text, expected):
     assert "\n" not in message
 
 
+def test_a_yaml_file_that_is_no_text_is_named(tmp_path):
+    """A UnicodeDecodeError is a ValueError that names no file: the message must say which one."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"model: {preset: tiny-gpt}\nname: \xe9t\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 0xe9 at offset 32); save it as UTF-8"
+
+
 BAD_PROFILES = [
     ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nnetwork: {intra_node_bandwidth: 300}\n",
      "field 'network.intra_node_bandwidth'"),

@@ -11,6 +11,7 @@ from cona.orchestrator.runstate import (
     PendingSpell,
     RunState,
     SwitchRequest,
+    load_run,
     read_state,
     write_state,
 )
@@ -91,3 +92,21 @@ def test_unusable_state_is_one_clear_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
         read_state(run)
     assert message in str(err.value) and "state.json" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfe profile: {}", "run.yaml: not UTF-8 text (byte 0xff at offset 0)"),
+        (b"profile: [\n", "run.yaml: line 2 column 1: invalid YAML"),
+        (b"- 1\n", "run.yaml: expected a mapping"),
+        (b"profile: {}\n", "run.yaml: missing the profile or job section"),
+    ],
+)
+def test_unusable_run_yaml_is_one_line_naming_it(tmp_path, content, message):
+    """Bytes that are no text used to surface as the codec's bare message, naming no file."""
+    run = RunDir(tmp_path)
+    run.run_yaml.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_run(run)
+    assert message in str(err.value) and "\n" not in str(err.value)
