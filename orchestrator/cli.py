@@ -43,7 +43,13 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
-    from cona.orchestrator.planner import batch_hint, enumerate_candidates, rank_by_iter_time, ties_with_best
+    from cona.orchestrator.planner import (
+        batch_hint,
+        enumerate_candidates,
+        memory_hint,
+        rank_by_iter_time,
+        ties_with_best,
+    )
     from cona.orchestrator.profile import load_profile
 
     if args.top < 0:
@@ -64,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    "where a strategy fits, `--profile-set nodes=K` plans K nodes; ") if is_elastic(profile) else ""  # fmt: skip
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
                         f"candidates on all {profile.num_gpus} devices; {batch_hint(job, profile.num_gpus, gbs_values)}"
-                        f"{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
+                        f"{memory_hint(profile, candidates)}{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
     ties = ties_with_best(ranked)

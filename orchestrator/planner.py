@@ -116,6 +116,15 @@ def batch_reason(*, job: Job, dp: int, pp: int, mbs: int, gbs: int) -> str:
     return ""
 
 
+def _gb_apart(need: float, have: float) -> tuple[str, str]:
+    """Two byte counts in GB with as many decimals (1 to 4) as it takes to tell them apart: a need just above the
+    memory would otherwise read "needs 1.0 GB per device > 1.0 GB usable", which explains nothing."""
+    digits = 1
+    while digits < 4 and f"{need / 1e9:.{digits}f}" == f"{have / 1e9:.{digits}f}":
+        digits += 1
+    return f"{need / 1e9:.{digits}f}", f"{have / 1e9:.{digits}f}"
+
+
 def evaluate(
     *, profile: ClusterProfile, job: Job, dp: int, tp: int, pp: int, mbs: int, gbs: int, layout_problem: str = "",
     attention: Attention = "sdpa",
@@ -135,9 +144,8 @@ def evaluate(
     prediction = predict(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs, attention=attention)
     usable = profile.accelerator.memory_bytes  # the memory model counts the allocator's overhead itself
     if prediction.memory_bytes > usable:
-        return rejected(
-            f"needs {prediction.memory_bytes / 1e9:.1f} GB per device > {usable / 1e9:.1f} GB usable", prediction
-        )
+        need, have = _gb_apart(prediction.memory_bytes, usable)
+        return rejected(f"needs {need} GB per device > {have} GB usable", prediction)
     return Candidate(strategy, True, "", prediction)
 
 
@@ -192,12 +200,27 @@ def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
             f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
 
 
+def memory_hint(profile: ClusterProfile, candidates: list[Candidate]) -> str:
+    """When nothing is feasible and memory is what rejects every candidate the layout and batch rules allow (a
+    small device, a long sequence), say so with the smallest need ('' when that is not the cause; otherwise a clause
+    ending in '; ' to go before the next one)."""
+    predicted = [c for c in candidates if c.prediction is not None]
+    if not predicted or any(c.feasible for c in candidates):
+        return ""
+    smallest = min(predicted, key=lambda c: c.memory_gb)
+    need, have = _gb_apart(smallest.memory_gb * 1e9, profile.accelerator.memory_bytes)
+    return (f"every strategy the layout and batch rules allow needs more than accelerator.memory="
+            f"{profile.accelerator.memory!r} ({have} GB) per device, the least {need} GB "
+            f"({smallest.strategy.short()}): give devices with more memory, or a smaller model or model.seq_len; ")
+
+
 def no_feasible_strategy(profile: ClusterProfile, job: Job) -> str:
     """What a run says when no strategy of any world it plans for is feasible: `cona render`/`submit`/`run` before
     the run exists (`cli.first_strategy`) and its scheduler after (a resumed run, the Kubernetes orchestrator),
     in the same words, with the usual cause when it is that (`batch_hint`)."""
+    memory = memory_hint(profile, enumerate_candidates(profile=profile, job=job))
     return (f"no feasible strategy for {job.name} on {profile.name}; {batch_hint(job, profile.num_gpus, None)}"
-            f"run `cona plan --all` to see why")  # fmt: skip
+            f"{memory}run `cona plan --all` to see why")  # fmt: skip
 
 
 def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -75,6 +76,26 @@ def test_infeasible_when_model_states_exceed_memory(gpt3):
     c = evaluate(profile=small, job=job, dp=2, tp=1, pp=1, mbs=1, gbs=64)
     assert not c.feasible and "GB per device" in c.reason
     assert c.prediction.model_state_bytes > small.accelerator.memory_bytes  # states alone: 16 bytes × 1.4B
+
+
+def test_a_memory_rejection_tells_the_need_from_the_memory_and_nothing_fitting_says_memory_is_why(tmp_path):
+    """tiny-gpt on 1 GB devices needs just over 1 GB everywhere (the CUDA context alone is 1 GB): the reason shows
+    enough decimals to tell the two apart, and `cona plan`/`cona render` say in one line that memory is the cause,
+    with the least need, instead of only pointing at `cona plan --all`."""
+    profile_text = (PROFILES / "local-h200.yaml").read_text().replace("memory: 140 GiB", "memory: 1 GB")
+    profile = tmp_path / "small.yaml"
+    profile.write_text(profile_text)
+    tiny = load_job(EXAMPLES / "tiny-gpt.yaml")
+    c = evaluate(profile=load_profile(profile), job=tiny, dp=1, tp=1, pp=1, mbs=2, gbs=8)
+    need, have = re.fullmatch(r"needs (\S+) GB per device > (\S+) GB usable", c.reason).groups()
+    assert not c.feasible and have.startswith("1.0") and float(need) > float(have), c.reason
+    for command in (["plan"], ["render", "local"]):
+        result = run_cona(*command, "--profile", str(profile), "--job", "examples/tiny-gpt.yaml")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert re.search(r"needs more than accelerator.memory='1 GB' \(1\.00? GB\) per device, the least 1\.0", result.stderr)
+    odd = run_cona("plan", "--profile", str(profile), "--profile-set", "gpus_per_node=3", "--job", "examples/tiny-gpt.yaml")
+    assert odd.returncode == 2 and "the factor 3" in odd.stderr  # no batch splits: another cause, no memory clause
+    assert "accelerator.memory" not in odd.stderr, odd.stderr
 
 
 def test_cost_is_monotonic(a100, gpt3):
