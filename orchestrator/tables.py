@@ -21,6 +21,12 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
+def _fmt_memory(gb: float) -> str:
+    """GB to two decimals, MB below 0.1 GB: a tiny model on the CPU (no CUDA context) needs a few MB, which would
+    read `0.00 GB` as if it needed nothing."""
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1e3:.1f} MB"
+
+
 def _fmt_rate(per_s: float) -> str:
     return f"{per_s:,.1f}" if per_s >= 0.1 or per_s == 0 else f"{per_s:.2e}"
 
@@ -47,7 +53,7 @@ def print_plan(
         comm = p.tp_comm_s + p.p2p_s + p.dp_comm_s
         table.add_row(
             str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), _fmt_time(c.iter_time_s),
-            _fmt_rate(c.samples_per_s), "≈" if c.strategy in ties else "", f"{c.memory_gb:.2f} GB",
+            _fmt_rate(c.samples_per_s), "≈" if c.strategy in ties else "", _fmt_memory(c.memory_gb),
             _fmt_time(p.compute_s),
             _fmt_time(p.pipeline_bubble_s), _fmt_time(comm),
         )  # fmt: skip

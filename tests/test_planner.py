@@ -184,6 +184,13 @@ def test_plan_works_on_every_example(job):
     assert "cona starts on " in result.stdout  # where the run would start, which is not always the fastest row
 
 
+def test_plan_shows_a_few_megabytes_as_megabytes():
+    """tiny-gpt on the CPU profile needs a few MB per process (no CUDA context): `0.00 GB` would read as nothing."""
+    result = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--top", "3")
+    assert result.returncode == 0, result.stderr
+    assert " MB │" in result.stdout and "0.00 GB" not in result.stdout, result.stdout
+
+
 def test_plan_says_where_cona_starts_and_why():
     """On the demo's profile the prior (5 × the base batch 16) puts gbs 32 20% ahead of the base batch; on 32 A100s
     gpt3-1.3b's curve is flat and it starts at its base batch; with --gbs or another policy there is no such line."""
