@@ -158,13 +158,16 @@ class ClusterProfile(StrictModel):
 
     @pydantic.model_validator(mode="after")
     def _backend_section(self) -> ClusterProfile:
-        if self.backend == "slurm" and self.slurm is None:
-            self.slurm = SlurmSpec()
+        # Every check before the default slurm section is assigned: with validate_assignment, the assignment runs
+        # this validator again on the model itself, and an error raised then quotes the whole profile's repr as
+        # what was given.
         if self.backend == "kubernetes" and self.kubernetes is None:
             raise ValueError("backend 'kubernetes' needs a kubernetes: section (namespace, image, pvc)")
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}; set min_nodes to at most nodes "
                              "(the run then trains on any node count between them)")
+        if self.backend == "slurm" and self.slurm is None:
+            self.slurm = SlurmSpec()
         return self
 
     @property

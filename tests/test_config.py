@@ -177,6 +177,10 @@ BAD_PROFILES = [
      "must be a finite number"),
     ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 0 GB}\n",
      "must be positive, got '0 GB'"),
+    # A slurm profile without its section: the error must not come out of the default section's assignment, which
+    # quoted the whole profile's repr as the value given.
+    ("name: x\nbackend: slurm\nnodes: 2\nmin_nodes: 3\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
+     "min_nodes=3 exceeds nodes=2; set min_nodes to at most nodes (the run then trains on any node count between them)"),
 ]  # fmt: skip
 
 
@@ -188,6 +192,7 @@ def test_bad_profile_messages(tmp_path, text, expected):
     assert expected in str(info.value)
     assert "\n" not in str(info.value)
     assert str(info.value).count("got") <= 1  # the value is quoted once
+    assert "ClusterProfile(" not in str(info.value)  # never the model's repr
 
 
 def test_units_are_unambiguous():
