@@ -257,6 +257,19 @@ def test_cli_bad_input_is_one_line_exit_2(args, expected):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_misspelled_option_is_answered_with_the_close_one_and_the_valid_ones():
+    """argparse alone says `unrecognized arguments: --tpo 3`; cona names the option meant and lists the command's."""
+    typo = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--tpo", "3")
+    assert typo.returncode == 2 and "Traceback" not in typo.stderr
+    assert ("cona plan: error: unrecognized arguments: --tpo 3; did you mean --top?; valid options: --all, --gbs, "
+            "--help, --job, --json, --profile, --profile-set, --set, --top") in typo.stderr  # fmt: skip
+    render = run_cona("render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
+                      "--run_dir=x")  # fmt: skip
+    assert render.returncode == 2 and "did you mean --run-dir?" in render.stderr, render.stderr
+    extra = run_cona("status", "a", "b")  # not an option: argparse's words, no list
+    assert extra.returncode == 2 and "unrecognized arguments: b\n" in extra.stderr, extra.stderr
+
+
 @pytest.mark.parametrize(("legacy", "mode"), [(True, "full"), (False, "none")])
 def test_old_activation_checkpointing_key_still_loads(tmp_path, legacy, mode):
     from cona.protocol.job import ParallelSpec, job_from_dict
