@@ -10,8 +10,11 @@ memory, the default — or `sdpa`), the micro-batch, global batch and virtual st
 sequence length (`model_defaults`). Throughput is reported the paper's way: its FLOP formula over the predicted
 iteration time (a run may give `iter_time_s` instead of `tflops`; it is converted with the same formula, so the
 ratio is published over predicted time). Every section is optional: `runs` (or `table_1`) lists runs with their own
-model, `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
-the paper names. `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md
+model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute` and `attention`),
+`table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
+the paper names. A misspelled key is refused with the list of valid ones; run names are free text. A second
+record, `tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format
+on another cluster. `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md
 shows the tables.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,16 @@ VOCAB, SEQ = 51200, 2048
 """The default record's vocabulary and sequence length (`model_defaults` of a record overrides them)."""
 SECTIONS = ("runs", "table_1", "table_2", "figure_13", "figure_14", "figure_16")
 MODEL_KEYS = ("name", "layers", "hidden", "heads")
+RUN_SETTINGS = ("vocab_size", "seq_len", "recompute", "attention")
+"""What a run may set for itself, over the record's `model_defaults`, `recompute` and `attention`."""
+RUN_KEYS = (*MODEL_KEYS, "gpus", "t", "p", "mbs", "gbs", "v", "sharded_dp", "tflops", "iter_time_s", *RUN_SETTINGS)
+TABLE_2_ROW_KEYS = ("scheme", "gpus", "t", "p", "mbs", "tflops", "iter_time_s")
+FIGURE_KEYS = {
+    "figure_13": ("model", "gpus", "mbs", "gbs", "configs", "best"),
+    "figure_14": ("model", "gpus", "mbs", "gbs", "pipeline_sizes", "order"),
+    "figure_16": ("model", "gpus", "t", "p", "gbs", "mbs", "best_mbs"),
+}
+RECOMPUTE, ATTENTION = ("none", "selective", "full"), ("materialized", "sdpa")
 
 
 class RecordError(ValueError):
@@ -51,24 +65,53 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _check_model(model: Any, where: str) -> None:
+def _known_keys(mapping: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
+    """A misspelled key is named with the list of valid ones (it would otherwise be ignored, silently)."""
+    unknown = sorted(str(k) for k in set(mapping) - set(valid))
+    _require(not unknown, f"{where}.{', '.join(unknown)}", f"unknown field; valid: {', '.join(valid)}")
+
+
+def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
     _require(isinstance(model, dict), where, "must be a mapping with name, layers, hidden and heads")
+    if alone:  # a section's model (table_2, figures): nothing but the model
+        _known_keys(model, MODEL_KEYS, where)
     for key in MODEL_KEYS:
         _require(key in model, f"{where}.{key}", "missing (a model needs name, layers, hidden and heads)")
     for key in ("layers", "hidden", "heads"):
         _require(_positive_int(model[key]), f"{where}.{key}", f"must be a positive integer, got {model[key]!r}")
+    _require(model["hidden"] % model["heads"] == 0, f"{where}.heads",
+             f"{model['heads']} heads do not divide hidden = {model['hidden']}; fix heads or hidden")  # fmt: skip
+
+
+def _check_settings(mapping: dict[str, Any], where: str, sep: str) -> None:
+    """`vocab_size`, `seq_len`, `recompute` and `attention`, where given (a record's or a run's)."""
+    for key in ("vocab_size", "seq_len"):
+        if key in mapping:
+            _require(_positive_int(mapping[key]), f"{where}{sep}{key}", f"must be a positive integer, got {mapping[key]!r}")
+    if "recompute" in mapping:
+        _require(mapping["recompute"] in RECOMPUTE, f"{where}{sep}recompute",
+                 f"must be none, selective or full, got {mapping['recompute']!r}")  # fmt: skip
+    if "attention" in mapping:
+        _require(mapping["attention"] in ATTENTION, f"{where}{sep}attention",
+                 f"must be materialized or sdpa, got {mapping['attention']!r}")  # fmt: skip
 
 
 def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
-    """A run: gpus, t, p (d = gpus/(t·p) must be whole), mbs, gbs, and what was published."""
+    """A run: gpus, t, p (d = gpus/(t·p) must be whole), mbs, gbs (a multiple of d·mbs), and what was published."""
     _require(isinstance(row, dict), where, "must be a mapping")
     if model:
+        _known_keys(row, RUN_KEYS, where)
         _check_model(row, where)
+        _check_settings(row, where, ".")
     for key in ("gpus", "t", "p", "mbs", "gbs", *(("v",) if "v" in row else ())):  # v (virtual stages) is optional
         _require(key in row, f"{where}.{key}", "missing")
         _require(_positive_int(row[key]), f"{where}.{key}", f"must be a positive integer, got {row[key]!r}")
     _require(row["gpus"] % (row["t"] * row["p"]) == 0, f"{where}.gpus",
              f"{row['gpus']} GPUs are not a multiple of t·p = {row['t'] * row['p']}; fix t, p or gpus")  # fmt: skip
+    d = row["gpus"] // (row["t"] * row["p"])
+    _require(row["gbs"] % (d * row["mbs"]) == 0, f"{where}.gbs",
+             f"{row['gbs']} is not a multiple of d·mbs = {d}·{row['mbs']} (whole micro-batches per replica); "
+             f"fix gbs, mbs or gpus")  # fmt: skip
     if published:
         given = [k for k in ("tflops", "iter_time_s") if row.get(k) is not None]
         _require(len(given) == 1, where, "give exactly one of tflops (per GPU) and iter_time_s")
@@ -90,12 +133,8 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
     defaults = record.get("model_defaults", {})
     _require(isinstance(defaults, dict) and set(defaults) <= {"vocab_size", "seq_len"}, f"{where}: model_defaults",
              "must be a mapping of vocab_size and seq_len")  # fmt: skip
-    for key, value in defaults.items():
-        _require(_positive_int(value), f"{where}: model_defaults.{key}", f"must be a positive integer, got {value!r}")
-    _require(record.get("recompute", "full") in ("none", "selective", "full"), f"{where}: recompute",
-             f"must be none, selective or full, got {record.get('recompute')!r}")  # fmt: skip
-    _require(record.get("attention", "materialized") in ("materialized", "sdpa"), f"{where}: attention",
-             f"must be materialized or sdpa, got {record.get('attention')!r}")  # fmt: skip
+    _check_settings(defaults, f"{where}: model_defaults", ".")
+    _check_settings(record, where, ": ")
     _require(any(k in record for k in SECTIONS), where, f"no runs: give at least one of {', '.join(SECTIONS)}")
     for section in ("runs", "table_1"):
         if section in record:
@@ -107,9 +146,12 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
         spec = record["table_2"]
         _require(isinstance(spec, dict) and isinstance(spec.get("rows"), list), f"{where}: table_2",
                  "must have model, gbs and rows")  # fmt: skip
-        _check_model(spec.get("model"), f"{where}: table_2.model")
+        _known_keys(spec, ("model", "gbs", "rows"), f"{where}: table_2")
+        _check_model(spec.get("model"), f"{where}: table_2.model", alone=True)
         _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", "must be a positive integer")
         for i, row in enumerate(spec["rows"]):
+            _require(isinstance(row, dict), f"{where}: table_2.rows[{i}]", "must be a mapping")
+            _known_keys(row, TABLE_2_ROW_KEYS, f"{where}: table_2.rows[{i}]")
             _check_run({**row, "gbs": spec["gbs"]}, f"{where}: table_2.rows[{i}]", model=False, published=True)
             _require(row.get("scheme") in ("ptd-p", "zero-3"), f"{where}: table_2.rows[{i}].scheme",
                      "must be ptd-p or zero-3")  # fmt: skip
@@ -118,7 +160,8 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
         if name in record:
             spec = record[name]
             _require(isinstance(spec, dict), f"{where}: {name}", "must be a mapping")
-            _check_model(spec.get("model"), f"{where}: {name}.model")
+            _known_keys(spec, FIGURE_KEYS[name], f"{where}: {name}")
+            _check_model(spec.get("model"), f"{where}: {name}.model", alone=True)
             for key in keys:
                 _require(key in spec, f"{where}: {name}.{key}", "missing")
             gpus = spec["gpus"]
@@ -169,8 +212,10 @@ def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, shard
     parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": recompute}
     if v > 1:
         parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
+    # A record's run names are free text ("72L t8p6 m4", "BLOOM 176B"); a job's name is not.
+    name = ("published-" + re.sub(r"[^A-Za-z0-9._-]+", "-", str(model["name"])).strip("-._"))[:63].rstrip("-._")
     return job_from_dict({
-        "name": f"published-{model['name']}",
+        "name": name,
         "model": {"family": "gpt", "num_layers": model["layers"], "hidden_size": model["hidden"],
                   "num_heads": model["heads"], "vocab_size": vocab, "seq_len": seq},
         "batch": {"min_gbs": 1, "max_gbs": max(gbs, 1), "base_gbs": gbs, "mbs_choices": [mbs]},
@@ -223,11 +268,13 @@ def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any
          published_time_s: float | None = None) -> Case:  # fmt: skip
     d = gpus // (t * p)
     assert d * t * p == gpus, (label, gpus, t, p)  # validate_record refuses a record where this fails
-    defaults = record.get("model_defaults", {})
-    vocab, seq = defaults.get("vocab_size", VOCAB), defaults.get("seq_len", SEQ)
-    attention = record.get("attention", "materialized")
-    job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp, recompute=record.get("recompute", "full"),
-                       vocab=vocab, seq=seq)  # fmt: skip
+    defaults = record.get("model_defaults", {})  # a run's own settings (RUN_SETTINGS) over the record's
+    vocab = model.get("vocab_size", defaults.get("vocab_size", VOCAB))
+    seq = model.get("seq_len", defaults.get("seq_len", SEQ))
+    attention = model.get("attention", record.get("attention", "materialized"))
+    recompute = model.get("recompute", record.get("recompute", "full"))
+    job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp, recompute=recompute, vocab=vocab,
+                       seq=seq)  # fmt: skip
     profile = a100_cluster(gpus, cluster)
     problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p)
     c = evaluate(profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, layout_problem=problem,
@@ -343,11 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         record = load_record(args.record)
-        cases = all_cases(record)
+        record_cluster(record)
     except RecordError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except ConfigError as e:  # the profile the record names, or its profile_set
         parser.exit(2, f"{parser.prog}: error: {args.record}: profile: {e}\n")
+    try:
+        cases = all_cases(record)
+    except ConfigError as e:  # a run's model that the trainer's job refuses (it names the run and the field)
+        parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
     print_cases(cases)
     for group in ("runs", "table_1"):
         rows = [c for c in cases if c.group == group and c.ratio]

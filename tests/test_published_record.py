@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.published import all_cases, load_record, main, megatron_job
+from benchmarks.common import REPO
+from benchmarks.published import (
+    all_cases,
+    load_record,
+    main,
+    megatron_job,
+    paper_flops,
+    record_cluster,
+    runs,
+)
 
 RECORD = {
     "profile": "slurm/profiles/h100-8x8.yaml",
@@ -67,6 +76,23 @@ def test_main_writes_the_json_of_another_record(tmp_path, capsys):
         ({"profile": "slurm/profiles/nope.yaml"}, "nope.yaml"),
         ({"figure_13": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2}, "gpus": 64, "mbs": 1,
                         "gbs": [32], "configs": [[3, 8]]}}, "figure_13: every [t, p] must be positive integers"),
+        # A misspelled key is answered with the valid ones (it used to be ignored: `vv: 2` ran without virtual stages).
+        ({"runs": [{**RECORD["runs"][0], "vv": 2}]}, "runs[0].vv: unknown field; valid: name, layers, hidden, heads"),
+        ({"runs": [{**RECORD["runs"][0], "seq": 2048}]}, "runs[0].seq: unknown field; valid: name,"),
+        ({"table_2": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2}, "gbs": 8,
+                      "rows": [{"scheme": "ptd-p", "t": 1, "p": 1, "gpus": 8, "mbs": 1, "tflop": 9}]}},
+         "table_2.rows[0].tflop: unknown field; valid: scheme, gpus, t, p, mbs, tflops, iter_time_s"),
+        ({"figure_16": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2}, "gpus": 8, "t": 1, "p": 1,
+                        "gbs": [8], "mbs": [1], "best_mb": 1}}, "figure_16.best_mb: unknown field; valid: model,"),
+        ({"figure_14": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2, "vocab": 8}, "gpus": 8,
+                        "mbs": 1, "gbs": [8], "pipeline_sizes": [2]}}, "figure_14.model.vocab: unknown field"),
+        # The model's shape and the batch, refused before costing, naming the run's field (a model the trainer's job
+        # refused was reported as the record's "profile").
+        ({"runs": [{**RECORD["runs"][0], "heads": 100}]}, "runs[0].heads: 100 heads do not divide hidden = 2560"),
+        ({"runs": [{**RECORD["runs"][0], "gbs": 100}]}, "runs[0].gbs: 100 is not a multiple of d·mbs = 8·2"),
+        ({"runs": [{**RECORD["runs"][0], "recompute": "some"}]}, "runs[0].recompute: must be none, selective or full"),
+        ({"runs": [{**RECORD["runs"][0], "vocab_size": 0}]}, "runs[0].vocab_size: must be a positive integer"),
+        ({"recompute": "all"}, "record.yaml: recompute: must be none, selective or full"),
     ],
 )  # fmt: skip
 def test_a_record_that_cannot_be_costed_is_refused_in_one_line(tmp_path, capsys, change, expected):
@@ -90,3 +116,44 @@ def test_a_broken_record_file_is_refused_in_one_line(tmp_path, capsys, text, exp
     with pytest.raises(SystemExit):
         main(["--record", str(tmp_path / "missing.yaml")])
     assert "missing.yaml: file not found" in capsys.readouterr().err
+
+
+def test_a_model_the_trainer_refuses_is_named_by_its_run_not_as_the_profile(tmp_path, capsys):
+    path = write(tmp_path, {**RECORD, "runs": [{**RECORD["runs"][0], "seq_len": 1}]})  # a job needs seq_len > 1
+    with pytest.raises(SystemExit) as exit_:
+        main(["--record", str(path), "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{path}: published run 2.7B" in err and "seq_len" in err and "profile" not in err, err
+
+
+def test_a_run_sets_its_own_vocabulary_sequence_recompute_and_attention(tmp_path):
+    """A record mixing runs of several settings (another tokenizer, context, selective recompute) in one list."""
+    own = {**RECORD["runs"][0], "name": "BLOOM 176B t4 p12 (final)", "vocab_size": 250880, "seq_len": 2048,
+           "recompute": "full", "attention": "materialized"}  # fmt: skip
+    record = load_record(write(tmp_path, {**RECORD, "runs": [RECORD["runs"][0], own]}))
+    plain, mine = all_cases(record)
+    # A free-text name (spaces, parentheses) is the label; the job gets a name it accepts.
+    assert mine.label == "BLOOM 176B t4 p12 (final)" and mine.prediction is not None
+    job = megatron_job(own, mbs=2, gbs=256)
+    assert job.name == "published-BLOOM-176B-t4-p12-final"
+    # The run's settings, not the record's (32,000 / 4,096 / none / sdpa), are costed: the same run with the
+    # record's settings is plain, and the paper's FLOP count uses the run's vocabulary and sequence length.
+    assert mine.prediction.iter_time_s != pytest.approx(plain.prediction.iter_time_s, rel=0.05)
+    assert mine.flops == pytest.approx(paper_flops(layers=32, hidden=2560, gbs=256, seq=2048, vocab=250880))
+    same = all_cases(load_record(write(tmp_path, {**RECORD, "model_defaults": {"vocab_size": 250880, "seq_len": 2048},
+                                                  "recompute": "full", "attention": "materialized",
+                                                  "runs": [RECORD["runs"][0]]}, "same.yaml")))  # fmt: skip
+    assert same[0].prediction.iter_time_s == pytest.approx(mine.prediction.iter_time_s)
+
+
+def test_the_bloom_record_loads_and_its_training_run_is_costed():
+    """tests/published/bloom_176b.yaml (docs/costmodel.md, "Another record: BLOOM-176B"): every row is a run given
+    by its time on 384 GPUs; the training run itself is predicted within 15% of its published time."""
+    record = load_record(REPO / "tests" / "published" / "bloom_176b.yaml")
+    rows = record["runs"]
+    assert len(rows) == 26 and all("iter_time_s" in r and r["gpus"] == 384 for r in rows)
+    final = [r for r in rows if r["name"] == "BLOOM-176B"]
+    (case,) = runs({**record, "runs": final}, record_cluster(record))
+    assert (case.t, case.p, case.d, case.mbs, case.gbs) == (4, 12, 8, 2, 2048)
+    assert 0.85 < case.ratio < 1.15, case.ratio
