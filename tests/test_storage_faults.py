@@ -169,6 +169,18 @@ def test_truncated_shard_is_named(tmp_path):
     assert ".metadata has 0 bytes, expected 1" in (verify_checkpoint(copy) or "")
 
 
+@pytest.mark.parametrize("files", [[".metadata"], {".metadata": "1", "trainer_state.json": 11}, {".metadata": True}])
+def test_a_marker_of_the_wrong_shape_is_damage_not_a_crash(tmp_path, files):
+    """Valid JSON in COMPLETE whose `files` is no mapping of names to sizes crashed the check (a list) or said a
+    file of the right size had the wrong one (a size given as a string)."""
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    (tmp_path / ".metadata").write_bytes(b"x")
+    (tmp_path / "trainer_state.json").write_text('{"step": 1}')
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 1, "files": files}))
+    assert verify_checkpoint(tmp_path) == "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
+
+
 
 def _only_error_line(result) -> str:
     """The trainer's one `error:` line; fails if it printed a traceback instead."""

@@ -323,6 +323,9 @@ def verify_checkpoint(path: Path) -> str | None:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "its COMPLETE marker is unreadable"
+    # Valid JSON of the wrong shape is as damaged as a torn marker: judged here, not left to crash the size checks.
+    if not isinstance(files, dict) or not all(isinstance(n, str) and type(v) is int for n, v in files.items()):
+        return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
     for name, size in files.items():
         try:
             actual = (path / name).stat().st_size
