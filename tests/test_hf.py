@@ -271,6 +271,27 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         assert expected in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_damaged_checkpoint_names_the_intact_one_to_export(tmp_path, capsys):
+    """The newest checkpoint cut short: the line says which --step still exports (the one the trainer resumes)."""
+    from cona.trainer.export import main
+
+    run = tmp_path / "run"
+    for step in (4, 8):
+        path = run / "checkpoints" / f"step-{step:08d}"
+        path.mkdir(parents=True)
+        (path / ".metadata").write_bytes(b"x")
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (path / "COMPLETE").write_text(json.dumps({"step": step, "files": {".metadata": 1, "trainer_state.json": 11}}))
+    (run / "checkpoints" / "step-00000008" / ".metadata").write_bytes(b"")
+    assert main([str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert err.strip().endswith(".metadata has 0 bytes, expected 1 (truncated or overwritten); export an intact one "
+                                "with --step 4"), err  # fmt: skip
+    (run / "checkpoints" / "step-00000004" / ".metadata").unlink()
+    assert main([str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == ExitCode.CONFIG
+    assert capsys.readouterr().err.strip().endswith("; the run has no other intact checkpoint")
+
+
 def test_the_presets_take_the_published_configs():
     """config.json of Llama 3.2 1B and of BERT-Large (uncased) as published, and GPT-2's layout at GPT-3 XL's size:
     the presets match them as they are (the tensors' shapes follow from the same fields)."""

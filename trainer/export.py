@@ -61,7 +61,10 @@ def find_checkpoint(run_dir: RunDir, step: int | None) -> Path:
             raise ValueError(f"--step {step}: no complete checkpoint {path.name} (complete steps: {have})")
     problem = verify_checkpoint(path)
     if problem:
-        raise ValueError(f"{path}: {problem}")
+        # Say what to do: the trainer resumes from the newest intact checkpoint, and the export can take that one too.
+        intact = [int(p.name.split("-")[1]) for p in complete if p != path and verify_checkpoint(p) is None]
+        fix = f"export an intact one with --step {intact[-1]}" if intact else "the run has no other intact checkpoint"
+        raise ValueError(f"{path}: {problem}; {fix}")
     return path
 
 
