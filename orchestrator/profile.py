@@ -168,6 +168,12 @@ class ClusterProfile(StrictModel):
                              "(the run then trains on any node count between them)")
         if self.backend == "slurm" and self.slurm is None:
             self.slurm = SlurmSpec()
+        if (self.slurm is not None and self.accelerator.device == "cpu"
+                and "gpus_per_node_flag" not in self.slurm.model_fields_set):  # fmt: skip
+            # A CPU profile trains in processes, not on GPUs: `--gpus-per-node` (the flag's default, for GPU
+            # clusters) would ask a CPU partition for GPUs it has none of, and the job would never start. Said
+            # explicitly, `true` stays.
+            self.slurm.gpus_per_node_flag = False
         return self
 
     @property

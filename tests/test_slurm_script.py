@@ -95,6 +95,17 @@ def test_gpu_profile_lines():
     assert "--gpus-per-node" not in render_batch_script(_profile(), None, "/runs/x")
 
 
+def test_a_cpu_profile_asks_for_no_gpus_unless_it_says_so():
+    """`gpus_per_node_flag` defaults to true, for GPU clusters; a CPU profile that leaves it out asked a CPU
+    partition for `--gpus-per-node` and never started. Its default follows the device; said explicitly, it stays."""
+    cpu = ["accelerator.device=cpu", "accelerator.name=cpu"]
+    assert not load_profile(PROFILES / "a100-4x8.yaml", cpu).slurm.gpus_per_node_flag
+    assert "--gpus-per-node" not in render_batch_script(load_profile(PROFILES / "a100-4x8.yaml", cpu), None, "/runs/x")
+    forced = load_profile(PROFILES / "a100-4x8.yaml", [*cpu, "slurm.gpus_per_node_flag=true"])
+    assert "#SBATCH --gpus-per-node=8" in render_batch_script(forced, None, "/runs/x")
+    assert load_profile(PROFILES / "a100-4x8.yaml").slurm.gpus_per_node_flag  # a GPU profile keeps the default
+
+
 # --- the node count: what `cona render slurm` shows is what the submission asks for --------------------------
 
 

@@ -154,7 +154,8 @@ class SlurmSpec(StrictModel):
     python: str = "python3"
     """Python interpreter on the compute nodes."""
     gpus_per_node_flag: bool = True
-    """Request `--gpus-per-node`; false on CPU-only clusters."""
+    """Request `--gpus-per-node`; false on CPU-only clusters (the default there when `accelerator.device` is `cpu`:
+    `cona.orchestrator.profile` sets it unless the profile says)."""
 
     @pydantic.field_validator("time_limit")
     @classmethod
