@@ -387,9 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.published", description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, default=RECORD, help="the published runs (YAML, see the module doc)")
     parser.add_argument("--out", type=Path, default=RESULTS / "published.json")
+    parser.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the record's cluster after its profile_set (repeatable), e.g. "
+                             "'network.inter_node_bandwidth=135 Gbit/s'")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         record = load_record(args.record)
+        if args.profile_set:  # what the record says, then the command line's
+            record = {**record, "profile_set": [*record.get("profile_set", []), *args.profile_set]}
         record_cluster(record)
     except RecordError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
@@ -406,11 +411,14 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(rows, key=lambda c: abs(math.log(c.ratio or 1)))
             print(f"\n{group}: predicted/published from {min(c.ratio for c in rows):.2f} to "
                   f"{max(c.ratio for c in rows):.2f} (worst {worst.label})")  # fmt: skip
+            if len(rows) > 2:  # do the runs come out in the published order (a planner needs the order)?
+                rho = spearman([c.predicted_tflops for c in rows], [c.published_tflops or 0.0 for c in rows])
+                print(f"{group}: rank correlation of predicted and published TFLOP/s {rho:.2f} over {len(rows)} runs")
     t2 = [c for c in cases if c.group == "table_2"]
     if len(t2) > 1:
         print(f"table_2: rank correlation {spearman([c.predicted_tflops for c in t2], [c.published_tflops for c in t2]):.2f}")
     write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
-                          "record": str(args.record)})  # fmt: skip
+                          "profile_set": record.get("profile_set", []), "record": str(args.record)})  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 

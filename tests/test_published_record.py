@@ -60,6 +60,11 @@ def test_main_writes_the_json_of_another_record(tmp_path, capsys):
     assert main(["--record", str(write(tmp_path, RECORD)), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "runs: predicted/published from" in text and out.exists()
+    assert "rank correlation" not in text  # two runs rank nothing
+    three = {**RECORD, "runs": [*RECORD["runs"], {**RECORD["runs"][0], "name": "2.7B-b", "iter_time_s": 9.0}]}
+    assert main(["--record", str(write(tmp_path, three, "three.yaml")), "--out", str(out)]) == 0
+    # Published 3.0 s and 9.0 s for the same run: the one published 3x faster ranks first, the model ties them.
+    assert "runs: rank correlation of predicted and published TFLOP/s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -157,3 +162,22 @@ def test_the_bloom_record_loads_and_its_training_run_is_costed():
     (case,) = runs({**record, "runs": final}, record_cluster(record))
     assert (case.t, case.p, case.d, case.mbs, case.gbs) == (4, 12, 8, 2, 2048)
     assert 0.85 < case.ratio < 1.15, case.ratio
+
+
+def test_the_command_line_overrides_the_records_cluster(tmp_path, capsys):
+    """`--profile-set` after the record's own (a reviewer's other bandwidth, without editing the record); a bad
+    override is one line naming the profile."""
+    import json
+
+    path, out = write(tmp_path, RECORD), tmp_path / "slow.json"
+    assert main(["--record", str(path), "--out", str(tmp_path / "base.json")]) == 0
+    assert main(["--record", str(path), "--out", str(out), "--profile-set", "network.inter_node_bandwidth=10 Gbit/s"]) == 0
+    base, slow = (json.loads((tmp_path / n).read_text()) for n in ("base.json", "slow.json"))
+    assert slow["profile_set"] == ["network.inter_node_bandwidth=10 Gbit/s"] and base["profile_set"] == []
+    # 16 GPUs over two nodes: the data-parallel exchange crosses the slower network.
+    assert slow["cases"][0]["iter_time_s"] > base["cases"][0]["iter_time_s"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--record", str(path), "--out", str(out), "--profile-set", "network.inter_node_bandwith=1 Gbit/s"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and f"{path}: profile:" in err, err
