@@ -292,6 +292,32 @@ def test_a_damaged_checkpoint_names_the_intact_one_to_export(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("; the run has no other intact checkpoint")
 
 
+def test_an_export_that_cannot_be_written_is_one_line_and_leaves_no_torn_model(tmp_path, monkeypatch):
+    """A --out under a file, and a disk that fills while the weights are written (safetensors raises its own error
+    type, not OSError): both were tracebacks, and the second left config.json beside a torn model.safetensors."""
+    import safetensors.torch
+    from cona.trainer import hf
+    from safetensors import SafetensorError
+
+    spec = _spec("gpt")
+    state = _cona_model(spec).state_dict()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError) as info:
+        hf.save_directory(tmp_path / "file" / "out", spec, state)
+    assert str(info.value).startswith(f"{tmp_path / 'file' / 'out'}: cannot write the model (Not a directory); "
+                                      "give a writable directory with 0.5 MB free"), info.value  # fmt: skip
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"torn")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(ValueError) as info:
+        hf.save_directory(tmp_path / "out", spec, state)
+    assert "cannot write the model (Error while serializing: I/O error: No space left on device" in str(info.value)
+    assert "\n" not in str(info.value) and list((tmp_path / "out").iterdir()) == []
+
+
 def test_the_presets_take_the_published_configs():
     """config.json of Llama 3.2 1B and of BERT-Large (uncased) as published, and GPT-2's layout at GPT-3 XL's size:
     the presets match them as they are (the tensors' shapes follow from the same fields)."""

@@ -26,6 +26,7 @@ RoPE) and then every tensor's shape, and fails with one line naming the field or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -453,29 +454,42 @@ def save_directory(
 ) -> list[Path]:  # fmt: skip
     """Write config.json and the weights of the model `state` (cona names) in the transformers format; returns the
     files written. The bytes depend only on the tensors and the spec (no times), so an export is reproducible."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in [directory / WEIGHTS, directory / INDEX, *directory.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
     tensors = to_hf(spec, state)
-    (directory / CONFIG).write_text(json.dumps(hf_config(spec, eos_token_id=eos_token_id), indent=2, sort_keys=True) + "\n")
     shards = _shards(tensors, max_shard_bytes)
-    written = [directory / CONFIG]
-    if len(shards) == 1:
-        save_file(tensors, directory / WEIGHTS, metadata={"format": "pt"})
-        return [*written, directory / WEIGHTS]
-    weight_map = {}
-    for k, names in enumerate(shards, start=1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, directory / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-        written.append(directory / file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return [*written, directory / INDEX]
+    written: list[Path] = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in [directory / WEIGHTS, directory / INDEX, *directory.glob("model-*-of-*.safetensors")]:
+            stale.unlink(missing_ok=True)
+        written.append(directory / CONFIG)
+        written[-1].write_text(json.dumps(hf_config(spec, eos_token_id=eos_token_id), indent=2, sort_keys=True) + "\n")
+        if len(shards) == 1:
+            written.append(directory / WEIGHTS)
+            save_file(tensors, written[-1], metadata={"format": "pt"})
+            return written
+        weight_map = {}
+        for k, names in enumerate(shards, start=1):
+            written.append(directory / f"model-{k:05d}-of-{len(shards):05d}.safetensors")
+            save_file({n: tensors[n] for n in names}, written[-1], metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, written[-1].name))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        written.append(directory / INDEX)
+        written[-1].write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return written
+    # No room, a read-only file system, a file where a directory belongs (safetensors reports its I/O errors as its
+    # own type): one line, and no torn model left behind that would look like an export.
+    except (OSError, SafetensorError) as e:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"{directory}: cannot write the model ({detail}); give a writable directory with "
+                         f"{total / 1e6:,.1f} MB free") from None  # fmt: skip
 
 
 # DCP checkpoints --------------------------------------------------------------------------------------------------
