@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends import BACKENDS
 from cona.orchestrator.backends.base import BackendError
@@ -118,15 +118,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from cona.orchestrator.job import load_job
     from cona.orchestrator.profile import load_profile
-    from cona.orchestrator.runstate import create_run, load_run
+    from cona.orchestrator.runstate import load_run
     from cona.protocol.rundir import RunDir
 
     if args.resume:
         run_dir = RunDir(Path(args.resume))
-        if args.profile or args.job or args.profile_overrides or args.overrides or args.policy or args.run_dir:
+        if (args.profile or args.job or args.profile_overrides or args.overrides or args.policy or args.run_dir
+                or args.measured):  # fmt: skip
             raise UserError(
-                "--resume takes the profile, job and policy from the run directory; drop --profile/--profile-set/"
-                "--job/--set/--policy/--run-dir"
+                "--resume takes the profile, job and policy (and any --measured step times) from the run directory; "
+                "drop --profile/--profile-set/--job/--set/--policy/--run-dir/--measured"
             )
         profile, job = load_run(run_dir)
     else:
@@ -134,15 +135,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
         profile = load_profile(args.profile, args.profile_overrides)
         job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+        measured = None
+        if args.measured:
+            from cona.orchestrator.profiling import check_compatible, load_measured
+
+            record, source = load_measured(args.measured)
+            check_compatible(record, source, profile, job)
+            measured = record.measured
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
-        if run_dir.run_yaml.exists():  # the same command again: resume, never overwrite
-            profile, job = _same_run(run_dir, profile, job)
-        else:
-            # The policy is checked before the run exists: a run directory created from a bad schedule would be
-            # resumed, bad schedule and all, by the corrected command.
-            first_strategy(profile, job)
-            create_run(run_dir=run_dir, profile=profile, job=job)
+        profile, job = _create_or_same(run_dir, profile, job, measured=measured)
     from cona.orchestrator.scheduler import drive
 
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
@@ -154,6 +156,52 @@ def cmd_run(args: argparse.Namespace) -> int:
         png, md = write_report(run_dir)
         print(f"report: {md} and {png}")
     return 0 if state.status in ("done", "stopped") else 1
+
+
+def _create_or_same(
+    run_dir: RunDir, profile: ClusterProfile, job: Job, *, measured: list[dict[str, Any]] | None = None
+) -> tuple[ClusterProfile, Job]:
+    """Create the run (its policy checked first), or, when `run_dir` holds this very run (the same command again),
+    its stored profile and job: resume, never overwrite."""
+    from cona.orchestrator.runstate import create_run
+
+    if run_dir.run_yaml.exists():
+        return _same_run(run_dir, profile, job)
+    # The policy is checked before the run exists: a run directory created from a bad schedule would be resumed,
+    # bad schedule and all, by the corrected command.
+    first_strategy(profile, job)
+    create_run(run_dir=run_dir, profile=profile, job=job, measured=measured)
+    return profile, job
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import time
+
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.profiling import profiling_job
+    from cona.orchestrator.scheduler import drive
+    from cona.protocol.rundir import RunDir
+
+    profile = load_profile(args.profile, args.profile_overrides)
+    job, strategies, steps = profiling_job(profile, load_job(args.job, args.overrides), top=args.top,
+                                           strategies=args.strategies, steps=args.steps)  # fmt: skip
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{job.name}-profile-{stamp}"
+    run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / name)
+    profile, job = _create_or_same(run_dir, profile, job)
+    print(f"cona profile: {len(strategies)} strategies, {steps} steps each ({', '.join(s.short() for s in strategies)}),"
+          f" in {run_dir.root}")  # fmt: skip
+    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
+    if failure is not None:
+        raise UserError(failure)
+    if state.status != "done":
+        raise UserError(f"{run_dir.root}: the profiling run ended {state.status}; go on with the same command and "
+                        f"--run-dir {run_dir.root}")  # fmt: skip
+    from cona.orchestrator.profiling import finish_profile
+
+    print(finish_profile(run_dir, profile=profile, job=job, state=state))
+    return 0
 
 
 def _same_run(run_dir: RunDir, profile: ClusterProfile, job: Job) -> tuple[ClusterProfile, Job]:
@@ -421,9 +469,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", metavar="POLICY",
         help="cona (switch online), static (fastest at batch.base_gbs), fixed:<strategy>, or schedule (policy.schedule)",
     )  # fmt: skip
+    run.add_argument(
+        "--measured", metavar="RUN_DIR",
+        help="start from the step times a `cona profile` run measured (its run directory or measured.json)",
+    )  # fmt: skip
     run.add_argument("--quiet", action="store_true", help="no live view; only the final summary")
     run.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     run.set_defaults(func=cmd_run)
+
+    prof = sub.add_parser(
+        "profile",
+        help="measure a few strategies for some steps each on the real cluster; cona run --measured starts from them",
+        description="Run the job for a few steps on each of a handful of strategies, switching in place between "
+        "them (one run, the `schedule` policy): the fastest layout at each batch from half the base batch to four "
+        "times it, then the base batch's next layouts. Prints measured against predicted step times and writes "
+        "RUN_DIR/measured.json, which `cona run --measured RUN_DIR` starts its throughput model with.",
+    )
+    _add_config_args(prof)
+    prof.add_argument("--top", type=int, default=None, metavar="K", help="how many strategies to measure (default 6)")
+    prof.add_argument(
+        "--strategies", metavar="S;S;...",
+        help="measure these instead, e.g. 'dp=4,tp=1,pp=1,mbs=8,gbs=32;dp=2,tp=1,pp=2,mbs=4,gbs=32'",
+    )  # fmt: skip
+    prof.add_argument("--steps", type=int, default=None, metavar="N",
+                      help="steps per strategy (default: 15 heartbeats' worth)")  # fmt: skip
+    prof.add_argument("--run-dir", metavar="DIR", help="run directory (default: storage.run_root/<job name>-profile-<time>)")
+    prof.add_argument("--quiet", action="store_true", help="no live view; only the table")
+    prof.set_defaults(func=cmd_profile)
 
     submit = sub.add_parser(
         "submit",

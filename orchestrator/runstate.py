@@ -29,8 +29,9 @@ from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, load_yaml, validate
 
 
-def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
-    """Write the immutable run.yaml (resolved profile and job)."""
+def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job, measured: list[dict[str, Any]] | None = None) -> None:
+    """Write the immutable run.yaml (resolved profile and job, and the step times `cona run --measured` starts the
+    throughput model with)."""
     if run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.run_yaml}: the run already exists; resume it with `cona run --resume {run_dir.root}`")
     job = job.model_copy(deep=True)
@@ -51,6 +52,8 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job) -> None:
         "profile": profile.model_dump(mode="json"),
         "job": job_to_dict(job),
     }
+    if measured:
+        document["measured"] = measured
     atomic_write_text(run_dir.run_yaml, yaml.safe_dump(document, sort_keys=False))
 
 
@@ -65,6 +68,16 @@ def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
     profile = validate(ClusterProfile, document["profile"], source=f"{run_dir.run_yaml} (profile)")
     job = job_from_dict(document["job"], source=f"{run_dir.run_yaml} (job)")
     return profile, job
+
+
+def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
+    """The measured step times the run was created with (`cona run --measured`; run.yaml's `measured`), or []."""
+    if not run_dir.run_yaml.exists():
+        return []
+    measured = load_yaml(run_dir.run_yaml).get("measured") or []
+    if not isinstance(measured, list):
+        raise ConfigError(f"{run_dir.run_yaml}: `measured` must be a list of measured strategies")
+    return measured
 
 
 def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:

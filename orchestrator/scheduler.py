@@ -27,6 +27,7 @@ from cona.orchestrator.runstate import (
     SwitchRequest,
     log_event,
     read_state,
+    stored_measurements,
     write_state,
 )
 from cona.orchestrator.switchcost import SwitchKind
@@ -78,6 +79,9 @@ class Scheduler:
             switch_kind=lambda a, b: backend.switch_kind(a, b, in_place_allowed=job.policy.in_place_switch),
             switch_overhead_s=backend.switch_overhead_s,
         )  # fmt: skip
+        # `cona run --measured`: a `cona profile` run's step times, as if this run had measured them (a restored
+        # state replaces them with its own, which include them).
+        self.model.throughput.absorb(stored_measurements(run_dir))
         self.elastic = is_elastic(profile)
         """`min_nodes` < `nodes`: the run trains on any node count of that range (`cona.orchestrator.elastic`)."""
         self.state = RunState()

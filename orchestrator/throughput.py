@@ -268,18 +268,23 @@ class ThroughputModel:
     def from_dict(cls, data: dict[str, Any], *, candidates: list[Candidate]) -> ThroughputModel:
         """Rebuild a model saved by `to_dict` over the (possibly new) candidate list."""
         model = cls(candidates=candidates, window=int(data.get("window", DEFAULT_WINDOW)))
-        for entry in data.get("measured", []):
+        model.absorb(data.get("measured", []))
+        return model
+
+    def absorb(self, measured: list[dict[str, Any]]) -> None:
+        """Take in measured strategies as `to_dict` writes them (`measured`): a saved model's, or those of a
+        `cona profile` run (`cona run --measured`), which replace what this model measured of the same strategy."""
+        for entry in measured:
             strategy = Strategy.from_dict(entry["strategy"])
             times = [float(t) for t in entry.get("times", []) if t and float(t) > 0]
             if not times:
                 continue
             predicted = entry.get("predicted_s")
             m = _Measurement(
-                window=model.window,
-                predicted_s=model._predicted.get(strategy, None if predicted is None else float(predicted)),
+                window=self.window,
+                predicted_s=self._predicted.get(strategy, None if predicted is None else float(predicted)),
             )
             m.times.extend(times)
             m.count = int(entry.get("count", len(times)))
-            model._measured[strategy] = m
-            model._version += 1
-        return model
+            self._measured[strategy] = m
+            self._version += 1

@@ -1,0 +1,248 @@
+"""`cona profile`: measure a few strategies on the real cluster before training, and start a run from them.
+
+The cost model ranks strategies well but misses a machine's absolute step times, and not by one factor (a fixed
+cost per step that a larger batch amortises; `cona.orchestrator.throughput`). A run learns that calibration from
+the strategies it runs, so its *first* choice rests on the uncalibrated model. `cona profile` runs the job for a
+few steps on each of a handful of strategies — one run, switching in place between them (the `schedule` policy) —
+and writes the step times it measured to `RUN_DIR/measured.json`; `cona run --measured RUN_DIR` starts a run with
+those measurements in its throughput model, as if it had run them itself, so the start, the calibration of every
+other strategy and the first switches already know the machine.
+
+Which strategies: the fastest layout (by the cost model) at each global batch from half the base batch to four
+times it — so the calibration sees the batch's effect on the step time and can separate the fixed cost from the
+per-sample cost — and then the next-fastest layouts at the base batch, up to `--top` in all; or the ones named by
+`--strategies`. The measurements hold only for the hardware and the model they were taken on: a run whose profile
+(accelerator, network, devices per node, backend) or job (model, parallel settings, gradient statistics) differs
+refuses them, naming the first field that differs.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from cona.orchestrator.job import Job, job_to_dict
+from cona.orchestrator.planner import Candidate
+from cona.orchestrator.profile import ClusterProfile
+from cona.protocol.rundir import RunDir, atomic_write_text
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
+
+MEASURED_FILE = "measured.json"
+"""What `cona profile` writes into its run directory (its one writer)."""
+DEFAULT_TOP = 6
+"""Strategies measured by default."""
+DEFAULT_HEARTBEATS = 15
+"""Heartbeats per strategy by default: the first after each switch is warm-up and the throughput model keeps the
+median of the last 9, so 15 leave a full window of steady ones."""
+PROFILE_FIELDS = ("backend", "gpus_per_node", "accelerator", "network")
+"""The profile's fields a measured step time depends on (not the node count: the strategies name their world)."""
+JOB_FIELDS = ("model", "parallel", "heartbeat.gradient_stats", "heartbeat.adam_stats")
+"""The job's fields a measured step time depends on (not the data, optimizer, batch bounds or policy)."""
+
+
+@dataclasses.dataclass
+class MeasuredRecord:
+    """`measured.json`: the step times `cona profile` measured, and what they were measured on."""
+
+    measured: list[dict[str, Any]]
+    """The throughput model's entries (`ThroughputModel.to_dict()["measured"]`): strategy, recent step times, count,
+    the cost model's prediction."""
+    fingerprint: dict[str, Any]
+    """The profile's `PROFILE_FIELDS` and the job's `JOB_FIELDS` of the profiling run (`fingerprint`)."""
+    profile: str
+    """The profile's name, for people reading the file."""
+    created: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fingerprint(profile: ClusterProfile, job: Job) -> dict[str, Any]:
+    """What a measured step time depends on, as plain data (compared field by field by `check_compatible`)."""
+    prof = profile.model_dump(mode="json")
+    spec = job_to_dict(job)
+    out: dict[str, Any] = {f"profile.{k}": prof.get(k) for k in PROFILE_FIELDS}
+    for dotted in JOB_FIELDS:
+        value: Any = spec
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[f"job.{dotted}"] = value
+    return out
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    """The dotted path of the first leaf where `a` and `b` differ, with both values; None if equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path} is {b!r} here but {a!r} where it was measured"
+
+
+def check_compatible(record: MeasuredRecord, source: Path, profile: ClusterProfile, job: Job) -> None:
+    """Raise ConfigError (one line) when `record` was measured on another machine or model than this run's."""
+    here = fingerprint(profile, job)
+    for key in sorted(set(record.fingerprint) | set(here)):
+        difference = _first_difference(record.fingerprint.get(key), here.get(key), key)
+        if difference:
+            raise ConfigError(
+                f"--measured {source}: measured on another setup ({difference}); profile this one with "
+                f"`cona profile` and the same --profile/--job"
+            )
+
+
+def load_measured(path: str | Path) -> tuple[MeasuredRecord, Path]:
+    """The record at `path` (a `cona profile` run directory or its measured.json) and the file it came from."""
+    source = Path(path)
+    if source.is_dir():
+        source = source / MEASURED_FILE
+    if not source.is_file():
+        raise ConfigError(
+            f"--measured {path}: no {MEASURED_FILE} there; give the run directory of a finished `cona profile`"
+        )
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+        record = MeasuredRecord(
+            measured=[_entry(e) for e in data["measured"]], fingerprint=dict(data["fingerprint"]),
+            profile=str(data.get("profile", "")), created=float(data.get("created", 0.0)),
+        )  # fmt: skip
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(
+            f"--measured {source}: not a measurement record written by `cona profile` ({type(e).__name__}: {e}); "
+            f"profile again"
+        ) from None
+    if not record.measured:
+        raise ConfigError(f"--measured {source}: it holds no measured strategy; profile again with more --steps")
+    return record, source
+
+
+def _entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One measured entry, checked: a strategy and at least one positive step time."""
+    strategy = Strategy.from_dict(entry["strategy"])
+    times = [float(t) for t in entry["times"]]
+    if not times or any(not t > 0 for t in times):
+        raise ValueError(f"{strategy.short()}: step times must be positive, got {times}")
+    return {**entry, "strategy": strategy.to_dict(), "times": times}
+
+
+def write_measured(run_dir: RunDir, *, profile: ClusterProfile, job: Job, measured: list[dict[str, Any]]) -> Path:
+    """Write the profiling run's record (`cona profile`, after its run ended)."""
+    record = MeasuredRecord(measured=measured, fingerprint=fingerprint(profile, job), profile=profile.name,
+                            created=time.time())  # fmt: skip
+    path = run_dir.root / MEASURED_FILE
+    atomic_write_text(path, json.dumps(record.to_dict(), indent=1) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- what to measure
+
+
+def pick_strategies(candidates: list[Candidate], *, base_gbs: int, top: int) -> list[Strategy]:
+    """The strategies `cona profile` measures (module docstring): the base batch's fastest layout first, the
+    fastest layout of each other batch in [base/2, 4·base] (ascending), then the base batch's runners-up, `top` in
+    all; candidates of one world size (the caller's), fastest predicted iteration per sample first."""
+    if top < 1:
+        raise ValueError(f"--top must be at least 1, got {top}")
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return []
+
+    def speed(c: Candidate) -> tuple[float, int, int, int]:
+        return (c.iter_time_s / c.gbs, c.pp, c.tp, c.mbs)
+
+    by_gbs: dict[int, list[Candidate]] = {}
+    for c in sorted(feasible, key=speed):
+        by_gbs.setdefault(c.gbs, []).append(c)
+    base = base_gbs if base_gbs in by_gbs else min(by_gbs, key=lambda g: (abs(g - base_gbs), g))
+    picked = [by_gbs[base][0].strategy]
+    for gbs in sorted(g for g in by_gbs if base / 2 <= g <= 4 * base and g != base):
+        picked.append(by_gbs[gbs][0].strategy)
+    layouts = {(s.dp, s.tp, s.pp) for s in picked}
+    for c in by_gbs[base][1:]:  # other layouts at the base batch: what the calibration of layouts needs
+        if (c.dp, c.tp, c.pp) not in layouts:
+            picked.append(c.strategy)
+            layouts.add((c.dp, c.tp, c.pp))
+    return picked[:top]
+
+
+def schedule_for(strategies: list[Strategy], *, steps: int) -> list[dict[str, Any]]:
+    """`policy.schedule` entries that run each strategy for `steps` steps, one after the other."""
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    entries, samples = [], 0
+    for s in strategies:
+        entries.append({"samples": samples, "strategy": str(s)})
+        samples += steps * s.gbs
+    return entries
+
+
+def profiling_overrides(strategies: list[Strategy], *, steps: int) -> tuple[list[dict[str, Any]], int]:
+    """The schedule and its end (samples): the profiling run stops there, not at a validation target."""
+    entries = schedule_for(strategies, steps=steps)
+    return entries, entries[-1]["samples"] + steps * strategies[-1].gbs
+
+
+def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strategies: str | None,
+                  steps: int | None) -> tuple[Job, list[Strategy], int]:  # fmt: skip
+    """The job `cona profile` runs — `job` with a `schedule` policy over the strategies to measure, ending after the
+    last one (no validation target, no evaluations, no periodic checkpoints: they would sit in the step times) —
+    the strategies, and the steps each gets. Raises ValueError/ConfigError (one line) for a bad choice."""
+    from cona.orchestrator.job import job_from_dict
+    from cona.orchestrator.planner import enumerate_candidates, no_feasible_strategy
+
+    candidates = enumerate_candidates(profile=profile, job=job, num_devices=profile.num_gpus, feasible_only=True)
+    if not candidates:
+        raise ConfigError(no_feasible_strategy(profile, job))
+    if strategies:
+        if top is not None:
+            raise ConfigError("give --top or --strategies, not both")
+        chosen = []
+        for i, text in enumerate(t for t in strategies.split(";") if t.strip()):
+            try:
+                chosen.append(Strategy.parse(text))
+            except ValueError as e:
+                raise ConfigError(f"--strategies entry {i} ({text.strip()!r}): {e}") from None
+        if not chosen:
+            raise ConfigError("--strategies names no strategy; e.g. 'dp=4,tp=1,pp=1,mbs=8,gbs=32'")
+    else:
+        chosen = pick_strategies(candidates, base_gbs=job.batch.base_gbs, top=DEFAULT_TOP if top is None else top)
+    steps = DEFAULT_HEARTBEATS * job.heartbeat.interval_steps if steps is None else steps
+    entries, end = profiling_overrides(chosen, steps=steps)
+    spec = job_to_dict(job)
+    spec["policy"] = {**spec["policy"], "name": "schedule", "schedule": entries}
+    spec["target"] = {**spec["target"], "val_perplexity": None, "max_samples": end, "max_time_s": None}
+    spec["eval"] = {**spec["eval"], "interval_samples": end + 1}
+    spec["checkpoint"] = {**spec["checkpoint"], "interval_steps": steps * len(chosen) + 1}
+    return job_from_dict(spec, source="cona profile"), chosen, steps
+
+
+def finish_profile(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: Any) -> str:
+    """Write the finished profiling run's measured.json and return its table (measured against predicted)."""
+    throughput = (state.model or {}).get("throughput") or {}
+    measured = [e for e in throughput.get("measured", []) if e.get("times")]
+    if not measured:
+        raise ConfigError(f"{run_dir.root}: the profiling run measured no step time; give it more --steps")
+    path = write_measured(run_dir, profile=profile, job=job, measured=measured)
+    lines = ["strategy              steps  predicted   measured  measured/predicted  samples/s"]
+    for e in measured:
+        s = Strategy.from_dict(e["strategy"])
+        t = float(e["time_s"]) if e.get("time_s") else sorted(e["times"])[len(e["times"]) // 2]
+        predicted = e.get("predicted_s")
+        ratio = f"{t / predicted:.2f}" if predicted else "—"
+        shown = f"{predicted:.4f} s" if predicted else "—"
+        lines.append(f"{s.short():<22}{e.get('count', len(e['times'])):>5}  {shown:>9}  {t:.4f} s  {ratio:>18}  "
+                     f"{s.gbs / t:>9.1f}")  # fmt: skip
+    for fit in throughput.get("calibration", []):
+        layout = fit["layout"]
+        lines.append(f"layout d{layout['dp']}t{layout['tp']}p{layout['pp']}: step ≈ {fit['fixed_s']:.4f} s + "
+                     f"{fit['scale']:.2f} × predicted{'' if fit['determined'] else ' (one batch measured: the split is a guess)'}")  # fmt: skip
+    lines.append(f"wrote {path}; start a run from it: cona run --profile … --job … --measured {run_dir.root}")
+    return "\n".join(lines)
