@@ -211,7 +211,8 @@ def memory_hint(profile: ClusterProfile, candidates: list[Candidate]) -> str:
     need, have = _gb_apart(smallest.memory_gb * 1e9, profile.accelerator.memory_bytes)
     return (f"every strategy the layout and batch rules allow needs more than accelerator.memory="
             f"{profile.accelerator.memory!r} ({have} GB) per device, the least {need} GB "
-            f"({smallest.strategy.short()}): give devices with more memory, or a smaller model or model.seq_len; ")
+            f"({smallest.strategy.short()}): give devices with more memory, parallel.recompute=full (activations "
+            "recomputed in backward) if it is not, or a smaller model or model.seq_len; ")
 
 
 def no_feasible_strategy(profile: ClusterProfile, job: Job) -> str:

@@ -93,6 +93,12 @@ def test_a_memory_rejection_tells_the_need_from_the_memory_and_nothing_fitting_s
         result = run_cona(*command, "--profile", str(profile), "--job", "examples/tiny-gpt.yaml")
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert re.search(r"needs more than accelerator.memory='1 GB' \(1\.00? GB\) per device, the least 1\.0", result.stderr)
+    # What it names to do is what makes Llama 3.2 1B fit on 64 CPU processes of 8 GB: recomputing activations.
+    cpus = ["--profile", str(profile), "--profile-set", "accelerator.device=cpu", "--profile-set", "accelerator.memory=8 GB",
+            "--profile-set", "nodes=4", "--profile-set", "gpus_per_node=16", "--job", "examples/llama-3.2-1b.yaml"]
+    refused = run_cona("plan", *cpus)
+    assert refused.returncode == 2 and "parallel.recompute=full" in refused.stderr, refused.stderr
+    assert run_cona("plan", *cpus, "--set", "parallel.recompute=full", "--top", "1").returncode == 0
     odd = run_cona("plan", "--profile", str(profile), "--profile-set", "gpus_per_node=3", "--job", "examples/tiny-gpt.yaml")
     assert odd.returncode == 2 and "the factor 3" in odd.stderr  # no batch splits: another cause, no memory clause
     assert "accelerator.memory" not in odd.stderr, odd.stderr
