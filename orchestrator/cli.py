@@ -59,6 +59,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gbs is not None and args.gbs <= 0:
         raise UserError(f"--gbs {args.gbs}: give a positive global batch size (or leave --gbs out for every one)")
     gbs_values = [args.gbs] if args.gbs else None
+    measured = None
+    if args.measured:
+        if args.gbs is not None or job.policy.name != "cona":
+            raise UserError("--measured says where the cona policy would start from measured step times; drop --gbs "
+                            "(and --set policy.name)")  # fmt: skip
+        from cona.orchestrator.profiling import check_compatible, load_measured
+
+        measured = load_measured(args.measured)
+        check_compatible(*measured, profile, job)
     candidates = enumerate_candidates(profile=profile, job=job, gbs_values=gbs_values)
     ranked = rank_by_iter_time(candidates)
     if not ranked and not args.all and not args.json:
@@ -88,8 +97,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from cona.orchestrator.throughput import ThroughputModel
 
         policy = make_policy(job, profile=profile, candidates=ranked)
-        start, reason = policy.start(candidates=ranked, throughput=ThroughputModel(candidates=ranked))
-        print(f"cona starts on {start.short()}: {reason}")
+        throughput, measured_in = ThroughputModel(candidates=ranked), ""
+        if measured is not None:  # where `cona run --measured` would start
+            throughput.absorb(measured[0].measured)
+            measured_in = f" (with the step times measured in {measured[1]})"
+        start, reason = policy.start(candidates=ranked, throughput=throughput)
+        print(f"cona starts on {start.short()}{measured_in}: {reason}")
     return 0
 
 
@@ -439,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, metavar="K", help="show the K fastest feasible strategies (0: all; default 10)")
     plan.add_argument("--all", action="store_true", help="also list every rejected strategy with its reason")
     plan.add_argument("--gbs", type=int, default=None, help="only consider this global batch size")
+    plan.add_argument("--measured", metavar="RUN_DIR",
+                      help="say where cona would start from the step times a `cona profile` run measured")  # fmt: skip
     plan.add_argument(
         "--json", action="store_true",
         help="print a JSON list of {dp, tp, pp, mbs, gbs, feasible, reason, iter_time_s, samples_per_s, memory_gb}",

@@ -182,3 +182,27 @@ def test_profile_then_run_from_its_measurements(tmp_path):
     kept = {Strategy.from_dict(e["strategy"]): e["count"]
             for e in read_state(RunDir(run)).model["throughput"]["measured"]}  # fmt: skip
     assert all(kept.get(s, 0) >= e["count"] for s, e in measured.items())
+
+
+def test_plan_says_where_a_run_would_start_from_the_measurements(tmp_path, setup, capsys):
+    from cona.orchestrator import cli
+
+    profile, job, candidates = setup
+    argv = ["plan", "--profile", str(PROFILE), "--job", str(JOB), "--top", "1"]
+    assert cli.main(argv) == 0
+    before = capsys.readouterr().out.strip().splitlines()[-1]
+    start = ConaPolicy.from_spec(job.policy, base_gbs=job.batch.base_gbs).start(
+        candidates=candidates, throughput=ThroughputModel(candidates=candidates))[0]  # fmt: skip
+    assert before.startswith(f"cona starts on {start.short()}:")
+    slow = next(c for c in candidates if c.strategy == start)
+    other = min((c for c in candidates if c.gbs == start.gbs and c.strategy.layout() != start.layout()),
+                key=lambda c: c.iter_time_s)  # fmt: skip
+    run = RunDir(tmp_path / "p")
+    run.root.mkdir()
+    profiling.write_measured(run, profile=profile, job=job,
+                             measured=[entry(start, 10 * slow.iter_time_s), entry(other.strategy, other.iter_time_s)])  # fmt: skip
+    assert cli.main([*argv, "--measured", str(run.root)]) == 0
+    after = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "with the step times measured in" in after and not after.startswith(f"cona starts on {start.short()} ")
+    assert cli.main([*argv, "--measured", str(run.root), "--gbs", "16"]) == 2
+    assert "drop --gbs" in capsys.readouterr().err
