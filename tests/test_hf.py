@@ -128,6 +128,80 @@ def test_mismatches_are_one_line_naming_the_field_or_tensor(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def _break_config(**changes):
+    def apply(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return apply
+
+
+def _truncate(name: str, size: int):
+    def apply(directory: Path) -> None:
+        with open(directory / name, "r+b") as f:
+            f.truncate(size)
+
+    return apply
+
+
+def _replace_with_directory(name: str):
+    def apply(directory: Path) -> None:
+        (directory / name).unlink()
+        (directory / name).mkdir()
+
+    return apply
+
+
+def _write_index(index):
+    def apply(directory: Path) -> None:
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return apply
+
+
+# Each was a traceback in the trainer (SafetensorError, OSError, AttributeError, TypeError), a codec's or float()'s
+# bare message naming no file, or (a string, a bool) taken as a number and compared.
+DAMAGED_HF = [
+    (_truncate("model.safetensors", 0), "model.safetensors: not a readable safetensors file (Error while deserializing header: header too small); download or export it again"),
+    (_truncate("model.safetensors", 20), "model.safetensors: not a readable safetensors file (Error while deserializing header: invalid header length)"),
+    (_truncate("model.safetensors", 100_000), "model.safetensors: not a readable safetensors file (Error while deserializing header: incomplete metadata, file not fully covered)"),
+    (_replace_with_directory("model.safetensors"), "model.safetensors: not a readable safetensors file"),
+    (_replace_with_directory("config.json"), "config.json: cannot read (Is a directory); model.init_from must name"),
+    (_write_index({"weight_map": ["model.safetensors"]}), "model.safetensors.index.json: not a safetensors index (its weight_map is no mapping"),
+    (_write_index({"weight_map": {"lm_head.weight": 1}}), "model.safetensors.index.json: not a safetensors index (its weight_map is no mapping"),
+    (_break_config(n_embd="64"), "config.json: n_embd is '64', not an integer; fix config.json (model.hidden_size)"),
+    (_break_config(n_embd=[64]), "config.json: n_embd is [64], not an integer; fix config.json (model.hidden_size)"),
+    (_break_config(n_embd=None, n_inner=None), "config.json: has no n_embd (model.hidden_size)"),
+    (_break_config(vocab_size=True), "config.json: vocab_size is True, not an integer"),
+    (_break_config(layer_norm_epsilon="x"), "config.json: layer_norm_epsilon is 'x', not a number; fix config.json (model.norm_eps)"),
+    (_break_config(tie_word_embeddings="no"), "config.json: tie_word_embeddings is 'no', not true or false"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("damage", "expected"), DAMAGED_HF)
+def test_a_damaged_or_mistyped_hf_directory_is_one_line_naming_the_file(tmp_path, damage, expected):
+    from cona.trainer import hf
+
+    spec = _spec("gpt")
+    hf.save_directory(tmp_path / "hf", spec, _cona_model(spec).state_dict())
+    damage(tmp_path / "hf")
+    with pytest.raises(ValueError) as info:
+        hf.check_directory(spec, tmp_path / "hf")
+    assert expected in str(info.value) and str(tmp_path / "hf") in str(info.value), info.value
+    assert "\n" not in str(info.value)
+
+
+def test_mistyped_llama_rope_scaling_is_named():
+    from cona.trainer import hf
+
+    spec = _spec("llama")
+    config = hf.hf_config(spec)
+    config["rope_scaling"] = {**config["rope_scaling"], "factor": "x"}
+    assert hf.config_problem(spec, config, source="c.json") == "c.json: rope_scaling.factor is 'x', not a number; fix config.json"
+    config["rope_scaling"] = [1]
+    assert hf.config_problem(spec, config, source="c.json") == "c.json: rope_scaling is [1], not a mapping; fix config.json"
+
+
 def _export(run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """`cona export` through the command line (which runs the data plane's program)."""
     cmd = [sys.executable, "-m", "cona.orchestrator.cli", "export", str(run), "--format", "hf", "--out", str(out), *extra]

@@ -212,16 +212,32 @@ def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -
              "bert": {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
                       "ffn_hidden_size": "intermediate_size", "seq_len": "max_position_embeddings",
                       "norm_eps": "layer_norm_eps"}}[family]  # fmt: skip
+    # A value of the wrong type is named before any comparison: int("64") would take a string transformers cannot
+    # build from, True would pass as 1, and int([64]) or float("x") would fail naming no field.
+    typed = {**names, "vocab_size": "vocab_size", "ffn_hidden_size": "n_inner" if family == "gpt" else names.get(
+        "ffn_hidden_size", "intermediate_size"), "head_dim": "head_dim", "rope_theta": "rope_theta"}  # fmt: skip
+    for field, key in typed.items():
+        value = config.get(key)
+        real = field in ("norm_eps", "rope_theta")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float) if real else int)):
+            field_hint = "" if field == "head_dim" else f" (model.{field})"  # head_dim is derived, not a model field
+            return f"{source}: {key} is {value!r}, not {'a number' if real else 'an integer'}; fix config.json{field_hint}"
+    for key in ("tie_word_embeddings",):
+        if not isinstance(config.get(key, False), bool):
+            return f"{source}: {key} is {config[key]!r}, not true or false; fix config.json"
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(config.get(key) or {}, dict):
+            return f"{source}: {key} is {config[key]!r}, not a mapping; fix config.json"
     wanted = {field: config.get(key) for field, key in names.items()}
     wanted["vocab_size"] = config.get("vocab_size")
     if family == "gpt":
-        wanted["ffn_hidden_size"] = config.get("n_inner") or 4 * int(config.get("n_embd", 0))
+        wanted["ffn_hidden_size"] = config.get("n_inner") or 4 * int(config.get("n_embd") or 0)
     if family == "llama" and config.get("num_key_value_heads") is None:
         wanted["num_kv_heads"] = config.get("num_attention_heads")
     for field, value in wanted.items():
         mine = getattr(spec, field)
         if value is None:
-            return f"{source}: has no value for model.{field}"
+            return f"{source}: has no {typed[field]} (model.{field}); is it a transformers model's config.json?"
         if (field == "norm_eps" and not math.isclose(float(value), mine, rel_tol=1e-9)) or (
             field != "norm_eps" and int(value) != mine
         ):
@@ -262,6 +278,9 @@ def _scaling_problem(mine: RopeScaling | None, theirs: Mapping[str, Any] | None,
         return f"{source}: rope scaling {kind!r}; cona implements 'llama3' only"
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     got = {f: theirs.get(f) for f in fields}
+    for f, v in got.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"{source}: rope_scaling.{f} is {v!r}, not a number; fix config.json"
     if mine is None or any(v is None or not math.isclose(float(v), float(getattr(mine, f))) for f, v in got.items()):
         values = ", ".join(f"{f}: {v}" for f, v in got.items())
         return f"{source}: llama3 rope scaling {{{values}}} differs from model.rope_scaling; set it to that"
@@ -343,6 +362,17 @@ def unused_tensors(spec: ModelSpec, names: list[str]) -> list[str]:
 # Files ----------------------------------------------------------------------------------------------------------
 
 
+def _open_safetensors(path: Path) -> Any:
+    """`safe_open(path)`, with a damaged file (empty, cut short, not safetensors, a directory) as one ValueError naming
+    it: safetensors raises its own error type, or OSError, which the trainer would print as a traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); download or export it again") from None
+
+
 class TensorSource:
     """The tensors of a transformers directory (one file or shards), opened lazily: `get` reads one tensor."""
 
@@ -353,13 +383,14 @@ class TensorSource:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"{index}: not a safetensors index (its weight_map is no mapping of tensor names to "
+                                 "file names)")  # fmt: skip
             self.files = {name: self.directory / file for name, file in weight_map.items()}
         elif single.exists():
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
+            with _open_safetensors(single) as f:
                 self.files = dict.fromkeys(f.keys(), single)
         else:
             raise ValueError(f"{self.directory}: no {WEIGHTS} or {INDEX}; is it a transformers model directory?")
@@ -376,11 +407,9 @@ class TensorSource:
         if path is None:
             return None
         if path not in self._open:
-            from safetensors import safe_open
-
             if not path.exists():
                 raise ValueError(f"{path}: missing (named by {self.directory / INDEX})")
-            self._open[path] = safe_open(path, framework="pt")
+            self._open[path] = _open_safetensors(path)
         return self._open[path], name
 
     def shape(self, name: str) -> tuple[int, ...] | None:
@@ -401,6 +430,8 @@ def read_config(directory: Path | str) -> dict[str, Any]:
         raise ValueError(f"{path}: not found; model.init_from must name a transformers model directory") from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory of that name, no permission
+        raise ValueError(f"{path}: cannot read ({e.strerror}); model.init_from must name a transformers model directory") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return config
