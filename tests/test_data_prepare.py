@@ -130,6 +130,30 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
         assert status == 2 and expected in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_out_that_cannot_be_written_is_one_line_and_leaves_no_partial_tokens(tmp_path, corpus, capsys, monkeypatch):
+    """OSError's own text ("[Errno 28] No space left on device") named neither --out nor the file, and the partial
+    tokens.bin.tmp stayed behind."""
+    import errno
+    import os
+
+    from cona.trainer import prepare
+
+    tokenizer_path, docs = corpus
+    (tmp_path / "a-file").write_text("x")
+    args = ["prepare", "--tokenizer", str(tokenizer_path), "--input", str(docs), "--workers", "1", "--out"]
+    assert prepare.main([*args, str(tmp_path / "a-file" / "out")]) == 2
+    assert capsys.readouterr().err == (f"cona: error: --out {tmp_path / 'a-file' / 'out'}: cannot write (Not a "
+                                       "directory); give a writable directory with room for the tokens\n")  # fmt: skip
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prepare.os, "fsync", full_disk)
+    assert prepare.main([*args, str(tmp_path / "out")]) == 2
+    assert f"--out {tmp_path / 'out'}: cannot write (No space left on device)" in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_bytes_that_are_not_utf8_are_replaced_and_counted(tmp_path, corpus, capsys):
     from cona.trainer.prepare import main
 

@@ -19,6 +19,7 @@ on the text, so the output is the same for any number of workers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -125,38 +126,52 @@ def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | Non
     texts = [_read_text(path) for path in files]
     if not any(t.strip() for t in texts):
         raise ValueError(f"{input_path}: no text to tokenize (the input is empty); check the --input path")
-    out.mkdir(parents=True, exist_ok=True)
     target = out / TOKENS_FILE
     tmp = target.with_suffix(".bin.tmp")
-    size = max(1, int(chunk_mb * 1e6))
-    tasks = [(k, piece) for k, text in enumerate(texts) for piece in chunks(text, size)]
-    last_of_document = {k: i for i, (k, _) in enumerate(tasks)}  # a document's EOS follows its last chunk
-    ends = set(last_of_document.values())
-    from tqdm import tqdm
+    with _writing_to(out, tmp):
+        out.mkdir(parents=True, exist_ok=True)
+        size = max(1, int(chunk_mb * 1e6))
+        tasks = [(k, piece) for k, text in enumerate(texts) for piece in chunks(text, size)]
+        last_of_document = {k: i for i, (k, _) in enumerate(tasks)}  # a document's EOS follows its last chunk
+        ends = set(last_of_document.values())
+        from tqdm import tqdm
 
-    total = 0
-    # disable=None: tqdm shows the bar on a terminal only (no bar in logs and CI).
-    bar = tqdm(total=len(tasks), unit="chunk", desc="cona data prepare", file=sys.stderr,
-               disable=None if progress is None else not progress)  # fmt: skip
-    with open(tmp, "wb") as f, ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(raw.decode(),)) as pool:
-        # map keeps the order of the chunks, so the file is the same for any number of workers.
-        for i, ids in enumerate(pool.map(_encode, [piece for _, piece in tasks], chunksize=1)):
-            if i in ends and eos_id is not None:
-                ids = np.append(ids, eos_id)
-            f.write(ids.astype(dtype).tobytes())
-            total += len(ids)
-            bar.update(1)
-        f.flush()
-        os.fsync(f.fileno())
-    bar.close()
-    os.replace(tmp, target)
-    meta = {
-        "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(), "vocab_size": vocab_size,
-        "eos_id": eos_id, "token_dtype": np.dtype(dtype).name, "num_tokens": total, "documents": len(files),
-        "inputs": [str(p) for p in files],
-    }  # fmt: skip
-    (out / TOKENS_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        total = 0
+        # disable=None: tqdm shows the bar on a terminal only (no bar in logs and CI).
+        bar = tqdm(total=len(tasks), unit="chunk", desc="cona data prepare", file=sys.stderr,
+                   disable=None if progress is None else not progress)  # fmt: skip
+        with open(tmp, "wb") as f, ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(raw.decode(),)) as pool:
+            # map keeps the order of the chunks, so the file is the same for any number of workers.
+            for i, ids in enumerate(pool.map(_encode, [piece for _, piece in tasks], chunksize=1)):
+                if i in ends and eos_id is not None:
+                    ids = np.append(ids, eos_id)
+                f.write(ids.astype(dtype).tobytes())
+                total += len(ids)
+                bar.update(1)
+            f.flush()
+            os.fsync(f.fileno())
+        bar.close()
+        os.replace(tmp, target)
+        meta = {
+            "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(), "vocab_size": vocab_size,
+            "eos_id": eos_id, "token_dtype": np.dtype(dtype).name, "num_tokens": total, "documents": len(files),
+            "inputs": [str(p) for p in files],
+        }  # fmt: skip
+        (out / TOKENS_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+@contextlib.contextmanager
+def _writing_to(out: Path, tmp: Path) -> Iterator[None]:
+    """A write under --out that fails (no room, a read-only file system, a file where a directory belongs) as one
+    line naming --out, without its partial token file: OSError's own text names no option, or no file at all."""
+    try:
+        yield
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ValueError(f"--out {out}: cannot write ({e.strerror or e}); give a writable directory with room for "
+                         "the tokens") from None  # fmt: skip
 
 
 def _read_text(path: Path) -> str:
