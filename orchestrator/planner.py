@@ -194,8 +194,15 @@ def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
     batches = gbs_values or job.batch.candidate_gbs()
     if odd == 1 or any(g % odd == 0 for g in batches):
         return ""
-    fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0 and (g // odd) & (g // odd - 1) == 0]
+    # A batch the data-parallel degree's share of the factor can split: a multiple of it whose quotient is a power
+    # of two that a micro-batch size divides (18 devices: 9 · mbs, never 9 itself with micro-batches of 2 or more).
+    fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0
+               and (g // odd) & (g // odd - 1) == 0 and any((g // odd) % mbs == 0 for mbs in job.batch.mbs_choices)]  # fmt: skip
     example = f" e.g. batch.gbs_choices={fitting[:4]}" if fitting else f" a batch range that holds a multiple of {odd}"
+    if fitting and job.batch.base_gbs % odd:
+        # The base batch has to be one of them too, or the static policy and the prior still find nothing to run.
+        base = next((g for g in fitting if g >= job.batch.base_gbs), fitting[-1])
+        example += f" with batch.base_gbs={base}"
     return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
             f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
 
@@ -249,8 +256,9 @@ def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None 
     ranked = rank_by_iter_time(candidates)
     if not ranked:
         reasons = sorted({c.reason for c in candidates})
+        devices = num_devices or profile.num_gpus
         raise ValueError(
-            f"no feasible strategy at batch.base_gbs={job.batch.base_gbs} on {num_devices or profile.num_gpus} "
-            f"devices; reasons: {'; '.join(reasons[:3])}"
+            f"no feasible strategy at batch.base_gbs={job.batch.base_gbs} on {devices} devices; "
+            f"{batch_hint(job, devices, [job.batch.base_gbs])}reasons: {'; '.join(reasons[:3])}"
         )
     return ranked[0]

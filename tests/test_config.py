@@ -245,6 +245,17 @@ def test_strategy_parse_and_errors():
          "give e.g. batch.gbs_choices=[12, 24, 48, 96]"),
         (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
           "examples/tiny-gpt.yaml"], "24 devices have the factor 3"),
+        # 3 nodes of 6: the batches named can be split (9 cannot, with micro-batches of 2 or more), and the base
+        # batch is named too: with gbs_choices alone the static policy still had nothing to run, and said only
+        # the first three reasons sorted (pipeline stages).
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--profile-set",
+          "gpus_per_node=6", "--job", "examples/tiny-gpt.yaml"],
+         "give e.g. batch.gbs_choices=[18, 36, 72] with batch.base_gbs=18, or use a power-of-two number of devices"),
+        (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--profile-set",
+          "gpus_per_node=6", "--job", "examples/tiny-gpt.yaml", "--set", "batch.gbs_choices=[18, 36, 72]", "--policy",
+          "static"],
+         "no feasible strategy at batch.base_gbs=16 on 18 devices; 18 devices have the factor 9, and none of the "
+         "global batches [16] is a multiple of it: give e.g. batch.gbs_choices=[18, 36, 72] with batch.base_gbs=18"),
         (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/tiny-gpt.yaml",
           "--policy", "statc"], "did you mean 'static'"),
     ],

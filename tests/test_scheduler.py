@@ -407,8 +407,8 @@ def test_nothing_feasible_is_said_as_render_says_it(tmp_path):
         first_strategy(profile, job)
     assert str(scheduler.value) == str(render.value) == (
         "no feasible strategy for tiny-gpt on a100-4x8; 24 devices have the factor 3, and none of the global "
-        "batches [8, 16, 32, 64, 128] is a multiple of it: give e.g. batch.gbs_choices=[12, 24, 48, 96], or use a "
-        "power-of-two number of devices; run `cona plan --all` to see why"
+        "batches [8, 16, 32, 64, 128] is a multiple of it: give e.g. batch.gbs_choices=[12, 24, 48, 96] with "
+        "batch.base_gbs=24, or use a power-of-two number of devices; run `cona plan --all` to see why"
     )
 
 
