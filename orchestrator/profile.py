@@ -174,6 +174,11 @@ class ClusterProfile(StrictModel):
             # clusters) would ask a CPU partition for GPUs it has none of, and the job would never start. Said
             # explicitly, `true` stays.
             self.slurm.gpus_per_node_flag = False
+        if (self.kubernetes is not None and self.accelerator.device == "cpu"
+                and "gpu_resource" not in self.kubernetes.model_fields_set):  # fmt: skip
+            # The same on Kubernetes: each pod would ask for `nvidia.com/gpu` (one per process) and stay Pending on
+            # CPU nodes; a CPU per process is what it needs. Said explicitly (an extended resource), it stays.
+            self.kubernetes.gpu_resource = "cpu"
         return self
 
     @property

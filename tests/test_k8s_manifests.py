@@ -257,6 +257,19 @@ def test_single_node_strategy_uses_one_pod_with_its_processes():
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
 
 
+def test_a_cpu_profile_asks_for_cpus_not_gpus_unless_it_names_a_resource():
+    """A `device: cpu` profile's pods asked for `nvidia.com/gpu`, one per process, and stayed Pending on CPU nodes:
+    its default resource is a CPU per process; one named explicitly (an extended resource) stays."""
+    strategy = Strategy.parse("dp=2,tp=2,pp=1,mbs=1,gbs=8")
+    cpu = ["accelerator.device=cpu"]
+    container = _container(render_attempt(profile=load_profile(K8S_PROFILE, cpu), strategy=strategy, attempt=1,
+                                          run_dir="/runs/r"))  # fmt: skip
+    assert container["resources"]["limits"] == {"cpu": "4"}
+    named = load_profile(K8S_PROFILE, [*cpu, "kubernetes.gpu_resource=cona.dev/cpu"])
+    container = _container(render_attempt(profile=named, strategy=strategy, attempt=1, run_dir="/runs/r"))
+    assert container["resources"]["limits"] == {"cona.dev/cpu": "4"}
+
+
 def test_pod_failure_policy_ends_the_job_on_every_protocol_exit_code():
     rules = _job(render_attempt(profile=load_profile(K8S_PROFILE), strategy=MULTI_NODE, attempt=1, run_dir="/runs/r"))[
         "spec"

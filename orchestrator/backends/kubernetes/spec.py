@@ -40,7 +40,8 @@ class KubernetesSpec(StrictModel):
     """`workload: trainjob` only: the ClusterTrainingRuntime the TrainJob refers to. It must be a torch runtime (it
     sets torchrun's `PET_*` variables) whose trainer container is named `node`, as Trainer's `torch-distributed`."""
     gpu_resource: str = "nvidia.com/gpu"
-    """Extended resource name requested per pod."""
+    """Extended resource name requested per pod, as many as the pod runs processes (`cpu` by default when
+    `accelerator.device` is `cpu`: `cona.orchestrator.profile` sets it unless the profile says)."""
     rendezvous_port: int = Field(default=29400, ge=1, le=65535)
     """Port of torchrun's c10d rendezvous on pod 0 (`<job>-0.<service>:<port>`, `<jobset>-node-0-0.<jobset>:<port>`);
     a TrainJob's runtime picks its own (`PET_MASTER_PORT`, 29500 in Trainer's torch runtimes)."""
