@@ -32,7 +32,14 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat
-from cona.protocol.rundir import HOLD_TIMEOUT_REASON, ControlRecord, RunDir, SwitchPoints, read_jsonl
+from cona.protocol.rundir import (
+    HOLD_TIMEOUT_REASON,
+    ControlRecord,
+    ExitCode,
+    RunDir,
+    SwitchPoints,
+    read_jsonl,
+)
 from cona.protocol.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -571,6 +578,12 @@ class Scheduler:
         if status is AttemptStatus.UNSTARTABLE:
             # Relaunching would wait for the same thing again: the user fixes it (the image, a Secret) and resumes.
             self._fail(attempt, f"attempt {attempt.number} could not start: {detail}")
+        refused = self.run_dir.read_exit(attempt.number) if status is AttemptStatus.CRASHED else None
+        if refused is not None and refused.exit_code == ExitCode.CONFIG:
+            # The trainer refused its input (model.init_from, the data, no loadable checkpoint): every relaunch would
+            # refuse it alike, so fail now with the trainer's own line, not after max_restarts backoffs as `exited 2`.
+            self._fail(attempt, f"attempt {attempt.number} refused its input: {refused.reason}; fix it and resume "
+                                f"with `cona run --resume {self.run_dir.root}`")  # fmt: skip
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
         restarts = self.state.restarts_in_row + 1
         self.state.restarts_in_row = restarts

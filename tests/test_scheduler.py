@@ -23,7 +23,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.scheduler import RunFailed, Scheduler
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, RunDir
+from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES
@@ -220,6 +220,27 @@ def test_a_disruption_does_not_forgive_a_crash(tmp_path):
     with pytest.raises(RunFailed, match=r"attempt 3 crashed .*gave up after 1 restarts"):
         sched.run()
     assert read_state(sched.run_dir).status == "failed"
+
+
+def test_an_attempt_that_refused_its_input_fails_the_run_at_once_with_its_line(tmp_path):
+    """The trainer's exit 2 (a damaged model.init_from, no loadable checkpoint) was taken for a crash: relaunched
+    max_restarts times with backoff, each refusing alike, then failed as `torchrun exited 2` without the reason."""
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3")
+    reason = "model.init_from: /hf/config.json: n_embd is '64', not an integer; fix config.json (model.hidden_size)"
+    sched.run_dir.write_exit(1, ExitRecord(exit_code=ExitCode.CONFIG, name="CONFIG", reason=reason, step=None, time=1.0))
+    backend.exit_codes = {1: ExitCode.CONFIG}
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    assert str(info.value).startswith(f"attempt 1 refused its input: {reason}; fix it and resume with `cona run "
+                                      f"--resume {sched.run_dir.root}`; logs: ")  # fmt: skip
+    assert [n for n, _ in backend.launched] == [1] and not _events(sched, "failure")
+    assert read_state(sched.run_dir).status == "failed"
+
+
+def test_a_crash_without_an_exit_record_is_still_relaunched(tmp_path):
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1")
+    backend.exit_codes = {1: ExitCode.CONFIG, 2: ExitCode.DONE}  # exit 2 from something else than the trainer's line
+    assert sched.run().status == "done" and [n for n, _ in backend.launched] == [1, 2]
 
 
 def test_disruptions_without_a_newer_checkpoint_fail_the_run(tmp_path):
