@@ -347,6 +347,9 @@ class Scheduler:
         if self.state.final:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
             log_event(self.run_dir, "resume-run", previous_status=self.state.status)
+            # The stop that ended it was served; a relaunch from a checkpoint older than the one that served it (the
+            # newest found damaged) would read it as new and stop again at its first step: a wasted attempt.
+            self.run_dir.control_json.unlink(missing_ok=True)
             self.state.final = self.state.stop_requested = self.state.time_budget_reached = False
             self.state.reason = self.state.switch_requested = None
             self.state.restarts_in_row = self.state.disruptions_without_progress = 0

@@ -19,6 +19,7 @@ from cona.orchestrator.runstate import (
     create_run,
     read_events,
     read_state,
+    request_stop,
     write_state,
 )
 from cona.orchestrator.scheduler import RunFailed, Scheduler
@@ -235,6 +236,19 @@ def test_an_attempt_that_refused_its_input_fails_the_run_at_once_with_its_line(t
                                       f"--resume {sched.run_dir.root}`; logs: ")  # fmt: skip
     assert [n for n, _ in backend.launched] == [1] and not _events(sched, "failure")
     assert read_state(sched.run_dir).status == "failed"
+
+
+def test_resuming_a_stopped_run_removes_the_served_stop(tmp_path):
+    """A stop served at step 33 whose checkpoint is then found damaged: the relaunch resumes from step 30, whose
+    trainer state has not seen the stop's seq, and stopped again at its first step (an attempt wasted)."""
+    sched, backend = make_scheduler(tmp_path)
+    request_stop(sched.run_dir)
+    backend.exit_codes = {1: ExitCode.STOPPED}
+    assert sched.run().status == "stopped" and sched.run_dir.read_control() is not None
+    again = Scheduler(run_dir=sched.run_dir, profile=sched.profile, job=sched.job, poll_interval_s=0.01,
+                      backend=ScriptedBackend(run_dir=sched.run_dir, profile=sched.profile, job=sched.job))  # fmt: skip
+    again.backend.exit_codes = {1: ExitCode.STOPPED, 2: ExitCode.DONE}  # 1 found ended, as it is
+    assert again.run().status == "done" and sched.run_dir.read_control() is None
 
 
 def test_a_crash_without_an_exit_record_is_still_relaunched(tmp_path):
