@@ -182,6 +182,20 @@ def test_a_marker_of_the_wrong_shape_is_damage_not_a_crash(tmp_path, files):
 
 
 
+
+@pytest.mark.parametrize("state", [{"step": 1, "samples": "many"}, {"step": "1"}, {"step": 1, "lr": None},
+                                   {"step": 1, "last_control_seq": True}])  # fmt: skip
+def test_a_trainer_state_of_the_wrong_types_is_damage(tmp_path, state):
+    """Valid JSON whose sizes match its marker: `"samples": "many"` crashed every rank at the first step of every
+    relaunch (a TypeError in the target check) until the run gave up; it is skipped like a torn file instead."""
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    text = json.dumps(state)
+    (tmp_path / ".metadata").write_bytes(b"x")
+    (tmp_path / "trainer_state.json").write_text(text)
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 1, "files": {".metadata": 1, "trainer_state.json": len(text)}}))
+    assert (verify_checkpoint(tmp_path) or "").startswith("trainer_state.json is corrupt")
+
 def _only_error_line(result) -> str:
     """The trainer's one `error:` line; fails if it printed a traceback instead."""
     assert "Traceback" not in result.stderr, describe(result)

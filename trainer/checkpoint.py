@@ -340,7 +340,18 @@ def verify_checkpoint(path: Path) -> str | None:
         int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"{TRAINER_STATE} is corrupt"
+    # Valid JSON of the wrong types (`"samples": "many"`) would pass and crash every rank at its first step on
+    # resume, attempt after attempt: the counters the trainer resumes from are judged here, like the sizes.
+    for key, kinds in [*((k, int) for k in _STATE_INTS), *((k, (int, float)) for k in _STATE_NUMBERS)]:
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"{TRAINER_STATE} is corrupt ({key} is {value!r}, not a number)"
     return None
+
+
+_STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
+_STATE_NUMBERS = ("lr", "time", "elapsed_s")
+"""trainer_state.json's counters (`trainer.train.TrainerState`), checked by `verify_checkpoint`."""
 
 
 TRAINER_STATE_VERSION = 1
