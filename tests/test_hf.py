@@ -191,6 +191,21 @@ def test_a_damaged_or_mistyped_hf_directory_is_one_line_naming_the_file(tmp_path
     assert "\n" not in str(info.value)
 
 
+def test_an_export_under_another_model_spec_is_refused_not_cut_short(tmp_path):
+    """`cona export --job` naming fewer layers than the checkpoint wrote a 2-layer model from a 4-layer one without
+    a word; other dimensions wrote a config.json its weights do not fit."""
+    from cona.trainer import hf
+
+    state = _cona_model(_spec("gpt", num_layers=4)).state_dict()
+    with pytest.raises(ValueError, match=r"tensor 'layers\.2\..*' has no place in this model \(32 such; is it a "
+                                         r"checkpoint of this model\?\)"):  # fmt: skip
+        hf.save_directory(tmp_path / "fewer", _spec("gpt", num_layers=2), state)
+    with pytest.raises(ValueError, match=r"tensor 'tok_embeddings\.weight' has shape \(256, 64\), the model needs "
+                                         r"\(256, 32\)"):  # fmt: skip
+        hf.save_directory(tmp_path / "narrower", _spec("gpt", num_layers=4, hidden_size=32), state)
+    assert not (tmp_path / "fewer").exists() and not (tmp_path / "narrower").exists()
+
+
 def test_mistyped_llama_rope_scaling_is_named():
     from cona.trainer import hf
 

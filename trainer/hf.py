@@ -296,6 +296,17 @@ def to_hf(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> dict[str, torch
     missing = [name for entry in _entries(spec) for name in entry.cona if name not in state]
     if missing:
         raise ValueError(f"the checkpoint has no tensor {missing[0]!r} (is it a checkpoint of this model?)")
+    # A spec that is not the checkpoint's (`cona export --job` of another model) must not write a model that looks
+    # right: fewer layers dropped the rest silently, other dimensions wrote a config.json its weights do not fit.
+    shapes = _shapes(spec)
+    wrong = next((n for n, shape in shapes.items() if tuple(state[n].shape) != shape), None)
+    if wrong is not None:
+        raise ValueError(f"the checkpoint's tensor {wrong!r} has shape {tuple(state[wrong].shape)}, the model needs "
+                         f"{shapes[wrong]} (is it a checkpoint of this model?)")  # fmt: skip
+    extra = sorted(set(state) - set(shapes))
+    if extra:
+        raise ValueError(f"the checkpoint's tensor {extra[0]!r} has no place in this model ({len(extra)} such; is it "
+                         "a checkpoint of this model?)")  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     for entry in _entries(spec):
         parts = [state[name].detach().to("cpu", torch.float32) for name in entry.cona]
