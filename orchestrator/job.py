@@ -42,7 +42,8 @@ class PolicySpec(StrictModel):
     Unset: `batch.base_gbs`, the batch the LR was tuned at, taken as the estimator's value and multiplied by
     `critical_batch_factor` like every estimate; cona starts at the base batch unless another batch's R under that
     prior is ahead by `min_gain` (a steep throughput curve: on gpt3-1.3b on 16×8 A100s it starts at 256, not 128),
-    and then changes only the layout until the estimate is in (a batch chosen on a guess costs a switch to undo)."""
+    and then changes only the layout until the estimate is in, its blend with the prior included (a batch chosen on
+    a guess, or on the first and smallest estimates, costs a switch to undo)."""
     noise_estimator: Literal["plain", "adam"] = "plain"
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
     estimate depends on the batch being trained (measured from one state of the tiny GPT: 14.6 → 64.0 samples from

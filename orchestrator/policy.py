@@ -289,9 +289,11 @@ class ConaPolicy(Policy):
     unset, so the base batch through the critical-batch factor stands in for it), cona starts at that batch, on its
     fastest layout as an offline searcher would, unless another batch's R under the prior beats it by δ (where the
     throughput grows steeply with the batch: more devices than the base batch can feed); it then changes only the
-    layout while B_noise is still the prior: the prior is a guess, and a second batch chosen on a guess (one that a
-    switch would then have to undo) costs more than the few evaluations until the estimate is in. With an explicit
-    prior it ranks every batch under it from the start.
+    layout until the estimate is in — while B_noise is the prior or a blend of it with the first estimates: the
+    prior is a guess, the first estimates are the smallest of the run (the noise scale grows as the loss falls,
+    and the growth over the horizon is fitted only on trusted estimates), and a batch chosen on either (one that a
+    switch would then have to undo a few evaluations later) costs more than the few evaluations until the
+    estimate is in. With an explicit prior it ranks every batch under it, and the blend, from the start.
 
     B_noise: the prior `prior_noise_scale` until the estimate is stable; then a geometric blend that moves from
     the prior to the estimate over `blend_evaluations` evaluations with a stable estimate (1 = jump at once).
@@ -374,6 +376,12 @@ class ConaPolicy(Policy):
     def noise_weight(self) -> float:
         """How much of the estimate (vs the prior) enters B_noise, in [0, 1]."""
         return self._noise_weight
+
+    @property
+    def holds_batch(self) -> bool:
+        """Whether only layouts at the running batch compete now: with `start_batch`, until the estimate is fully
+        in (the prior, then its blend with the estimate; see the class docstring)."""
+        return self.start_batch is not None and self._noise_weight < 1
 
     def noise_scale_used(self, estimate: float | None) -> float:
         """B_noise for ranking: the prior, the estimate, or their geometric blend at the current weight."""
@@ -553,8 +561,8 @@ class ConaPolicy(Policy):
             advance = ctx.throughput.samples_per_s(current_candidate) * self.horizon_s(ctx.remaining_time_s)
             noise = self.expected_noise_scale(noise, advance_samples=advance)
         candidates = ctx.candidates
-        hold = source == "prior" and self.start_batch is not None
-        if hold:  # no batch change on a guess: only layouts at the running batch compete
+        hold = self.holds_batch
+        if hold:  # no batch change on a guess or a half-trusted estimate: only layouts at the running batch compete
             candidates = [c for c in candidates if c.gbs == ctx.current.gbs] or candidates
         ranked = self._ranked(candidates, ctx.throughput, noise, ctx.current)
         if not ranked:

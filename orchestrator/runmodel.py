@@ -216,8 +216,9 @@ class RunModel:
 
     def best_for_world(self, devices: int) -> Strategy:
         """The strategy to run on `devices` devices (an elastic run's plan for a node count): what the policy would
-        start with on that world's candidates until the cona policy trusts the noise estimate (its blend weight is
-        above zero: before that it holds the start batch, and so does this plan), and then its best R under the
+        start with on that world's candidates until the cona policy ranks batches by the noise estimate (its blend
+        weight is above zero and it no longer holds the start batch: until then neither does this plan), and then
+        its best R under the
         noise scale it ranks with; another policy's own strategy when it fits that world, else the fastest
         predicted iteration at `batch.base_gbs` there (what `static` would run). Raises ValueError when nothing is
         feasible on that world."""
@@ -226,7 +227,7 @@ class RunModel:
             raise ValueError(f"no feasible strategy on {devices} devices")
         # The policy, not the estimator, says when the estimate counts: a value that exists but is not yet stable
         # would otherwise rank every batch under the prior here while the policy itself still holds the batch.
-        if isinstance(self.policy, ConaPolicy) and self.policy.noise_weight > 0:
+        if isinstance(self.policy, ConaPolicy) and self.policy.noise_weight > 0 and not self.policy.holds_batch:
             best = self.policy.best(pool, self.throughput, self.policy.noise_scale_used(self.noise.value))
             if best is not None:
                 return best

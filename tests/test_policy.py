@@ -176,6 +176,24 @@ def test_without_a_prior_cona_starts_at_the_base_batch_and_holds_it_until_the_no
     assert cona(prior_noise_scale=100.0, start_batch=24).initial(candidates=FAMILY, throughput=tm, samples=0).gbs == 32
 
 
+def test_the_start_batch_is_held_through_the_blend_of_the_prior_with_the_first_estimates():
+    """The first estimates of a run are its smallest (the noise scale grows as the loss falls): blended into the
+    prior they would move the batch down for a few evaluations, and the full estimate back up (a loaded demo did,
+    and the local Slurm run). The batch is held until the estimate is fully in; then every batch competes."""
+    tm = ThroughputModel(candidates=FAMILY)
+    policy = cona(prior_noise_scale=1600.0, start_batch=32, blend_evaluations=3, persistence=1, min_dwell_s=0.0)
+    small = 2.0  # B_noise 2: R ranks gbs 8 first by far
+    decisions = [policy.decide(context(G[32].strategy, noise=small, now=1000.0 + 5 * i, throughput=tm)) for i in range(3)]
+    assert [d.metrics["noise_source"] for d in decisions] == ["blend", "blend", "estimate"]
+    assert [d.metrics["batch_held"] for d in decisions] == [True, True, False]
+    assert [d.switch_to for d in decisions[:2]] == [None, None]
+    assert decisions[2].switch_to is not None and decisions[2].switch_to.gbs == 8
+    # An explicit prior ranks every batch, blend included, from the start.
+    free = cona(prior_noise_scale=1600.0, blend_evaluations=3, persistence=1, min_dwell_s=0.0)
+    first = free.decide(context(G[32].strategy, noise=small, now=1000.0, throughput=tm))
+    assert not first.metrics["batch_held"] and first.metrics["noise_source"] == "blend"
+
+
 # ---------------------------------------------------------------------------------------------------- switch rule
 
 
