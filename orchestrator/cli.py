@@ -496,8 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
         "profile",
         help="measure a few strategies for some steps each on the real cluster; cona run --measured starts from them",
         description="Run the job for a few steps on each of a handful of strategies, switching in place between "
-        "them (one run, the `schedule` policy): the fastest layout at each batch from half the base batch to four "
-        "times it, then the base batch's next layouts. Prints measured against predicted step times and writes "
+        "them (one run, the `schedule` policy): the base batch's fastest layout at each batch from half the base "
+        "batch to four times it, then the base batch's other layouts once each. Prints measured against predicted step times and writes "
         "RUN_DIR/measured.json, which `cona run --measured RUN_DIR` starts its throughput model with.",
     )
     _add_config_args(prof)

@@ -8,9 +8,10 @@ and writes the step times it measured to `RUN_DIR/measured.json`; `cona run --me
 those measurements in its throughput model, as if it had run them itself, so the start, the calibration of every
 other strategy and the first switches already know the machine.
 
-Which strategies: the fastest layout (by the cost model) at each global batch from half the base batch to four
-times it — so the calibration sees the batch's effect on the step time and can separate the fixed cost from the
-per-sample cost — and then the next-fastest layouts at the base batch, up to `--top` in all; or the ones named by
+Which strategies: the base batch's fastest layout (by the cost model) — where a run starts — at the base batch and
+at the other global batches from half the base batch to four times it, so the calibration sees the batch's effect
+on one layout's step time and can separate its fixed cost from its per-sample cost; then the other layouts at the
+base batch, fastest first, each once; up to `--top` in all (`pick_strategies`), or the ones named by
 `--strategies`. The measurements hold only for the hardware and the model they were taken on: a run whose profile
 (accelerator, network, devices per node, backend) or job (model, parallel settings, gradient statistics) differs
 refuses them, naming the first field that differs.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -146,9 +148,16 @@ def write_measured(run_dir: RunDir, *, profile: ClusterProfile, job: Job, measur
 
 
 def pick_strategies(candidates: list[Candidate], *, base_gbs: int, top: int) -> list[Strategy]:
-    """The strategies `cona profile` measures (module docstring): the base batch's fastest layout first, the
-    fastest layout of each other batch in [base/2, 4·base] (ascending), then the base batch's runners-up, `top` in
-    all; candidates of one world size (the caller's), fastest predicted iteration per sample first."""
+    """The strategies `cona profile` measures, `top` in all, from candidates of one world size (the caller's):
+
+    1. the base batch's fastest layout — where a run starts — at the base batch, then at the other batches of
+       [base/2, 4·base] where it runs (nearest first, the larger on a tie): one layout at several batches is what
+       tells its fixed cost per step from its per-sample cost (`throughput.fit_affine`), and the scale it finds
+       carries to the layouts measured once;
+    2. then the other layouts at the base batch, fastest first, each once: each one's own fixed cost.
+
+    "Fastest" is the cost model's predicted iteration time per sample; a layout at a batch runs its fastest
+    micro-batch there."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     feasible = [c for c in candidates if c.feasible]
@@ -158,18 +167,17 @@ def pick_strategies(candidates: list[Candidate], *, base_gbs: int, top: int) -> 
     def speed(c: Candidate) -> tuple[float, int, int, int]:
         return (c.iter_time_s / c.gbs, c.pp, c.tp, c.mbs)
 
-    by_gbs: dict[int, list[Candidate]] = {}
+    fastest: dict[tuple[int, tuple[int, int, int]], Candidate] = {}  # (gbs, layout) → its fastest micro-batch
     for c in sorted(feasible, key=speed):
-        by_gbs.setdefault(c.gbs, []).append(c)
-    base = base_gbs if base_gbs in by_gbs else min(by_gbs, key=lambda g: (abs(g - base_gbs), g))
-    picked = [by_gbs[base][0].strategy]
-    for gbs in sorted(g for g in by_gbs if base / 2 <= g <= 4 * base and g != base):
-        picked.append(by_gbs[gbs][0].strategy)
-    layouts = {(s.dp, s.tp, s.pp) for s in picked}
-    for c in by_gbs[base][1:]:  # other layouts at the base batch: what the calibration of layouts needs
-        if (c.dp, c.tp, c.pp) not in layouts:
-            picked.append(c.strategy)
-            layouts.add((c.dp, c.tp, c.pp))
+        fastest.setdefault((c.gbs, c.strategy.layout()), c)
+    batches = sorted({g for g, _ in fastest})
+    base = base_gbs if base_gbs in batches else min(batches, key=lambda g: (abs(g - base_gbs), g))
+    at_base = sorted((c for (g, _), c in fastest.items() if g == base), key=speed)
+    start = at_base[0].strategy.layout()
+    others = sorted((g for g in batches if base / 2 <= g <= 4 * base and g != base and (g, start) in fastest),
+                    key=lambda g: (abs(math.log(g / base)), -g))  # fmt: skip
+    picked = [fastest[(g, start)].strategy for g in [base, *others]]
+    picked += [c.strategy for c in at_base[1:]]
     return picked[:top]
 
 

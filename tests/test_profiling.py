@@ -31,21 +31,25 @@ def setup():
     return profile, job, candidates
 
 
-def test_the_picked_strategies_cover_the_batches_around_the_base_and_its_other_layouts(setup):
+def test_the_picked_strategies_measure_the_start_layout_at_several_batches_and_the_other_layouts_once(setup):
     _, job, candidates = setup
     base = job.batch.base_gbs
     picked = profiling.pick_strategies(candidates, base_gbs=base, top=6)
-    fastest = {}
-    for c in candidates:
-        if c.gbs not in fastest or c.iter_time_s < fastest[c.gbs].iter_time_s:
-            fastest[c.gbs] = c
-    assert picked[0] == fastest[base].strategy  # the base batch's fastest layout first: where a run starts
-    batches = [s.gbs for s in picked]
-    assert set(batches) == {g for g in fastest if base / 2 <= g <= 4 * base}  # the fixed and the per-sample cost
-    at_base = [s for s in picked if s.gbs == base]
-    assert len({s.layout() for s in at_base}) == len(at_base) > 1  # other layouts, each once
+    first = min((c for c in candidates if c.gbs == base), key=lambda c: (c.iter_time_s, c.pp, c.tp, c.mbs))
+    assert picked[0] == first.strategy  # where a run starts
+    start = first.strategy.layout()
+    # That layout at every batch of [base/2, 4·base] where it runs: its fixed cost told from its per-sample cost.
+    runs = {c.gbs for c in candidates if c.strategy.layout() == start and base / 2 <= c.gbs <= 4 * base}
+    same = [s for s in picked if s.layout() == start]
+    assert {s.gbs for s in same} == runs and len(same) == len(runs) > 1 and picked[: len(same)] == same
+    assert picked[1].gbs == 2 * base  # the nearest batch first, the larger on a tie
+    # Then other layouts at the base batch, each once, fastest first.
+    rest = picked[len(same):]
+    assert rest and all(s.gbs == base for s in rest) and len({s.layout() for s in rest}) == len(rest)
+    assert start not in {s.layout() for s in rest}
     assert len(picked) == 6 and len(set(picked)) == 6
-    assert profiling.pick_strategies(candidates, base_gbs=base, top=2) == picked[:2]
+    two = profiling.pick_strategies(candidates, base_gbs=base, top=2)
+    assert two == picked[:2] and two[0].layout() == two[1].layout()  # even two measure one layout at two batches
     with pytest.raises(ValueError, match="--top must be at least 1"):
         profiling.pick_strategies(candidates, base_gbs=base, top=0)
 
