@@ -239,14 +239,14 @@ def finish_profile(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state:
     if not measured:
         raise ConfigError(f"{run_dir.root}: the profiling run measured no step time; give it more --steps")
     path = write_measured(run_dir, profile=profile, job=job, measured=measured)
-    lines = ["strategy              steps  predicted   measured  measured/predicted  samples/s"]
+    lines = ["strategy              heartbeats  predicted   measured  measured/predicted  samples/s"]
     for e in measured:
         s = Strategy.from_dict(e["strategy"])
         t = float(e["time_s"]) if e.get("time_s") else sorted(e["times"])[len(e["times"]) // 2]
         predicted = e.get("predicted_s")
         ratio = f"{t / predicted:.2f}" if predicted else "—"
         shown = f"{predicted:.4f} s" if predicted else "—"
-        lines.append(f"{s.short():<22}{e.get('count', len(e['times'])):>5}  {shown:>9}  {t:.4f} s  {ratio:>18}  "
+        lines.append(f"{s.short():<22}{e.get('count', len(e['times'])):>10}  {shown:>9}  {t:.4f} s  {ratio:>18}  "
                      f"{s.gbs / t:>9.1f}")  # fmt: skip
     for fit in throughput.get("calibration", []):
         layout = fit["layout"]
