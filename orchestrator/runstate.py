@@ -75,8 +75,13 @@ def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
     if not run_dir.run_yaml.exists():
         return []
     measured = load_yaml(run_dir.run_yaml).get("measured") or []
-    if not isinstance(measured, list):
-        raise ConfigError(f"{run_dir.run_yaml}: `measured` must be a list of measured strategies")
+    try:  # what `ThroughputModel.absorb` reads: a strategy and its step times per entry
+        for entry in measured:
+            Strategy.from_dict(entry["strategy"])
+            [float(t) for t in entry["times"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{run_dir.run_yaml}: its `measured` step times are damaged ({type(e).__name__}: {e}); "
+                          "remove the `measured` section to start without them") from None  # fmt: skip
     return measured
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from cona.orchestrator import profiling
 from cona.orchestrator.job import load_job
 from cona.orchestrator.planner import enumerate_candidates
@@ -153,6 +154,15 @@ def test_the_measurements_are_stored_with_the_run(tmp_path, setup):
     plain = RunDir(tmp_path / "plain")
     create_run(run_dir=plain, profile=profile, job=job)
     assert stored_measurements(plain) == []
+    for damaged in ([{"strategy": {"dp": 4}, "times": [0.1]}], [{"times": [0.1]}], "x", 3,
+                    [{"strategy": Strategy(4, 1, 1, 4, 16).to_dict(), "times": ["slow"]}]):  # fmt: skip
+        bad = RunDir(tmp_path / f"bad-{len(str(damaged))}-{type(damaged).__name__}")
+        create_run(run_dir=bad, profile=profile, job=job)
+        document = bad.run_yaml.read_text() + yaml.safe_dump({"measured": damaged})
+        bad.run_yaml.write_text(document)
+        with pytest.raises(ConfigError, match=r"run\.yaml: its `measured` step times are damaged") as info:
+            stored_measurements(bad)
+        assert "\n" not in str(info.value)
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
