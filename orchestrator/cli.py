@@ -64,10 +64,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.gbs is not None or job.policy.name != "cona":
             raise UserError("--measured says where the cona policy would start from measured step times; drop --gbs "
                             "(and --set policy.name)")  # fmt: skip
-        from cona.orchestrator.profiling import check_compatible, load_measured
+        from cona.orchestrator.profiling import load_compatible
 
-        measured = load_measured(args.measured)
-        check_compatible(*measured, profile, job)
+        measured = load_compatible(args.measured, profile, job)
     candidates = enumerate_candidates(profile=profile, job=job, gbs_values=gbs_values)
     ranked = rank_by_iter_time(candidates)
     if not ranked and not args.all and not args.json:
@@ -150,11 +149,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
         measured = None
         if args.measured:
-            from cona.orchestrator.profiling import check_compatible, load_measured
+            from cona.orchestrator.profiling import load_compatible
 
-            record, source = load_measured(args.measured)
-            check_compatible(record, source, profile, job)
-            measured = record.measured
+            measured = load_compatible(args.measured, profile, job)[0].measured
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
         profile, job = _create_or_same(run_dir, profile, job, measured=measured)

@@ -31,6 +31,7 @@ from typing import Any
 from cona.orchestrator.job import Job, job_to_dict
 from cona.orchestrator.planner import Candidate
 from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.throughput import checked_measurement
 from cona.protocol.rundir import RunDir, atomic_write_text
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -101,6 +102,14 @@ def check_compatible(record: MeasuredRecord, source: Path, profile: ClusterProfi
             )
 
 
+def load_compatible(path: str | Path, profile: ClusterProfile, job: Job) -> tuple[MeasuredRecord, Path]:
+    """`load_measured`, refused (`check_compatible`) when measured on another setup than `profile` and `job`'s:
+    what `cona run --measured` and `cona plan --measured` read."""
+    record, source = load_measured(path)
+    check_compatible(record, source, profile, job)
+    return record, source
+
+
 def load_measured(path: str | Path) -> tuple[MeasuredRecord, Path]:
     """The record at `path` (a `cona profile` run directory or its measured.json) and the file it came from."""
     source = Path(path)
@@ -113,7 +122,7 @@ def load_measured(path: str | Path) -> tuple[MeasuredRecord, Path]:
     try:
         data = json.loads(source.read_text(encoding="utf-8"))
         record = MeasuredRecord(
-            measured=[_entry(e) for e in data["measured"]], fingerprint=dict(data["fingerprint"]),
+            measured=[checked_measurement(e) for e in data["measured"]], fingerprint=dict(data["fingerprint"]),
             profile=str(data.get("profile", "")), created=float(data.get("created", 0.0)),
         )  # fmt: skip
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
@@ -124,15 +133,6 @@ def load_measured(path: str | Path) -> tuple[MeasuredRecord, Path]:
     if not record.measured:
         raise ConfigError(f"--measured {source}: it holds no measured strategy; profile again with more --steps")
     return record, source
-
-
-def _entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """One measured entry, checked: a strategy and at least one positive step time."""
-    strategy = Strategy.from_dict(entry["strategy"])
-    times = [float(t) for t in entry["times"]]
-    if not times or any(not t > 0 for t in times):
-        raise ValueError(f"{strategy.short()}: step times must be positive, got {times}")
-    return {**entry, "strategy": strategy.to_dict(), "times": times}
 
 
 def write_measured(run_dir: RunDir, *, profile: ClusterProfile, job: Job, measured: list[dict[str, Any]]) -> Path:
@@ -181,21 +181,16 @@ def pick_strategies(candidates: list[Candidate], *, base_gbs: int, top: int) -> 
     return picked[:top]
 
 
-def schedule_for(strategies: list[Strategy], *, steps: int) -> list[dict[str, Any]]:
-    """`policy.schedule` entries that run each strategy for `steps` steps, one after the other."""
+def schedule_for(strategies: list[Strategy], *, steps: int) -> tuple[list[dict[str, Any]], int]:
+    """`policy.schedule` entries that run each strategy for `steps` steps, one after the other, and the samples at
+    which the last one ends: the profiling run stops there, not at a validation target."""
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     entries, samples = [], 0
     for s in strategies:
         entries.append({"samples": samples, "strategy": str(s)})
         samples += steps * s.gbs
-    return entries
-
-
-def profiling_overrides(strategies: list[Strategy], *, steps: int) -> tuple[list[dict[str, Any]], int]:
-    """The schedule and its end (samples): the profiling run stops there, not at a validation target."""
-    entries = schedule_for(strategies, steps=steps)
-    return entries, entries[-1]["samples"] + steps * strategies[-1].gbs
+    return entries, samples
 
 
 def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strategies: str | None,
@@ -223,7 +218,7 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
     else:
         chosen = pick_strategies(candidates, base_gbs=job.batch.base_gbs, top=DEFAULT_TOP if top is None else top)
     steps = DEFAULT_HEARTBEATS * job.heartbeat.interval_steps if steps is None else steps
-    entries, end = profiling_overrides(chosen, steps=steps)
+    entries, end = schedule_for(chosen, steps=steps)
     spec = job_to_dict(job)
     spec["policy"] = {**spec["policy"], "name": "schedule", "schedule": entries}
     spec["target"] = {**spec["target"], "val_perplexity": None, "max_samples": end, "max_time_s": None}
@@ -242,7 +237,7 @@ def finish_profile(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state:
     lines = ["strategy              heartbeats  predicted   measured  measured/predicted  samples/s"]
     for e in measured:
         s = Strategy.from_dict(e["strategy"])
-        t = float(e["time_s"]) if e.get("time_s") else sorted(e["times"])[len(e["times"]) // 2]
+        t = float(e["time_s"])  # the median `ThroughputModel.to_dict` writes beside the times
         predicted = e.get("predicted_s")
         ratio = f"{t / predicted:.2f}" if predicted else "—"
         shown = f"{predicted:.4f} s" if predicted else "—"

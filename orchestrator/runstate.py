@@ -16,6 +16,7 @@ from cona.orchestrator.backends.base import Attempt
 from cona.orchestrator.job import Job, job_from_dict, job_to_dict
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
+from cona.orchestrator.throughput import checked_measurement
 from cona.protocol.rundir import (
     RunDir,
     append_jsonl,
@@ -75,10 +76,8 @@ def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
     if not run_dir.run_yaml.exists():
         return []
     measured = load_yaml(run_dir.run_yaml).get("measured") or []
-    try:  # what `ThroughputModel.absorb` reads: a strategy and its step times per entry
-        for entry in measured:
-            Strategy.from_dict(entry["strategy"])
-            [float(t) for t in entry["times"]]
+    try:  # what `ThroughputModel.absorb` reads
+        measured = [checked_measurement(entry) for entry in measured]
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{run_dir.run_yaml}: its `measured` step times are damaged ({type(e).__name__}: {e}); "
                           "remove the `measured` section to start without them") from None  # fmt: skip

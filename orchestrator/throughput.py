@@ -98,6 +98,16 @@ def _candidate_key(candidate: Candidate) -> Strategy:
     return candidate.strategy
 
 
+def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
+    """One entry of `ThroughputModel.to_dict()["measured"]` read back from a file (`absorb`'s input), checked: a
+    strategy and at least one positive step time; ValueError/KeyError/TypeError naming what is wrong otherwise."""
+    strategy = Strategy.from_dict(entry["strategy"])
+    times = [float(t) for t in entry["times"]]
+    if not times or any(not t > 0 for t in times):
+        raise ValueError(f"{strategy.short()}: step times must be positive, got {times}")
+    return {**entry, "strategy": strategy.to_dict(), "times": times}
+
+
 class _Measurement:
     """Recent step times of one strategy, and the cost model's prediction for it (when known)."""
 
