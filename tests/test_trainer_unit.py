@@ -284,6 +284,34 @@ def test_init_does_not_depend_on_the_pipeline_split():
     assert not torch.equal(other["layers.0.attn.wq.weight"], full["layers.0.attn.wq.weight"])
 
 
+def test_the_optimizer_updates_bit_identically_to_the_per_tensor_loop():
+    """`build_optimizer` runs AdamW's foreach kernels (faster on the CPU); it must not change the weights by a bit
+    against torch's per-tensor loop, so runs keep their losses under a fixed seed."""
+    import torch
+    from cona.protocol.job import OptimizerSpec
+    from cona.trainer.model import build_model, materialize
+    from cona.trainer.optim import build_optimizer
+
+    spec = ModelSpec(preset="tiny-llama")
+    opt_spec = OptimizerSpec(lr=3e-3, weight_decay=0.1)
+    fast, slow = (materialize(build_model(spec), device="cpu", seed=3) for _ in range(2))
+    optimizer = build_optimizer(fast, opt_spec)
+    assert all(g["foreach"] for g in optimizer.param_groups)
+    reference = torch.optim.AdamW(
+        [{"params": [p for p in slow.parameters() if p.ndim >= 2], "weight_decay": opt_spec.weight_decay},
+         {"params": [p for p in slow.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=opt_spec.lr, betas=(opt_spec.beta1, opt_spec.beta2), eps=opt_spec.eps, foreach=False)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len), generator=generator)
+        for model, opt in ((fast, optimizer), (slow, reference)):
+            opt.zero_grad()
+            model(tokens).float().logsumexp(-1).mean().backward()
+            opt.step()
+    for (name, a), b in zip(fast.named_parameters(), slow.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-llama", "tiny-bert"])
 def test_pipeline_stages_compose_to_the_full_model(preset):
     import torch
