@@ -151,6 +151,18 @@ def test_more_processes_than_gpus_or_more_memory_than_the_machine_has_are_warned
     (line,) = capsys.readouterr().err.splitlines()
     assert "starts 4 trainer processes on the CPU" in line and "accelerator.memory='4 GiB' (16.0 GiB in all)" in line
     assert "this machine has 8.0 GiB" in line and "lower accelerator.memory" in line
+    # With the job known, what each process will hold (the memory model's peak and the runtime), not the cap: the
+    # tiny model's few MB fit 8 GiB; 1.5 GiB is too little for 4 processes of the runtime alone.
+    from cona.orchestrator.job import load_job
+
+    tiny = load_job(Path(__file__).resolve().parent.parent / "examples" / "tiny-gpt.yaml")
+    strategy = Strategy(dp=4, tp=1, pp=1, mbs=4, gbs=16)
+    LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=cpu.profile, job=tiny).render(strategy=strategy)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(local, "machine_memory_bytes", lambda: 3 * 2**29)
+    LocalBackend(run_dir=RunDir(tmp_path / "run"), profile=cpu.profile, job=tiny).render(strategy=strategy)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "each predicted to need 0.51 GiB" in line and "d4t1p1 m4 g16" in line and "this machine has 1.5 GiB" in line
 
 
 def test_visible_gpus_counts_device_nodes_narrowed_by_cuda_visible_devices(tmp_path, monkeypatch):

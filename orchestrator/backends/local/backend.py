@@ -42,6 +42,10 @@ a warning on every default run would teach users to ignore it. Far beyond it, e.
 × 32 devices (128 processes on one machine), every collective waits on processes the kernel has not scheduled, each
 process holds its own torch and model in the machine's one memory, and the profile's nodes describe machines that
 are not there: the step times the planner expects are out of reach."""
+CPU_PROCESS_RUNTIME_BYTES = 2**29
+"""What a CPU trainer process holds besides what the memory model counts (torch, gloo, the corpus's index): its
+heartbeats report a peak resident set of 0.33-0.36 GB before and after the first step of the tiny presets; half a GiB
+with room to spare."""
 
 
 def usable_cpus() -> int:
@@ -202,9 +206,9 @@ class LocalBackend(Backend):
         - more processes than `PROCESSES_PER_CPU` per CPU: they train far slower than planned;
         - on `cuda`, more processes than the GPUs this machine shows (`visible_gpus`): process k takes GPU k, so
           the ones past the last GPU fail to start;
-        - on `cpu`, processes × `accelerator.memory` above this machine's memory (`machine_memory_bytes`): the
-          planner lets each process fill `accelerator.memory`, so a strategy it calls feasible can run the machine
-          out of memory."""
+        - on `cpu`, processes × what each will hold (`_cpu_process_bytes`) above this machine's memory
+          (`machine_memory_bytes`): the planner lets each process fill `accelerator.memory`, so a strategy it calls
+          feasible can run the machine out of memory."""
         processes = strategy.world_size
         layout = ""
         if self.profile is not None:
@@ -227,13 +231,32 @@ class LocalBackend(Backend):
                                 "machine has (CUDA_VISIBLE_DEVICES counts)")  # fmt: skip
         else:
             memory = machine_memory_bytes()
-            planned = processes * accelerator.memory_bytes
-            if memory is not None and planned > memory:
+            need = self._cpu_process_bytes(strategy)
+            if memory is not None and processes * need > memory:
+                what = (f"predicted to need {need / 2**30:.2f} GiB (the memory model's peak for {strategy.short()} and "
+                        f"{CPU_PROCESS_RUNTIME_BYTES / 2**30:.1f} GiB of runtime)" if self.job is not None else
+                        f"planned to use up to accelerator.memory={accelerator.memory!r}")  # fmt: skip
                 self._warn_once("memory", processes, f"the local backend starts {processes} trainer processes on the "
-                                f"CPU, each planned to use up to accelerator.memory={accelerator.memory!r} "
-                                f"({planned / 2**30:.1f} GiB in all), but this machine has {memory / 2**30:.1f} GiB; "
-                                "the planner's memory check cannot keep them in it: lower accelerator.memory to this "
-                                "machine's memory divided by the processes, or lower gpus_per_node")  # fmt: skip
+                                f"CPU, each {what} ({processes * need / 2**30:.1f} GiB in all), but this machine has "
+                                f"{memory / 2**30:.1f} GiB; the planner's memory check cannot keep them in it: lower "
+                                "accelerator.memory to this machine's memory divided by the processes, or lower "
+                                "gpus_per_node")  # fmt: skip
+
+    def _cpu_process_bytes(self, strategy: Strategy) -> int:
+        """What one CPU trainer process of `strategy` will hold: the memory model's peak plus the runtime when the
+        job is known, else all the planner lets it have (`accelerator.memory`). Not the cap alone: on `local-cpu`
+        (4 GiB per process) every default run on a machine under 16 GiB would warn, for a model of megabytes."""
+        assert self.profile is not None
+        if self.job is None:
+            return self.profile.accelerator.memory_bytes
+        from cona.orchestrator.costmodel import predict
+
+        try:
+            prediction = predict(profile=self.profile, job=self.job, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp,
+                                 mbs=strategy.mbs, gbs=strategy.gbs)  # fmt: skip
+        except ValueError:  # a strategy the cost model cannot price is refused elsewhere, with its reason
+            return self.profile.accelerator.memory_bytes
+        return int(prediction.memory_bytes) + CPU_PROCESS_RUNTIME_BYTES
 
     def _warn_once(self, kind: str, processes: int, message: str) -> None:
         """Print `cona: warning: <message>` unless this kind was said already for as many processes or more."""
