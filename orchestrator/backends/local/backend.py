@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shlex
 import signal
@@ -255,6 +256,8 @@ class LocalBackend(Backend):
             prediction = predict(profile=self.profile, job=self.job, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp,
                                  mbs=strategy.mbs, gbs=strategy.gbs)  # fmt: skip
         except ValueError:  # a strategy the cost model cannot price is refused elsewhere, with its reason
+            return self.profile.accelerator.memory_bytes
+        if not math.isfinite(prediction.memory_bytes):
             return self.profile.accelerator.memory_bytes
         return int(prediction.memory_bytes) + CPU_PROCESS_RUNTIME_BYTES
 
