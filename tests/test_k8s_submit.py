@@ -156,7 +156,7 @@ def test_stop_and_report_of_a_live_run_through_the_api(cluster):
     """`cona report` while the run trains (the orchestrator writes it on request), then `cona stop`: the run
     checkpoints and ends `stopped`; a second stop says it has ended; `cona submit --resume` finishes it. Each
     side's API calls are exactly its Role."""
-    cluster.submit("r2", "--policy", f"fixed:{S4}", "--set", "target.max_samples=3200")
+    cluster.submit("r2", "--policy", f"fixed:{S4}", "--set", "target.max_samples=4800")
     run = cluster.run_dir("r2")
     cluster.wait(lambda: run.latest_checkpoint() is not None, 240, "a checkpoint", "r2")
     cluster.wait(lambda: cluster.status("r2")["status"] == "running", 30, "status running in the ConfigMap", "r2")
@@ -170,7 +170,7 @@ def test_stop_and_report_of_a_live_run_through_the_api(cluster):
     cluster.wait(lambda: cluster.status("r2")["status"] == "stopped", 30, "status stopped in the ConfigMap", "r2")
     assert "already ended (stopped)" in cluster.cona("stop", "r2").stdout
     stopped_at = read_state(run).live["samples"]
-    assert 0 < stopped_at < 3200
+    assert 0 < stopped_at < 4800
 
     # `cona submit --resume`: a new orchestrator Job goes on from the last checkpoint to the end.
     out = cluster.cona("submit", "--resume", "r2")
@@ -180,7 +180,7 @@ def test_stop_and_report_of_a_live_run_through_the_api(cluster):
     kinds = [e["event"] for e in read_events(run)]
     assert kinds.count("resume-requested") == 1 and "resume-run" in kinds, kinds
     samples = read_state(run).live["samples"]
-    assert samples >= 3200 and assert_samples_exact(run) == samples
+    assert samples >= 4800 and assert_samples_exact(run) == samples
     assert "nothing to resume" in cluster.cona("submit", "--resume", "r2").stderr
 
     # Each side called only what its Role grants, and its Role grants nothing it does not use: the orchestrator's

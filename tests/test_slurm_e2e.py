@@ -167,7 +167,10 @@ def test_cona_policy_switches_in_place_inside_the_allocation(slurm_run, tmp_path
     events = slurm_run.events()
     switches = [e for e in events if e["event"] == "switch"]
     assert switches, slurm_run.logs()
-    first = switches[0]
+    # A probe of a layout that never ran (docs/decisions.md) may come first, when the first measured step times
+    # miss the cost model by more than 5%: the batch switch is the first one that changes gbs.
+    first = next((e for e in switches if e["from"]["gbs"] != e["to"]["gbs"]), None)
+    assert first is not None, switches
     assert first["from"]["gbs"] < first["to"]["gbs"], first
     assert first["metrics"]["noise_source"] != "prior", first  # the estimate decided, not the prior
     assert {e["kind"] for e in switches} == {"in_place"}, switches
