@@ -168,11 +168,11 @@ def test_cona_policy_switches_in_place_inside_the_allocation(slurm_run, tmp_path
     switches = [e for e in events if e["event"] == "switch"]
     assert switches, slurm_run.logs()
     # A probe of a layout that never ran (docs/decisions.md) may come first, when the first measured step times
-    # miss the cost model by more than 5%: the batch switch is the first one that changes gbs.
-    first = next((e for e in switches if e["from"]["gbs"] != e["to"]["gbs"]), None)
-    assert first is not None, switches
-    assert first["from"]["gbs"] < first["to"]["gbs"], first
-    assert first["metrics"]["noise_source"] != "prior", first  # the estimate decided, not the prior
+    # miss the cost model by more than 5%; and the measured fixed cost per step can make a larger batch win while
+    # the noise scale is still the prior. The batch only grows, and the estimate makes at least one of the moves.
+    grew = [e for e in switches if e["from"]["gbs"] != e["to"]["gbs"]]
+    assert grew and all(e["from"]["gbs"] < e["to"]["gbs"] for e in grew), switches
+    assert any(e["metrics"]["noise_source"] != "prior" for e in grew), grew  # the estimate decided, not only the prior
     assert {e["kind"] for e in switches} == {"in_place"}, switches
     launches = [e for e in events if e["event"] == "launch"]
     assert len(launches) == len(switches) + 1
