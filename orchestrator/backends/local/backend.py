@@ -232,34 +232,36 @@ class LocalBackend(Backend):
                                 "machine has (CUDA_VISIBLE_DEVICES counts)")  # fmt: skip
         else:
             memory = machine_memory_bytes()
-            need = self._cpu_process_bytes(strategy)
+            need, what = self._cpu_process_bytes(strategy)
             if memory is not None and processes * need > memory:
-                what = (f"predicted to need {need / 2**30:.2f} GiB (the memory model's peak for {strategy.short()} and "
-                        f"{CPU_PROCESS_RUNTIME_BYTES / 2**30:.1f} GiB of runtime)" if self.job is not None else
-                        f"planned to use up to accelerator.memory={accelerator.memory!r}")  # fmt: skip
                 self._warn_once("memory", processes, f"the local backend starts {processes} trainer processes on the "
                                 f"CPU, each {what} ({processes * need / 2**30:.1f} GiB in all), but this machine has "
                                 f"{memory / 2**30:.1f} GiB; the planner's memory check cannot keep them in it: lower "
                                 "accelerator.memory to this machine's memory divided by the processes, or lower "
                                 "gpus_per_node")  # fmt: skip
 
-    def _cpu_process_bytes(self, strategy: Strategy) -> int:
-        """What one CPU trainer process of `strategy` will hold: the memory model's peak plus the runtime when the
-        job is known, else all the planner lets it have (`accelerator.memory`). Not the cap alone: on `local-cpu`
-        (4 GiB per process) every default run on a machine under 16 GiB would warn, for a model of megabytes."""
+    def _cpu_process_bytes(self, strategy: Strategy) -> tuple[int, str]:
+        """What one CPU trainer process of `strategy` will hold, and how the warning says where that comes from: the
+        memory model's peak plus the runtime when the job is known and the cost model prices the strategy, else all
+        the planner lets it have (`accelerator.memory`). Not the cap alone: on `local-cpu` (4 GiB per process) every
+        default run on a machine under 16 GiB would warn, for a model of megabytes."""
         assert self.profile is not None
+        accelerator = self.profile.accelerator
+        cap = (accelerator.memory_bytes, f"planned to use up to accelerator.memory={accelerator.memory!r}")
         if self.job is None:
-            return self.profile.accelerator.memory_bytes
+            return cap
         from cona.orchestrator.costmodel import predict
 
         try:
-            prediction = predict(profile=self.profile, job=self.job, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp,
-                                 mbs=strategy.mbs, gbs=strategy.gbs)  # fmt: skip
+            peak = predict(profile=self.profile, job=self.job, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp,
+                           mbs=strategy.mbs, gbs=strategy.gbs).memory_bytes  # fmt: skip
         except ValueError:  # a strategy the cost model cannot price is refused elsewhere, with its reason
-            return self.profile.accelerator.memory_bytes
-        if not math.isfinite(prediction.memory_bytes):
-            return self.profile.accelerator.memory_bytes
-        return int(prediction.memory_bytes) + CPU_PROCESS_RUNTIME_BYTES
+            return cap
+        if not math.isfinite(peak):
+            return cap
+        need = int(peak) + CPU_PROCESS_RUNTIME_BYTES
+        return need, (f"predicted to need {need / 2**30:.2f} GiB (the memory model's peak for {strategy.short()} and "
+                      f"{CPU_PROCESS_RUNTIME_BYTES / 2**30:.1f} GiB of runtime)")  # fmt: skip
 
     def _warn_once(self, kind: str, processes: int, message: str) -> None:
         """Print `cona: warning: <message>` unless this kind was said already for as many processes or more."""
