@@ -14,10 +14,17 @@ import time
 import pytest
 import yaml
 from cona.orchestrator.backends.base import BackendError
+from cona.orchestrator.backends.kubernetes import incluster
 from cona.orchestrator.backends.kubernetes.api import KubeApi
 from cona.orchestrator.backends.kubernetes.incluster import StatusMirror, orchestrate
 from cona.orchestrator.backends.kubernetes.lease import KubeLease, LeaseLost
-from cona.orchestrator.backends.kubernetes.remote import remote_status, remote_stop, resume, submit
+from cona.orchestrator.backends.kubernetes.remote import (
+    remote_report,
+    remote_status,
+    remote_stop,
+    resume,
+    submit,
+)
 from cona.orchestrator.backends.kubernetes.runobjects import (
     RUN_NAME_MAX,
     dump_objects,
@@ -235,6 +242,74 @@ def test_the_mirror_publishes_status_and_carries_a_stop_once(k8s, tmp_path):
     # The same request again (a restarted orchestrator reads the same ConfigMap) is not a second stop.
     StatusMirror(api, "tiny-1", run_dir).tick(force=True)
     assert [e["event"] for e in read_events(run_dir)].count("stop-command") == 1
+
+
+def test_a_report_is_drawn_off_the_loop_and_a_failed_one_is_one_line(k8s, tmp_path, monkeypatch):
+    """While a requested report is being drawn (seconds, tens on a loaded node) the loop goes on: a stop that
+    arrives meanwhile is acted on at the next tick. A report that cannot be drawn answers the laptop with why."""
+    import threading
+
+    run_dir = RunDir(tmp_path / "runs" / "tiny-1")
+    profile = _profile(mount_path=str(tmp_path / "runs"))
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path / "runs")})})
+    job = load_job(JOB)
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    submit(render_submission(profile=profile, job=job, run="tiny-1", submitted=SUBMITTED), api_client=k8s.api_client())
+    api = KubeApi(NS, k8s.api_client())
+    mirror = StatusMirror(api, "tiny-1", run_dir, interval_s=3600)
+    mirror.tick(force=True)
+    drawing, release, drawn = threading.Event(), threading.Event(), []
+    store_report = incluster.store_report
+
+    def slow_report(api_, run, run_dir_):
+        drawing.set()
+        assert release.wait(30)
+        if drawn:
+            raise RuntimeError("matplotlib: no space left on device")
+        drawn.append(run)
+        return store_report(api_, run, run_dir_)
+
+    monkeypatch.setattr(incluster, "store_report", slow_report)
+    fetched: list = []
+    laptop = threading.Thread(target=lambda: fetched.append(_report_or_error(k8s, tmp_path / "out", wait_s=30)))
+    laptop.start()
+    deadline = time.monotonic() + 20
+    while not drawing.is_set() and time.monotonic() < deadline:
+        mirror.tick(force=True)
+        time.sleep(0.05)
+    assert drawing.is_set() and mirror.reporting
+    remote_stop("tiny-1", namespace=NS, api_client=k8s.api_client())
+    started = time.monotonic()
+    mirror.tick(force=True)  # the report is still being drawn: the tick does not wait for it
+    assert time.monotonic() - started < 5 and mirror.reporting
+    control = run_dir.read_control()
+    assert control is not None and control.command == "stop"
+    release.set()
+    mirror.wait_report()
+    laptop.join(30)
+    assert drawn == ["tiny-1"] and fetched and not isinstance(fetched[0], str), fetched
+    assert fetched[0][0].read_text() == (run_dir.root / "report.md").read_text()
+
+    # A second request whose drawing fails: the laptop gets the reason in one line, the loop goes on.
+    drawing.clear()
+    laptop = threading.Thread(target=lambda: fetched.append(_report_or_error(k8s, tmp_path / "out", wait_s=30)))
+    laptop.start()
+    deadline = time.monotonic() + 20
+    while not drawing.is_set() and time.monotonic() < deadline:
+        mirror.tick(force=True)
+        time.sleep(0.05)
+    mirror.wait_report()
+    laptop.join(30)
+    assert fetched[-1] == ("kubernetes: run 'tiny-1': the orchestrator could not write the report: matplotlib: no "
+                           "space left on device"), fetched  # fmt: skip
+
+
+def _report_or_error(k8s, out_dir, *, wait_s: float):
+    """`cona report`'s fetch on the laptop: the paths, or the one-line error it would print."""
+    try:
+        return remote_report("tiny-1", namespace=NS, out_dir=out_dir, wait_s=wait_s, api_client=k8s.api_client())
+    except BackendError as e:
+        return str(e)
 
 
 def test_orchestrate_a_run_that_cannot_start_records_why_and_exits_0(k8s, tmp_path):

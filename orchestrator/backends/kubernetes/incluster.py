@@ -4,7 +4,9 @@ It reads the run's ConfigMap (the profile and job `cona submit` resolved), creat
 the first time (later starts find run.yaml there and resume), takes the run's Lease and drives the run with the
 same scheduler loop as `cona run`. `StatusMirror` is the run directory's window for a laptop that cannot see the
 PVC: every few seconds it writes `cona status`'s summary into the ConfigMap and reads back what `cona stop` and
-`cona report` asked for (a stop goes into control.json, a report into the `R-report` ConfigMap).
+`cona report` asked for (a stop goes into control.json, a report into the `R-report` ConfigMap). A report is
+rendered on a thread of its own: drawing it takes seconds (tens on a loaded node), and the scheduler's loop must
+go on watching the run, acting on a stop and deciding switches meanwhile.
 
 Exit codes: 0 once the run has ended (done, stopped or failed: its status is in the ConfigMap, and restarting the
 pod would not change it); non-zero when the orchestrator itself failed (a lost Lease, an API outage, a bug), so
@@ -16,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     OWNER_UID_ENV,
     PROFILE_KEY,
     REPORT_DONE_KEY,
+    REPORT_ERROR_KEY,
     REPORT_MD,
     REPORT_PNG,
     REPORT_REQUEST_KEY,
@@ -108,6 +112,8 @@ class StatusMirror:
         self._last = 0.0
         self._seen: str | None = None
         self._stops_seen: set[str] = set()
+        self._report: threading.Thread | None = None
+        self._report_token: str | None = None
 
     def _summary(self) -> dict[str, Any]:
         from cona.orchestrator.live import status_summary
@@ -148,11 +154,37 @@ class StatusMirror:
             if not any(e.get("event") == "stop-command" and e.get("reason") == reason for e in read_events(self.run_dir)):
                 request_stop(self.run_dir, reason=reason)
         request = data.get(REPORT_REQUEST_KEY)
-        if request and request != data.get(REPORT_DONE_KEY):
+        if request and request != data.get(REPORT_DONE_KEY) and request != self._report_token and not self.reporting:
+            self._report_token = request
+            self._report = threading.Thread(target=self._serve_report, args=(request,), name="cona-report", daemon=True)
+            self._report.start()
+
+    @property
+    def reporting(self) -> bool:
+        """Whether a requested report is being written now."""
+        return self._report is not None and self._report.is_alive()
+
+    def _serve_report(self, token: str) -> None:
+        """Write the report asked for with `token`, store it and echo the token (on the report thread); a failure
+        is echoed as `token: why`, which `cona report` prints, and never ends the run."""
+        core = self.api.core()
+        try:
             store_report(self.api, self.run, self.run_dir)
-            core = self.api.core()
+            answer = {REPORT_DONE_KEY: token}
+        except Exception as e:  # the report is a courtesy: the run goes on, the laptop learns why
+            why = one_line(str(e)) or type(e).__name__
+            print(f"cona: no report for request {token}: {why}", flush=True)
+            answer = {REPORT_ERROR_KEY: f"{token}: {why}"}
+        try:
             self.api.call("patch", "configmaps", self.run, core.patch_namespaced_config_map, self.run,
-                          self.api.namespace, {"data": {REPORT_DONE_KEY: request}})  # fmt: skip
+                          self.api.namespace, {"data": answer})  # fmt: skip
+        except Exception as e:  # the next request asks again; an API outage ends the loop's own calls
+            print(f"cona: could not answer report request {token}: {one_line(str(e))}", flush=True)
+
+    def wait_report(self) -> None:
+        """Let a report being written finish (before the final one is drawn: one drawing at a time)."""
+        if self._report is not None:
+            self._report.join()
 
     def fail(self, reason: str) -> None:
         """The run could not even start (bad profile, missing data): say so where `cona status` looks."""
@@ -201,6 +233,7 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
     if state.final and not (token and _resume_pending(run_dir, token, state.finished_at)):
         # The run had ended before this process started (it died after the end, before exiting): just report.
         mirror.handle(mirror.publish())
+        mirror.wait_report()
         return 0
     if state.final:
         log_event(run_dir, "resume-requested", token=token)  # `cona submit --resume`: the scheduler resumes it
@@ -209,6 +242,7 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
     if failure is not None:
         print(f"cona: error: {failure}", flush=True)
     # The report first, then the final status: a laptop that sees the run ended finds its report stored.
+    mirror.wait_report()
     try:
         note = store_report(api, run, run_dir)
         print(f"cona: stored the report in ConfigMap {report_configmap_name(run)}: {note}", flush=True)

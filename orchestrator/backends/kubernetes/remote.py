@@ -22,6 +22,7 @@ from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
 from cona.orchestrator.backends.kubernetes.runobjects import (
     PROFILE_KEY,
     REPORT_DONE_KEY,
+    REPORT_ERROR_KEY,
     REPORT_MD,
     REPORT_PNG,
     REPORT_REQUEST_KEY,
@@ -150,7 +151,11 @@ def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 12
         api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
                  {"data": {REPORT_REQUEST_KEY: token}})  # fmt: skip
         deadline = time.monotonic() + wait_s
-        while read_run_configmap(api, run).get(REPORT_DONE_KEY) != token:
+        while (answer := read_run_configmap(api, run)).get(REPORT_DONE_KEY) != token:
+            error = answer.get(REPORT_ERROR_KEY, "")
+            if error.startswith(f"{token}: "):
+                raise BackendError(f"kubernetes: run {run!r}: the orchestrator could not write the report: "
+                                   f"{error[len(token) + 2:]}")  # fmt: skip
             if time.monotonic() > deadline:
                 raise BackendError(
                     f"kubernetes: run {run!r}: the orchestrator did not write the report within {wait_s:.0f} s; is its "
