@@ -7,9 +7,15 @@ The record (`tests/published/megatron_sc21.yaml`, with its sources) is costed wi
 profile (`profile`, with `profile_set` overrides, widened to each run's node count), with the runs' settings:
 recomputation (`recompute`, default full), attention (`attention`: `materialized` — unfused, the scores written to
 memory, the default — or `sdpa`), the micro-batch, global batch and virtual stages, and the models' vocabulary and
-sequence length (`model_defaults`). Throughput is reported the paper's way: its FLOP formula over the predicted
-iteration time (a run may give `iter_time_s` instead of `tflops`; it is converted with the same formula, so the
-ratio is published over predicted time). Every section is optional: `runs` (or `table_1`) lists runs with their own
+sequence length (`model_defaults`). A model is a GPT unless it says otherwise: `family` (gpt, llama — SwiGLU,
+RMSNorm, RoPE — or bert), `kv_heads` (grouped-query attention) and `ffn_hidden` (the MLP's width; 4·hidden by
+default). Throughput is reported as TFLOP/s per GPU: a FLOP formula over the predicted iteration time, the
+record's `flops` — `megatron-sc21`, the paper's (a GPT's, with full recomputation counted; the default), or
+`megatron-core`, Megatron-Core's model FLOPs (three GEMM passes, GQA and SwiGLU counted) for every other model.
+A run gives one of `tflops` (per GPU, by the record's formula), `iter_time_s` or `tokens_per_s` (per GPU); a time
+or a token rate is converted with the same formula, so the ratio is published over predicted time. A run may give
+the `memory_gb` per GPU it published, which is shown beside the memory model's. Every section is optional: `runs`
+(or `table_1`) lists runs with their own
 model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute` and `attention`),
 `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
 the paper names. A misspelled key is refused with the list of valid ones; run names are free text. A second
@@ -40,10 +46,18 @@ VOCAB, SEQ = 51200, 2048
 """The default record's vocabulary and sequence length (`model_defaults` of a record overrides them)."""
 SECTIONS = ("runs", "table_1", "table_2", "figure_13", "figure_14", "figure_16")
 MODEL_KEYS = ("name", "layers", "hidden", "heads")
+MODEL_OPTIONS = ("family", "kv_heads", "ffn_hidden")
+"""What a model may say beyond its shape (a GPT with 4·hidden and no GQA when it says nothing)."""
+FAMILIES = ("gpt", "llama", "bert")
+FLOPS = ("megatron-sc21", "megatron-core")
+"""The FLOP formulas a record may count TFLOP/s by (`paper_flops`, `core_flops`)."""
+RATES = ("tflops", "iter_time_s", "tokens_per_s")
+"""The ways a run may give what was published: TFLOP/s per GPU, seconds per iteration, tokens/s per GPU."""
 RUN_SETTINGS = ("vocab_size", "seq_len", "recompute", "attention")
 """What a run may set for itself, over the record's `model_defaults`, `recompute` and `attention`."""
-RUN_KEYS = (*MODEL_KEYS, "gpus", "t", "p", "mbs", "gbs", "v", "sharded_dp", "tflops", "iter_time_s", *RUN_SETTINGS)
-TABLE_2_ROW_KEYS = ("scheme", "gpus", "t", "p", "mbs", "tflops", "iter_time_s")
+RUN_KEYS = (*MODEL_KEYS, *MODEL_OPTIONS, "gpus", "t", "p", "mbs", "gbs", "v", "sharded_dp", *RATES, "memory_gb",
+            *RUN_SETTINGS)
+TABLE_2_ROW_KEYS = ("scheme", "gpus", "t", "p", "mbs", *RATES, "memory_gb")
 FIGURE_KEYS = {
     "figure_13": ("model", "gpus", "mbs", "gbs", "configs", "best"),
     "figure_14": ("model", "gpus", "mbs", "gbs", "pipeline_sizes", "order"),
@@ -74,13 +88,33 @@ def _known_keys(mapping: dict[str, Any], valid: tuple[str, ...], where: str) -> 
 def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
     _require(isinstance(model, dict), where, "must be a mapping with name, layers, hidden and heads")
     if alone:  # a section's model (table_2, figures): nothing but the model
-        _known_keys(model, MODEL_KEYS, where)
+        _known_keys(model, (*MODEL_KEYS, *MODEL_OPTIONS), where)
     for key in MODEL_KEYS:
         _require(key in model, f"{where}.{key}", "missing (a model needs name, layers, hidden and heads)")
-    for key in ("layers", "hidden", "heads"):
+    for key in ("layers", "hidden", "heads", *(k for k in ("kv_heads", "ffn_hidden") if k in model)):
         _require(_positive_int(model[key]), f"{where}.{key}", f"must be a positive integer, got {model[key]!r}")
     _require(model["hidden"] % model["heads"] == 0, f"{where}.heads",
              f"{model['heads']} heads do not divide hidden = {model['hidden']}; fix heads or hidden")  # fmt: skip
+    if "family" in model:
+        _require(model["family"] in FAMILIES, f"{where}.family",
+                 f"must be one of {', '.join(FAMILIES)}, got {model['family']!r}")  # fmt: skip
+    if "kv_heads" in model:
+        _require(model["heads"] % model["kv_heads"] == 0, f"{where}.kv_heads",
+                 f"{model['kv_heads']} key/value heads do not divide heads = {model['heads']} (grouped-query "
+                 "attention shares each among a whole number of query heads); fix kv_heads or heads")  # fmt: skip
+
+
+def plain_gpt(model: dict[str, Any]) -> bool:
+    """Whether `model` is what the SC21 paper's FLOP formula counts: a GPT with a 4·hidden MLP and no GQA."""
+    return (model.get("family", "gpt") == "gpt" and model.get("kv_heads", model["heads"]) == model["heads"]
+            and model.get("ffn_hidden", 4 * model["hidden"]) == 4 * model["hidden"])  # fmt: skip
+
+
+def _check_flops(model: dict[str, Any], formula: str, where: str) -> None:
+    """The SC21 formula counts a plain GPT only: any other model needs the record's `flops: megatron-core`."""
+    _require(formula != "megatron-sc21" or plain_gpt(model), where,
+             f"model {model['name']!r} is not a GPT with ffn_hidden = 4·hidden and no GQA, which the paper's FLOP "
+             "formula counts; set the record's flops: megatron-core (Megatron-Core's model FLOPs)")  # fmt: skip
 
 
 def _check_settings(mapping: dict[str, Any], where: str, sep: str) -> None:
@@ -113,20 +147,23 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
              f"{row['gbs']} is not a multiple of d·mbs = {d}·{row['mbs']} (whole micro-batches per replica); "
              f"fix gbs, mbs or gpus")  # fmt: skip
     if published:
-        given = [k for k in ("tflops", "iter_time_s") if row.get(k) is not None]
-        _require(len(given) == 1, where, "give exactly one of tflops (per GPU) and iter_time_s")
-        value = row[given[0]]
-        _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
-                 f"{where}.{given[0]}", f"must be a positive number, got {value!r}")  # fmt: skip
+        given = [k for k in RATES if row.get(k) is not None]
+        _require(len(given) == 1, where, "give exactly one of tflops (per GPU), iter_time_s and tokens_per_s (per GPU)")
+        for key in (given[0], *(("memory_gb",) if "memory_gb" in row else ())):
+            value = row[key]
+            _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+                     f"{where}.{key}", f"must be a positive number, got {value!r}")  # fmt: skip
 
 
 def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
     """The record, checked; raises `RecordError` naming the file and the field."""
     _require(isinstance(record, dict), str(path), "a published record must be a YAML mapping (see tests/published/)")
     where = str(path)
-    unknown = sorted(set(record) - {*SECTIONS, "profile", "profile_set", "model_defaults", "recompute", "attention"})
-    _require(not unknown, f"{where}: {', '.join(unknown)}",
-             f"unknown field; valid: profile, profile_set, model_defaults, recompute, attention, {', '.join(SECTIONS)}")  # fmt: skip
+    top = ("profile", "profile_set", "model_defaults", "recompute", "attention", "flops", *SECTIONS)
+    unknown = sorted(set(record) - set(top))
+    _require(not unknown, f"{where}: {', '.join(unknown)}", f"unknown field; valid: {', '.join(top)}")
+    formula = record.get("flops", FLOPS[0])
+    _require(formula in FLOPS, f"{where}: flops", f"must be one of {', '.join(FLOPS)}, got {formula!r}")
     _require(isinstance(record.get("profile"), str), f"{where}: profile",
              "missing: the shipped cluster profile the runs are costed on, e.g. slurm/profiles/a100-4x8.yaml")  # fmt: skip
     _require(isinstance(record.get("profile_set", []), list), f"{where}: profile_set", "must be a list of key=value")
@@ -142,12 +179,14 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
             _require(isinstance(rows, list) and rows, f"{where}: {section}", "must be a non-empty list of runs")
             for i, row in enumerate(rows):
                 _check_run(row, f"{where}: {section}[{i}]", model=True, published=True)
+                _check_flops(row, formula, f"{where}: {section}[{i}]")
     if "table_2" in record:
         spec = record["table_2"]
         _require(isinstance(spec, dict) and isinstance(spec.get("rows"), list), f"{where}: table_2",
                  "must have model, gbs and rows")  # fmt: skip
         _known_keys(spec, ("model", "gbs", "rows"), f"{where}: table_2")
         _check_model(spec.get("model"), f"{where}: table_2.model", alone=True)
+        _check_flops(spec["model"], formula, f"{where}: table_2.model")
         _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", "must be a positive integer")
         for i, row in enumerate(spec["rows"]):
             _require(isinstance(row, dict), f"{where}: table_2.rows[{i}]", "must be a mapping")
@@ -162,6 +201,7 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
             _require(isinstance(spec, dict), f"{where}: {name}", "must be a mapping")
             _known_keys(spec, FIGURE_KEYS[name], f"{where}: {name}")
             _check_model(spec.get("model"), f"{where}: {name}.model", alone=True)
+            _check_flops(spec["model"], formula, f"{where}: {name}.model")
             for key in keys:
                 _require(key in spec, f"{where}: {name}.{key}", "missing")
             gpus = spec["gpus"]
@@ -194,6 +234,29 @@ def paper_flops(*, layers: int, hidden: int, gbs: int, seq: int = SEQ, vocab: in
     return 96 * gbs * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+def core_flops(*, layers: int, hidden: int, heads: int, gbs: int, seq: int = SEQ, vocab: int = VOCAB,
+               kv_heads: int | None = None, ffn_hidden: int | None = None, gated: bool = False) -> float:  # fmt: skip
+    """FLOPs of one iteration as Megatron-Core's `num_floating_point_operations` counts them (model FLOPs: forward
+    and backward's two GEMMs, no recomputation, the s×s scores in full): 12·B·s·l·h²·((1 + g/a + s/h) + (f/h)·γ
+    + V/2lh), with g key/value heads of a, f the MLP's width and γ = 3/2 for a gated (SwiGLU) MLP. For the GPT of
+    the SC21 paper it is its formula without the recomputed forward (72 instead of 96, V/12lh instead of V/16lh)."""
+    g = heads if kv_heads is None else kv_heads
+    f = 4 * hidden if ffn_hidden is None else ffn_hidden
+    return 12 * gbs * seq * layers * hidden**2 * (
+        (1 + g / heads + seq / hidden) + (f / hidden) * (1.5 if gated else 1.0) + vocab / (2 * layers * hidden)
+    )
+
+
+def run_flops(model: dict[str, Any], *, formula: str, gbs: int, seq: int, vocab: int) -> float:
+    """FLOPs of one iteration of `model` by the record's formula (`FLOPS`)."""
+    if formula == "megatron-core":
+        return core_flops(layers=model["layers"], hidden=model["hidden"], heads=model["heads"], gbs=gbs, seq=seq,
+                          vocab=vocab, kv_heads=model.get("kv_heads"), ffn_hidden=model.get("ffn_hidden"),
+                          gated=model.get("family", "gpt") == "llama")  # fmt: skip
+    assert plain_gpt(model), model  # validate_record refuses the SC21 formula for any other model
+    return paper_flops(layers=model["layers"], hidden=model["hidden"], gbs=gbs, seq=seq, vocab=vocab)
+
+
 def record_cluster(record: dict[str, Any]) -> ClusterProfile:
     """The record's cluster: a shipped profile (a path relative to the repository, or absolute) with the record's
     overrides."""
@@ -208,7 +271,7 @@ def a100_cluster(gpus: int, profile: ClusterProfile) -> ClusterProfile:
 
 def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False,
                  recompute: str = "full", vocab: int = VOCAB, seq: int = SEQ) -> Job:  # fmt: skip
-    """A cona job for one published run: a GPT of the run's shape, its recompute, batch and schedule."""
+    """A cona job for one published run: a model of the run's shape and family, its recompute, batch and schedule."""
     parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": recompute}
     if v > 1:
         parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
@@ -216,8 +279,9 @@ def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, shard
     name = ("published-" + re.sub(r"[^A-Za-z0-9._-]+", "-", str(model["name"])).strip("-._"))[:63].rstrip("-._")
     return job_from_dict({
         "name": name,
-        "model": {"family": "gpt", "num_layers": model["layers"], "hidden_size": model["hidden"],
-                  "num_heads": model["heads"], "vocab_size": vocab, "seq_len": seq},
+        "model": {"family": model.get("family", "gpt"), "num_layers": model["layers"], "hidden_size": model["hidden"],
+                  "num_heads": model["heads"], "num_kv_heads": model.get("kv_heads", model["heads"]),
+                  "ffn_hidden_size": model.get("ffn_hidden", 4 * model["hidden"]), "vocab_size": vocab, "seq_len": seq},
         "batch": {"min_gbs": 1, "max_gbs": max(gbs, 1), "base_gbs": gbs, "mbs_choices": [mbs]},
         "parallel": parallel,
     }, source=f"published run {model['name']}")  # fmt: skip
@@ -240,6 +304,7 @@ class Case:
     reason: str
     prediction: Prediction | None
     flops: float
+    published_memory_gb: float | None = None
 
     @property
     def predicted_tflops(self) -> float:
@@ -251,6 +316,13 @@ class Case:
     def ratio(self) -> float | None:
         return self.predicted_tflops / self.published_tflops if self.published_tflops else None
 
+    @property
+    def memory_ratio(self) -> float | None:
+        """Predicted over published memory per GPU (None when none was published)."""
+        if self.prediction is None or not self.published_memory_gb:
+            return None
+        return self.prediction.memory_gb / self.published_memory_gb
+
     def to_dict(self) -> dict[str, Any]:
         p = self.prediction
         return {
@@ -260,12 +332,15 @@ class Case:
             "ratio": None if self.ratio is None else round(self.ratio, 4),
             "iter_time_s": None if p is None else round(p.iter_time_s, 4),
             "memory_gb": None if p is None else round(p.memory_gb, 2),
+            "published_memory_gb": self.published_memory_gb,
+            "memory_ratio": None if self.memory_ratio is None else round(self.memory_ratio, 4),
         }  # fmt: skip
 
 
 def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any], cluster: ClusterProfile, gpus: int,
          t: int, p: int, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False, published: float | None = None,
-         published_time_s: float | None = None) -> Case:  # fmt: skip
+         published_time_s: float | None = None, published_tokens_per_s: float | None = None,
+         published_memory_gb: float | None = None) -> Case:  # fmt: skip
     d = gpus // (t * p)
     assert d * t * p == gpus, (label, gpus, t, p)  # validate_record refuses a record where this fails
     defaults = record.get("model_defaults", {})  # a run's own settings (RUN_SETTINGS) over the record's
@@ -282,17 +357,26 @@ def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any
     prediction = c.prediction or predict(
         profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, attention=attention
     )
-    flops = paper_flops(layers=model["layers"], hidden=model["hidden"], gbs=gbs, seq=seq, vocab=vocab)
+    flops = run_flops(model, formula=record.get("flops", FLOPS[0]), gbs=gbs, seq=seq, vocab=vocab)
+    if published_tokens_per_s is not None:  # tokens/s per GPU: the iteration's tokens over all GPUs' rate
+        published_time_s = gbs * seq / (published_tokens_per_s * gpus)
     if published_time_s is not None:  # the same formula over the published time: the ratio is of times
         published = flops / (published_time_s * gpus) / 1e12
-    return Case(group, label, gpus, t, p, d, mbs, gbs, published, c.feasible, c.reason, prediction, flops)
+    return Case(group, label, gpus, t, p, d, mbs, gbs, published, c.feasible, c.reason, prediction, flops,
+                published_memory_gb)
+
+
+def _published(row: dict[str, Any]) -> dict[str, float | None]:
+    """What a run published, as `cost`'s keyword arguments."""
+    return {"published": row.get("tflops"), "published_time_s": row.get("iter_time_s"),
+            "published_tokens_per_s": row.get("tokens_per_s"), "published_memory_gb": row.get("memory_gb")}  # fmt: skip
 
 
 def runs(record: dict[str, Any], cluster: ClusterProfile, section: str = "runs") -> list[Case]:
     return [
         cost(section, str(row["name"]), row, record=record, cluster=cluster, gpus=row["gpus"], t=row["t"], p=row["p"],
              mbs=row["mbs"], gbs=row["gbs"], v=row.get("v", 1), sharded_dp=bool(row.get("sharded_dp", False)),
-             published=row.get("tflops"), published_time_s=row.get("iter_time_s"))
+             **_published(row))
         for row in record.get(section, [])
     ]  # fmt: skip
 
@@ -308,7 +392,7 @@ def table_2(record: dict[str, Any], cluster: ClusterProfile) -> list[Case]:
     return [
         cost("table_2", f"{row['scheme']} {row['gpus']}", spec["model"], record=record, cluster=cluster, gpus=row["gpus"],
              t=row["t"], p=row["p"], mbs=row["mbs"], gbs=spec["gbs"], sharded_dp=row["scheme"] == "zero-3",
-             published=row.get("tflops"), published_time_s=row.get("iter_time_s"))
+             **_published(row))
         for row in spec["rows"]
     ]  # fmt: skip
 
@@ -370,12 +454,15 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def print_cases(cases: list[Case]) -> None:
+    memory = any(c.published_memory_gb for c in cases)  # the published memory's column only when a run gives one
     header = f"{'group':<10} {'run':<16} {'GPUs':>5} {'t':>3} {'p':>3} {'d':>4} {'mbs':>3} {'gbs':>5} " \
-             f"{'mem GB':>7} {'TFLOP/s':>8} {'published':>9} {'ratio':>6}"  # fmt: skip
+             f"{'mem GB':>7}{' pub GB' if memory else ''} {'TFLOP/s':>8} {'published':>9} {'ratio':>6}"  # fmt: skip
     print(header)
     print("-" * len(header))
     for c in cases:
         mem = f"{c.prediction.memory_gb:7.1f}" if c.prediction else "      -"
+        if memory:
+            mem += f"{c.published_memory_gb:7.1f}" if c.published_memory_gb else "      -"
         pub = f"{c.published_tflops:9.0f}" if c.published_tflops else "        -"
         ratio = f"{c.ratio:6.2f}" if c.ratio else "     -"
         flag = "" if c.feasible else f"  REJECTED: {c.reason}"
@@ -414,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
             if len(rows) > 2:  # do the runs come out in the published order (a planner needs the order)?
                 rho = spearman([c.predicted_tflops for c in rows], [c.published_tflops or 0.0 for c in rows])
                 print(f"{group}: rank correlation of predicted and published TFLOP/s {rho:.2f} over {len(rows)} runs")
+    with_memory = [c for c in cases if c.memory_ratio]
+    if with_memory:
+        print(f"memory: predicted/published from {min(c.memory_ratio for c in with_memory):.2f} to "
+              f"{max(c.memory_ratio for c in with_memory):.2f} over {len(with_memory)} runs (a published "
+              "number may be the allocator's reserved memory or nvidia-smi's, which include its cache)")  # fmt: skip
     t2 = [c for c in cases if c.group == "table_2"]
     if len(t2) > 1:
         print(f"table_2: rank correlation {spearman([c.predicted_tflops for c in t2], [c.published_tflops for c in t2]):.2f}")

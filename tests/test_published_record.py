@@ -10,6 +10,7 @@ import yaml
 from benchmarks.common import REPO
 from benchmarks.published import (
     all_cases,
+    core_flops,
     load_record,
     main,
     megatron_job,
@@ -98,6 +99,23 @@ def test_main_writes_the_json_of_another_record(tmp_path, capsys):
         ({"runs": [{**RECORD["runs"][0], "recompute": "some"}]}, "runs[0].recompute: must be none, selective or full"),
         ({"runs": [{**RECORD["runs"][0], "vocab_size": 0}]}, "runs[0].vocab_size: must be a positive integer"),
         ({"recompute": "all"}, "record.yaml: recompute: must be none, selective or full"),
+        # Models other than the SC21 paper's GPT, and what a run published.
+        ({"runs": [{**RECORD["runs"][0], "family": "llama"}]},
+         "runs[0]: model '2.7B' is not a GPT with ffn_hidden = 4·hidden and no GQA, which the paper's FLOP formula "
+         "counts; set the record's flops: megatron-core"),
+        ({"flops": "6nd"}, "record.yaml: flops: must be one of megatron-sc21, megatron-core, got '6nd'"),
+        ({"flops": "megatron-core", "runs": [{**RECORD["runs"][0], "family": "mamba"}]},
+         "runs[0].family: must be one of gpt, llama, bert, got 'mamba'"),
+        ({"flops": "megatron-core", "runs": [{**RECORD["runs"][0], "kv_heads": 5}]},
+         "runs[0].kv_heads: 5 key/value heads do not divide heads = 32"),
+        ({"flops": "megatron-core", "runs": [{**RECORD["runs"][0], "ffn_hidden": 0}]},
+         "runs[0].ffn_hidden: must be a positive integer, got 0"),
+        ({"runs": [{**RECORD["runs"][0], "tokens_per_s": 3000}]},
+         "runs[0]: give exactly one of tflops (per GPU), iter_time_s and tokens_per_s (per GPU)"),
+        ({"runs": [{**RECORD["runs"][0], "memory_gb": "40 GB"}]}, "runs[0].memory_gb: must be a positive number"),
+        ({"table_2": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1}, "gbs": 8,
+                      "rows": [{"scheme": "ptd-p", "t": 1, "p": 1, "gpus": 8, "mbs": 1, "tflops": 9}]}},
+         "table_2.model: model 'x' is not a GPT"),
     ],
 )  # fmt: skip
 def test_a_record_that_cannot_be_costed_is_refused_in_one_line(tmp_path, capsys, change, expected):
@@ -181,3 +199,55 @@ def test_the_command_line_overrides_the_records_cluster(tmp_path, capsys):
         main(["--record", str(path), "--out", str(out), "--profile-set", "network.inter_node_bandwith=1 Gbit/s"])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1 and f"{path}: profile:" in err, err
+
+
+LLAMA = {
+    "profile": "slurm/profiles/h100-8x8.yaml",
+    "flops": "megatron-core",
+    "model_defaults": {"vocab_size": 128256, "seq_len": 8192},
+    "attention": "sdpa",
+    "recompute": "full",
+    "runs": [
+        {"name": "8B tok", "family": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+         "ffn_hidden": 14336, "gpus": 64, "t": 1, "p": 1, "mbs": 1, "gbs": 64, "sharded_dp": True,
+         "tokens_per_s": 5000, "memory_gb": 60},
+        {"name": "8B time", "family": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+         "ffn_hidden": 14336, "gpus": 64, "t": 1, "p": 1, "mbs": 1, "gbs": 64, "sharded_dp": True,
+         "iter_time_s": 64 * 8192 / (5000 * 64)},
+        {"name": "8B as a GPT", "layers": 32, "hidden": 4096, "heads": 32, "gpus": 64, "t": 1, "p": 1, "mbs": 1,
+         "gbs": 64, "sharded_dp": True, "tflops": 400},
+    ],
+}  # fmt: skip
+
+
+def test_a_llama_record_with_gqa_swiglu_token_rates_and_memory(tmp_path, capsys):
+    """Another family in a record: grouped-query attention, a SwiGLU MLP of its own width, Megatron-Core's FLOP
+    count, a run given by tokens/s per GPU and its published memory."""
+    import json
+
+    tok, timed, gpt = all_cases(load_record(write(tmp_path, LLAMA)))
+    # The job is the run's model: a Llama with 8 key/value heads and a 14,336-wide gated MLP.
+    job = megatron_job(LLAMA["runs"][0], mbs=1, gbs=64, recompute="full", vocab=128256, seq=8192)
+    assert (job.model.family, job.model.num_kv_heads, job.model.ffn_hidden_size) == ("llama", 8, 14336)
+    # Costed as such: 3·h·f MLP weights and a quarter of the key/value projections, 218M weights per layer
+    # against the 4h-wide GPT's 201M (+8%; the s×s scores are the same), and SwiGLU's and RoPE's memory-bound passes.
+    assert 1.05 < tok.prediction.compute_s / gpt.prediction.compute_s < 1.2
+    assert tok.feasible and gpt.feasible, (tok.reason, gpt.reason)
+    # Megatron-Core's count by hand: 12·B·s·l·h²·((1 + g/a + s/h) + (f/h)·3/2 + V/2lh).
+    b, s_, l_, h = 64, 8192, 32, 4096
+    by_hand = 12 * b * s_ * l_ * h * h * ((1 + 8 / 32 + s_ / h) + (14336 / h) * 1.5 + 128256 / (2 * l_ * h))
+    assert tok.flops == pytest.approx(by_hand, rel=1e-12)
+    # For the SC21 paper's GPT it is the paper's formula without the recomputed forward.
+    gpt_core = core_flops(layers=l_, hidden=h, heads=32, gbs=b, seq=s_, vocab=128256)
+    assert gpt_core == pytest.approx(72 * b * s_ * l_ * h * h * (1 + s_ / (6 * h) + 128256 / (12 * l_ * h)))
+    # 5,000 tokens/s per GPU is the same run as its time: 64 · 8,192 tokens over 64 GPUs.
+    assert tok.published_tflops == pytest.approx(timed.published_tflops)
+    assert tok.published_tflops == pytest.approx(by_hand / (64 * 8192 / (5000 * 64)) / 64 / 1e12)
+    assert tok.ratio == pytest.approx(timed.ratio) and tok.memory_ratio == pytest.approx(tok.prediction.memory_gb / 60)
+    assert timed.memory_ratio is None
+    out = tmp_path / "llama.json"
+    assert main(["--record", str(write(tmp_path, LLAMA)), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pub GB" in text and "memory: predicted/published from" in text and "over 1 runs" in text, text
+    saved = json.loads(out.read_text())["cases"][0]
+    assert saved["published_memory_gb"] == 60 and saved["memory_ratio"] == pytest.approx(tok.memory_ratio, abs=1e-4)
