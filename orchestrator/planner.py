@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from cona.orchestrator.costmodel import MODEL_ERROR, Attention, Prediction, predict
@@ -198,10 +199,15 @@ def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
     # of two that a micro-batch size divides (18 devices: 9 · mbs, never 9 itself with micro-batches of 2 or more).
     fitting = [g for g in range(job.batch.min_gbs, job.batch.max_gbs + 1) if g % odd == 0
                and (g // odd) & (g // odd - 1) == 0 and any((g // odd) % mbs == 0 for mbs in job.batch.mbs_choices)]  # fmt: skip
-    example = f" e.g. batch.gbs_choices={fitting[:4]}" if fitting else f" a batch range that holds a multiple of {odd}"
-    if fitting and job.batch.base_gbs % odd:
+    base = job.batch.base_gbs
+    if fitting and base % odd:
         # The base batch has to be one of them too, or the static policy and the prior still find nothing to run.
-        base = next((g for g in fitting if g >= job.batch.base_gbs), fitting[-1])
+        base = next((g for g in fitting if g >= base), fitting[-1])
+    # The four nearest the base batch (by ratio), the base among them: the first four of a wide range (96 … 768 for
+    # a base of 1536) would name a base batch the choices do not hold.
+    shown = sorted(sorted(fitting, key=lambda g: (abs(math.log(g / base)), g))[:4])
+    example = f" e.g. batch.gbs_choices={shown}" if fitting else f" a batch range that holds a multiple of {odd}"
+    if fitting and job.batch.base_gbs % odd:
         example += f" with batch.base_gbs={base}"
     return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
             f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip

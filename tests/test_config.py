@@ -245,6 +245,10 @@ def test_strategy_parse_and_errors():
          "give e.g. batch.gbs_choices=[12, 24, 48, 96]"),
         (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
           "examples/tiny-gpt.yaml"], "24 devices have the factor 3"),
+        # A wide batch range: the batches named are those nearest the base batch, the base among them (the first
+        # four, 96 … 768, named a base of 1536 that they do not hold).
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
+          "examples/llama-3.2-1b.yaml"], "give e.g. batch.gbs_choices=[192, 384, 768, 1536] with batch.base_gbs=1536"),
         # 3 nodes of 6: the batches named can be split (9 cannot, with micro-batches of 2 or more), and the base
         # batch is named too: with gbs_choices alone the static policy still had nothing to run, and said only
         # the first three reasons sorted (pipeline stages).
