@@ -351,7 +351,7 @@ def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any
     job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp, recompute=recompute, vocab=vocab,
                        seq=seq)  # fmt: skip
     profile = a100_cluster(gpus, cluster)
-    problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p)
+    problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p, uneven=True)  # what the trainer can run
     c = evaluate(profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, layout_problem=problem,
                  attention=attention)  # fmt: skip
     prediction = c.prediction or predict(

@@ -31,7 +31,7 @@ from typing import Literal
 from cona.orchestrator.job import Job
 from cona.orchestrator.memorymodel import estimate_memory
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.feasibility import virtual_stages
+from cona.protocol.feasibility import stage_layers, virtual_stages
 from cona.protocol.job import ModelSpec
 
 Attention = Literal["sdpa", "materialized"]
@@ -175,7 +175,11 @@ def predict(
     act_bytes = acc.activation_bytes
     num_micro = max(1, gbs // (dp * mbs))
     chunks = virtual_stages(job, pp)
-    layers_per_stage = num_layers / pp
+    layers_per_stage = num_layers / pp  # an average rank's blocks
+    # Rank r holds chunks r, r + pp, …; when the chunks do not divide the layers the first ones hold one more
+    # (`stage_layers`, as the trainer splits them): the first rank holds the most blocks, the last one the head.
+    split = stage_layers(num_layers, pp * chunks)
+    layers_first, layers_last = sum(split[0::pp]), sum(split[pp - 1 :: pp])
     tokens = mbs * s
     recompute = par.recompute
 
@@ -206,10 +210,11 @@ def predict(
     # The output head (and the loss) on the last stage: 3 passes of its matmul, never recomputed.
     head_time = 3 * tokens * 2 * head_params(model) / tp / flop_rate
     overhead = acc.microbatch_overhead_ms * 1e-3
-    compute_stage = layers_per_stage * layer_time + overhead
-    comm_stage = layers_per_stage * tp_layer
-    last_compute = compute_stage + head_time  # the slowest stage sets the pipeline's pace
-    average_stage = compute_stage + comm_stage + head_time / pp
+    compute_stage = layers_first * layer_time + overhead
+    comm_stage = layers_first * tp_layer
+    # The slowest stage sets the pipeline's pace: the last (the head's) unless the first holds more blocks.
+    last_compute = max(compute_stage, layers_last * layer_time + overhead + head_time)
+    average_stage = (layers_per_stage * layer_time + overhead) + layers_per_stage * tp_layer + head_time / pp
 
     # Pipeline: m slots of the slowest stage, plus (p − 1)/v fill/drain slots of an average one.
     compute_s = num_micro * last_compute

@@ -84,19 +84,22 @@ def _divisors(n: int) -> list[int]:
     return low + high[::-1]
 
 
-def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: int) -> str:
+def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: int, uneven: bool = False) -> str:
     """Why the planner does not consider the degrees (dp, tp, pp) for this model on this cluster, or '' if it does.
 
     What can run at all is decided by `cona.protocol.feasibility`; the planner adds its own choices: the job's
-    `parallel.max_tp`/`max_pp` and whole layers per (virtual) pipeline stage, which the cost model assumes."""
+    `parallel.max_tp`/`max_pp`, equal chunks under the interleaved schedule (which its cost assumes), and equal
+    pipeline stages unless `uneven` — which `enumerate_candidates` allows where the devices leave no feasible even
+    split (3 nodes of 8 for a 16-layer model: 6, 5 and 5 blocks, priced by the slowest stage)."""
     problem = layout_problem(job, tp=tp, pp=pp, gpus_per_node=profile.gpus_per_node)
     if problem:
         return problem
     model, par = job.model, job.parallel
     if par.max_tp is not None and tp > par.max_tp:
         return f"tp={tp} exceeds parallel.max_tp={par.max_tp}"
-    if model.num_layers % pp:
-        return f"pp={pp} does not divide model.num_layers={model.num_layers} (the planner keeps stages equal)"
+    if model.num_layers % pp and not uneven:
+        return (f"pp={pp} does not divide model.num_layers={model.num_layers} (stages of unequal size are planned "
+                "only where no even split of the devices is feasible)")  # fmt: skip
     if par.max_pp is not None and pp > par.max_pp:
         return f"pp={pp} exceeds parallel.max_pp={par.max_pp}"
     chunks = pp * virtual_stages(job, pp)
@@ -162,14 +165,40 @@ def enumerate_candidates(
     are the same ones (`layout_reason`, `batch_reason`, then `evaluate`'s memory check), but a layout or a batch
     split they reject is passed over before a `Candidate` is built for it: a 2,048-node elastic range has ~7 million
     candidates of which a few thousand are feasible, and building all of them kept a run from starting for 22 s
-    (1.1 s this way). `cona plan --all` lists the rejected ones with their reasons, so it enumerates them all."""
+    (1.1 s this way). `cona plan --all` lists the rejected ones with their reasons, so it enumerates them all.
+
+    Pipeline stages are equal where some even split of the layers is feasible on these devices; where none is,
+    the candidates are those with the layers split as evenly as they can be (`layout_reason`'s `uneven`)."""
     devices = num_devices or profile.num_gpus
     gbs_list = gbs_values if gbs_values is not None else job.batch.candidate_gbs()
+    even = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
+                      uneven=False)  # fmt: skip
+    layers = job.model.num_layers
+    if any(c.feasible for c in even) or not any(layers % pp for pp in _divisors(devices) if pp <= layers):
+        return even
+    # No even split of the layers is feasible on these devices (the odd factor of 3 nodes of 8 GPUs, which a
+    # 16-layer model's stages and heads cannot take): split them as evenly as they can be, as the trainer does.
+    uneven = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
+                        uneven=True)  # fmt: skip
+    if not any(c.feasible for c in uneven):
+        return even
+    # The layouts of the two passes are disjoint; a stable sort by (tp, pp) restores the enumeration's order.
+    merged = [c for c in even if layers % c.strategy.pp == 0] + uneven
+    return sorted(merged, key=lambda c: (c.strategy.tp, c.strategy.pp))
+
+
+def _enumerate(*, profile: ClusterProfile, job: Job, devices: int, gbs_list: list[int], feasible_only: bool,
+               uneven: bool) -> list[Candidate]:  # fmt: skip
+    """`enumerate_candidates`' pass over the even layouts (`uneven` False: every layout, the uneven ones rejected)
+    or over only the uneven ones (`uneven` True)."""
     out = []
+    layers = job.model.num_layers
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
+            if uneven and layers % pp == 0:
+                continue  # the even pass's
             dp = devices // (tp * pp)
-            problem = layout_reason(job=job, profile=profile, dp=dp, tp=tp, pp=pp)
+            problem = layout_reason(job=job, profile=profile, dp=dp, tp=tp, pp=pp, uneven=uneven)
             if problem and feasible_only:
                 continue
             for mbs in job.batch.mbs_choices:

@@ -1,7 +1,7 @@
 """Whether a strategy can run a job's model, and why not: the one place that decides it. Torch-free.
 
 The planner asks it for every candidate (and adds what is a choice rather than a constraint: the job's batch bounds,
-`parallel.max_tp`/`max_pp`, whole layers per stage for the cost model, the memory model); the trainer asks it before
+`parallel.max_tp`/`max_pp`, equal chunks under the interleaved schedule for the cost model, the memory model); the trainer asks it before
 building a strategy it was given; the backends use `placement` to spread a world over nodes. Each answer is one
 line that names the value at fault and says what to change.
 
@@ -10,7 +10,7 @@ What can run:
   each tp group (consecutive ranks: the mesh is pp-major, tp-minor) lies inside one node or on whole nodes, so tp
   divides the devices per node or is a multiple of them (across nodes it runs, slower: the cost model charges it);
 - each pipeline stage (each of the `parallel.virtual_stages` chunks per rank of the interleaved schedule) holds at
-  least one layer;
+  least one layer; stages that do not divide the layers are split as evenly as they can be (`stage_layers`);
 - the global batch splits into whole micro-batches on every replica: gbs is a multiple of dp·mbs;
 - the interleaved schedule (torch's `ScheduleInterleaved1F1B`) runs its m = gbs/(dp·mbs) micro-batches in
   max(1, m // pp) rounds and needs m to be a multiple of them. Fewer micro-batches than stages run under every
@@ -23,6 +23,15 @@ from __future__ import annotations
 
 from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Blocks per pipeline stage (chunk), in stage order: contiguous and as equal as they can be, the first stages
+    one more when the stages do not divide the layers (how the trainer splits the model, `trainer.model`; the
+    cost and memory models count the same split)."""
+    assert num_stages > 0, num_stages
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
 
 
 def virtual_stages(job: JobSpec, pp: int) -> int:

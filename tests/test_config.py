@@ -239,16 +239,17 @@ def test_strategy_parse_and_errors():
          "min_gbs=1000 is larger than max_gbs=128, with --set batch.min_gbs=1000"),
         (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--gbs", "0"],
          "--gbs 0: give a positive global batch size"),
-        # 3 nodes of 8: the odd factor no power-of-two batch has is named, with batches that have it.
-        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job", "examples/tiny-gpt.yaml"],
-         "24 devices have the factor 3, and none of the global batches [8, 16, 32, 64, 128] is a multiple of it: "
-         "give e.g. batch.gbs_choices=[12, 24, 48, 96]"),
-        (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
-          "examples/tiny-gpt.yaml"], "24 devices have the factor 3"),
+        # 5 nodes of 8: the odd factor no power-of-two batch has, nor 4 layers' stages, is named, with batches that
+        # have it (3 nodes of 8 pipeline the 4 layers over 3 uneven stages).
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=5", "--job", "examples/tiny-gpt.yaml"],
+         "40 devices have the factor 5, and none of the global batches [8, 16, 32, 64, 128] is a multiple of it: "
+         "give e.g. batch.gbs_choices=[10, 20, 40, 80]"),
+        (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=5", "--job",
+          "examples/tiny-gpt.yaml"], "40 devices have the factor 5"),
         # A wide batch range: the batches named are those nearest the base batch, the base among them (the first
-        # four, 96 … 768, named a base of 1536 that they do not hold).
-        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=3", "--job",
-          "examples/llama-3.2-1b.yaml"], "give e.g. batch.gbs_choices=[192, 384, 768, 1536] with batch.base_gbs=1536"),
+        # four, 68 … 544, named a base of 1088 that they do not hold).
+        (["plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--profile-set", "nodes=17", "--job",
+          "examples/llama-3.2-1b.yaml"], "give e.g. batch.gbs_choices=[136, 272, 544, 1088] with batch.base_gbs=1088"),
         # 3 nodes of 6: the batches named can be split (9 cannot, with micro-batches of 2 or more), and the base
         # batch is named too: with gbs_choices alone the static policy still had nothing to run, and said only
         # the first three reasons sorted (pipeline stages).

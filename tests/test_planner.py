@@ -279,3 +279,33 @@ def test_divisors_are_every_divisor_ascending():
 
     for n in [*range(1, 400), 1024, 4096, 12288, 16384]:
         assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+
+
+def test_devices_no_even_pipeline_fits_plan_uneven_stages_priced_by_the_slowest(a100):
+    """3 nodes of 8 A100s and a 16-layer Llama: tp cannot take the factor 3 (32 heads, 8 kv heads), dp cannot
+    (power-of-two batches), and 3 stages do not divide 16 layers. The planner then splits the layers as the
+    trainer does (6, 5, 5) rather than finding nothing; where an even split fits (4 nodes) it plans only those."""
+    from cona.protocol.feasibility import stage_layers
+
+    llama = load_job(EXAMPLES / "llama-3.2-1b.yaml")
+    three = a100.model_copy(update={"nodes": 3})
+    found = [c for c in enumerate_candidates(profile=three, job=llama) if c.feasible]
+    assert found and {c.pp for c in found} <= {3, 6, 12} and all(16 % c.pp for c in found)
+    assert found == enumerate_candidates(profile=three, job=llama, feasible_only=True)
+    assert stage_layers(16, 3) == [6, 5, 5] and stage_layers(70, 12) == [6] * 10 + [5] * 2
+    assert all(16 % c.pp == 0 for c in enumerate_candidates(profile=a100, job=llama, feasible_only=True))
+    # `cona plan --all` on 3 nodes: the even layouts' rejections, then the uneven ones, in layout order.
+    everything = enumerate_candidates(profile=three, job=llama)
+    assert [(c.tp, c.pp) for c in everything] == sorted((c.tp, c.pp) for c in everything)
+    assert not any("does not divide model.num_layers" in c.reason for c in everything)
+
+    # Priced by the slowest stage. 13 layers over 3 stages are 5, 4 and 4 blocks. With a small vocabulary the
+    # first stage's extra block sets the pace: more than 12 layers (4, 4, 4), about 15 (5, 5, 5). With Llama's
+    # 128k vocabulary the last stage, whose head outweighs a block, sets it and holds 4 blocks either way.
+    def compute_s(layers: int, vocab: int) -> float:
+        model = llama.model.model_copy(update={"num_layers": layers, "vocab_size": vocab})
+        return predict(profile=three, job=llama.model_copy(update={"model": model}), dp=8, tp=1, pp=3, mbs=1,
+                       gbs=64).compute_s  # fmt: skip
+
+    assert compute_s(12, 256) < compute_s(13, 256) < compute_s(15, 256) < 1.01 * compute_s(13, 256)
+    assert compute_s(13, 128256) == compute_s(12, 128256) < compute_s(15, 128256)

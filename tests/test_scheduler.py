@@ -427,12 +427,13 @@ def test_the_pending_clock_survives_an_orchestrator_restart(tmp_path):
 
 
 def test_nothing_feasible_is_said_as_render_says_it(tmp_path):
-    """3 nodes of 8 A100s: tiny-gpt's power-of-two batches split over no layout of 24 devices. A scheduler that
+    """5 nodes of 8 A100s: tiny-gpt's power-of-two batches split over no layout of 40 devices (the factor 5 is more
+    pipeline stages than its 4 layers, and no tp divides its heads by it). A scheduler that
     finds nothing feasible (a resumed run, the Kubernetes orchestrator) says so in the words `cona run`/`render`/
     `submit` use before the run exists (`cli.first_strategy`), with the odd factor that is the cause."""
     from cona.orchestrator.cli import UserError, first_strategy
 
-    profile = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=3"])
+    profile = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=5"])
     job = load_job(EXAMPLES / "tiny-gpt.yaml")
     run_dir = RunDir(tmp_path / "run")
     with pytest.raises(RunFailed) as scheduler:
@@ -441,9 +442,9 @@ def test_nothing_feasible_is_said_as_render_says_it(tmp_path):
     with pytest.raises(UserError) as render:
         first_strategy(profile, job)
     assert str(scheduler.value) == str(render.value) == (
-        "no feasible strategy for tiny-gpt on a100-4x8; 24 devices have the factor 3, and none of the global "
-        "batches [8, 16, 32, 64, 128] is a multiple of it: give e.g. batch.gbs_choices=[12, 24, 48, 96] with "
-        "batch.base_gbs=24, or use a power-of-two number of devices; run `cona plan --all` to see why"
+        "no feasible strategy for tiny-gpt on a100-4x8; 40 devices have the factor 5, and none of the global "
+        "batches [8, 16, 32, 64, 128] is a multiple of it: give e.g. batch.gbs_choices=[10, 20, 40, 80] with "
+        "batch.base_gbs=20, or use a power-of-two number of devices; run `cona plan --all` to see why"
     )
 
 
@@ -453,7 +454,7 @@ def test_drive_says_nothing_feasible_in_one_line(tmp_path):
     from cona.orchestrator.runstate import create_run
     from cona.orchestrator.scheduler import drive
 
-    profile = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=3"])
+    profile = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=5"])
     job = load_job(EXAMPLES / "tiny-gpt.yaml")
     run_dir = RunDir(tmp_path / "run")
     create_run(run_dir=run_dir, profile=profile, job=job)

@@ -35,15 +35,19 @@ def test_tiny_preset_trains_and_validation_loss_falls(tmp_path, preset):
         pytest.param("tiny-llama", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "gpipe", {}, id="llama-gqa-tp2-pp2-gpipe"),
         pytest.param("tiny-gpt", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "1f1b", {"tie_embeddings": True},
                      id="gpt-tied-tp2-pp2-1f1b"),
+        # 4 layers over 3 stages (2, 1, 1): the uneven split the planner takes where no even one fits the devices.
+        pytest.param("tiny-llama", "dp=1,tp=1,pp=3,mbs=2,gbs=16", "1f1b", {}, id="llama-uneven-pp3-1f1b"),
     ],
 )  # fmt: skip
 def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule, model):
-    """A tied head (BERT's decoder, a tied GPT head) across the first and last stage, also under tp, and llama's kv
-    heads split by tp: same losses."""
+    """A tied head (BERT's decoder, a tied GPT head) across the first and last stage, also under tp, llama's kv
+    heads split by tp, and stages of unequal size: same losses."""
     job = write_job(tmp_path, preset=preset, parallel={"pipeline_schedule": schedule}, model=model)
     single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
     assert single.exit_code == ExitCode.STOPPED, describe(single)
-    parallel = launch(tmp_path / "parallel", nproc=4, strategy=strategy, job=job, max_steps=3)
+    degrees = dict(part.split("=") for part in strategy.split(","))
+    nproc = int(degrees["dp"]) * int(degrees["tp"]) * int(degrees["pp"])
+    parallel = launch(tmp_path / "parallel", nproc=nproc, strategy=strategy, job=job, max_steps=3)
     assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
     # Stopping at --max-steps is the end the user asked for: torchrun exits 0 and prints no failure dump.
     assert parallel.returncode == 0 and "ChildFailedError" not in parallel.stderr, describe(parallel)

@@ -282,12 +282,12 @@ def build_model(spec: ModelSpec, *, device: torch.device | str = "meta") -> Tran
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous blocks per pipeline stage; when they do not divide evenly the first stages get one more."""
+    from cona.protocol.feasibility import stage_layers
+
     if num_stages > num_layers:
         raise ValueError(f"{num_stages} pipeline stages need at least as many layers, the model has {num_layers}")
-    base, extra = divmod(num_layers, num_stages)
     ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (1 if stage < extra else 0)
+    for size in stage_layers(num_layers, num_stages):
         ranges.append(range(start, start + size))
         start += size
     return ranges
