@@ -271,12 +271,18 @@ def test_a_report_is_drawn_off_the_loop_and_a_failed_one_is_one_line(k8s, tmp_pa
 
     monkeypatch.setattr(incluster, "store_report", slow_report)
     fetched: list = []
-    laptop = threading.Thread(target=lambda: fetched.append(_report_or_error(k8s, tmp_path / "out", wait_s=30)))
-    laptop.start()
-    deadline = time.monotonic() + 20
-    while not drawing.is_set() and time.monotonic() < deadline:
-        mirror.tick(force=True)
-        time.sleep(0.05)
+
+    def ask() -> threading.Thread:
+        """`cona report` on the laptop (a thread); the orchestrator's loop ticks until the drawing has begun."""
+        laptop = threading.Thread(target=lambda: fetched.append(_report_or_error(k8s, tmp_path / "out", wait_s=30)))
+        laptop.start()
+        deadline = time.monotonic() + 20
+        while not drawing.is_set() and time.monotonic() < deadline:
+            mirror.tick(force=True)
+            time.sleep(0.05)
+        return laptop
+
+    laptop = ask()
     assert drawing.is_set() and mirror.reporting
     remote_stop("tiny-1", namespace=NS, api_client=k8s.api_client())
     started = time.monotonic()
@@ -292,12 +298,7 @@ def test_a_report_is_drawn_off_the_loop_and_a_failed_one_is_one_line(k8s, tmp_pa
 
     # A second request whose drawing fails: the laptop gets the reason in one line, the loop goes on.
     drawing.clear()
-    laptop = threading.Thread(target=lambda: fetched.append(_report_or_error(k8s, tmp_path / "out", wait_s=30)))
-    laptop.start()
-    deadline = time.monotonic() + 20
-    while not drawing.is_set() and time.monotonic() < deadline:
-        mirror.tick(force=True)
-        time.sleep(0.05)
+    laptop = ask()
     mirror.wait_report()
     laptop.join(30)
     assert fetched[-1] == ("kubernetes: run 'tiny-1': the orchestrator could not write the report: matplotlib: no "
