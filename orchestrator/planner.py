@@ -180,9 +180,8 @@ def enumerate_candidates(
     # 16-layer model's stages and heads cannot take): split them as evenly as they can be, as the trainer does.
     uneven = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
                         uneven=True)  # fmt: skip
-    if not any(c.feasible for c in uneven):
-        return even
-    # The layouts of the two passes are disjoint; a stable sort by (tp, pp) restores the enumeration's order.
+    # The layouts of the two passes are disjoint; a stable sort by (tp, pp) restores the enumeration's order. (Where
+    # neither pass finds anything, `cona plan --all` shows why each uneven layout failed, not only that it is one.)
     merged = [c for c in even if layers % c.strategy.pp == 0] + uneven
     return sorted(merged, key=lambda c: (c.strategy.tp, c.strategy.pp))
 

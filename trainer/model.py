@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from cona.protocol.feasibility import stage_layers
 from cona.protocol.job import ModelSpec, RopeScaling
 from cona.trainer.data import IGNORE_INDEX
 from cona.trainer.recompute import Recompute, checkpointed
@@ -282,8 +283,6 @@ def build_model(spec: ModelSpec, *, device: torch.device | str = "meta") -> Tran
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous blocks per pipeline stage; when they do not divide evenly the first stages get one more."""
-    from cona.protocol.feasibility import stage_layers
-
     if num_stages > num_layers:
         raise ValueError(f"{num_stages} pipeline stages need at least as many layers, the model has {num_layers}")
     ranges, start = [], 0
