@@ -173,8 +173,7 @@ def enumerate_candidates(
     gbs_list = gbs_values if gbs_values is not None else job.batch.candidate_gbs()
     even = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
                       uneven=False)  # fmt: skip
-    layers = job.model.num_layers
-    if any(c.feasible for c in even) or not any(layers % pp for pp in _divisors(devices) if pp <= layers):
+    if any(c.feasible for c in even):
         return even
     # No even split of the layers is feasible on these devices (the odd factor of 3 nodes of 8 GPUs, which a
     # 16-layer model's stages and heads cannot take): split them as evenly as they can be, as the trainer does.
@@ -182,7 +181,7 @@ def enumerate_candidates(
                         uneven=True)  # fmt: skip
     # The layouts of the two passes are disjoint; a stable sort by (tp, pp) restores the enumeration's order. (Where
     # neither pass finds anything, `cona plan --all` shows why each uneven layout failed, not only that it is one.)
-    merged = [c for c in even if layers % c.strategy.pp == 0] + uneven
+    merged = [c for c in even if job.model.num_layers % c.strategy.pp == 0] + uneven
     return sorted(merged, key=lambda c: (c.strategy.tp, c.strategy.pp))
 
 
