@@ -378,6 +378,25 @@ def kill_pod(pod: PodProcess, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
 
 
+@contextlib.contextmanager
+def frozen(pods: list[PodProcess]) -> Iterator[None]:
+    """Stop every process of `pods` (SIGSTOP: torchrun and its workers) for the block, then let them go on.
+
+    The pods stay running to the controller and the API, at the step they had reached: an attempt that must outlive
+    some event (an orchestrator's restart, a stop on its way) does so however fast or loaded the machine is, instead
+    of training a long budget in the hope of outlasting it."""
+    pids = [pid for pod in pods for pid in pod_pids(pod.name)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 @dataclass
 class PodProcess:
     name: str
