@@ -37,6 +37,10 @@ def test_tiny_preset_trains_and_validation_loss_falls(tmp_path, preset):
                      id="gpt-tied-tp2-pp2-1f1b"),
         # 4 layers over 3 stages (2, 1, 1): the uneven split the planner takes where no even one fits the devices.
         pytest.param("tiny-llama", "dp=1,tp=1,pp=3,mbs=2,gbs=16", "1f1b", {}, id="llama-uneven-pp3-1f1b"),
+        # 6 layers over 2 ranks × 2 chunks (2, 2, 1, 1): the planner keeps interleaved chunks equal (its cost
+        # assumes them), but the trainer run by hand (`--strategy`) splits unequal ones by the same rule.
+        pytest.param("tiny-gpt", "dp=1,tp=1,pp=2,mbs=2,gbs=16", "interleaved", {"num_layers": 6},
+                     id="gpt-uneven-chunks-pp2-interleaved"),
     ],
 )  # fmt: skip
 def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule, model):
