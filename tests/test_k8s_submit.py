@@ -73,16 +73,13 @@ class Cluster:
     def orchestrator(self, name: str):
         return self.controller.wait_job(f"{name}-orch").pods[0]
 
-    def attempt_pods(self, name: str, attempt: int) -> list:
-        """The pods of an attempt's Job (its name is in the attempt's launch record)."""
+    def attempt_job(self, name: str, attempt: int):
+        """The Job of an attempt (its name is in the attempt's launch record)."""
         job = json.loads((self.run_dir(name).attempt_dir(attempt) / "launch.json").read_text())["job_name"]
-        return self.controller.wait_job(job).pods
+        return self.controller.wait_job(job)
 
     def events(self, name: str) -> list[str]:
-        try:
-            return [e["event"] for e in read_events(self.run_dir(name))]
-        except FileNotFoundError:
-            return []
+        return [e["event"] for e in read_events(self.run_dir(name))]
 
     def wait(self, predicate, timeout: float, what: str, name: str):
         deadline = time.monotonic() + timeout
@@ -134,7 +131,7 @@ def test_submit_switches_survives_a_killed_orchestrator_and_reports(cluster):
     cluster.wait(lambda: max((h.get("step", 0) for h in heartbeats(run, 2)), default=0) >= 2, 240,
                  "attempt 2 (after the switch) at step 2", "r1")  # fmt: skip
     # Held first, looked at after: a laptop call takes seconds on a loaded machine, and attempt 2 would train on.
-    with frozen(cluster.attempt_pods("r1", 2)):
+    with frozen(cluster.attempt_job("r1", 2).pods):
         assert cluster.status("r1")["status"] == "running"
         kill_pod(cluster.orchestrator("r1"), signal.SIGKILL)
         cluster.wait(lambda: "adopt" in cluster.events("r1"), 240, "the restarted orchestrator's adoption", "r1")
@@ -153,8 +150,7 @@ def test_submit_switches_survives_a_killed_orchestrator_and_reports(cluster):
     # The workloads are owned by the orchestrator Job (deleting it deletes them).
     orchestrator = cluster.controller.wait_job("r1-orch")
     for attempt in (1, 2):
-        name = json.loads((run.attempt_dir(attempt) / "launch.json").read_text())["job_name"]
-        assert cluster.controller.wait_job(name).owners == [("Job", "r1-orch", orchestrator.uid)]
+        assert cluster.attempt_job("r1", attempt).owners == [("Job", "r1-orch", orchestrator.uid)]
 
     # The laptop: the mirrored status, the stored report.
     cluster.wait(lambda: cluster.status("r1")["status"] == "done", 30, "status done in the ConfigMap", "r1")
@@ -181,7 +177,7 @@ def test_stop_and_report_of_a_live_run_through_the_api(cluster):
     run = cluster.run_dir("r2")
     cluster.wait(lambda: run.latest_checkpoint() is not None, 240, "a checkpoint", "r2")
     # Held first, looked at after: each laptop call takes seconds on a loaded machine, and the trainer would train on.
-    with frozen(cluster.attempt_pods("r2", 1)):
+    with frozen(cluster.attempt_job("r2", 1).pods):
         cluster.wait(lambda: cluster.status("r2")["status"] == "running", 30, "status running in the ConfigMap", "r2")
         assert cluster.status("r2")["orchestrator"].startswith("pod r2-orch-"), cluster.status("r2")
         out = cluster.cona("report", "r2", "--out", str(cluster.root / "live"))
