@@ -183,6 +183,19 @@ def test_a_marker_of_the_wrong_shape_is_damage_not_a_crash(tmp_path, files):
 
 
 
+@pytest.mark.parametrize("crc32", [[1, 2], {".metadata": 1}, {".metadata": "1", "trainer_state.json": 2}])
+def test_a_checksum_map_of_the_wrong_shape_is_damage(tmp_path, crc32):
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    (tmp_path / ".metadata").write_bytes(b"x")
+    (tmp_path / "trainer_state.json").write_text('{"step": 1}')
+    files = {".metadata": 1, "trainer_state.json": 11}
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 1, "files": files, "crc32": crc32}))
+    assert verify_checkpoint(tmp_path) == (
+        "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
+    )
+
+
 @pytest.mark.parametrize("state", [{"step": 1, "samples": "many"}, {"step": "1"}, {"step": 1, "lr": None},
                                    {"step": 1, "last_control_seq": True}])  # fmt: skip
 def test_a_trainer_state_of_the_wrong_types_is_damage(tmp_path, state):
@@ -253,3 +266,64 @@ def test_deleted_shard_falls_back_to_the_older_checkpoint_and_says_so(tmp_path):
     # line of that heartbeat on stdout would say it again).
     said = [line for line in (result.stdout + result.stderr).splitlines() if "skipping checkpoint" in line]
     assert said == [f"cona trainer: warning: skipping checkpoint {shard.parent}: __0_0.distcp is missing"], said
+
+
+def _flip_bit(path, offset: int) -> None:
+    """One bit changed in place: the size stays, so only a checksum can tell."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.distributed
+def test_a_flipped_bit_in_a_shard_fails_its_checksum_and_the_run_resumes_from_the_older_checkpoint(tmp_path):
+    """Same size, other bytes: DCP would load such a shard without a word (a weight silently changed). Each rank
+    checks the shards of its rank number against the marker's CRC-32 before the load, and all fall back together."""
+    from cona.trainer.checkpoint import verify_checkpoint
+    from cona.trainer.export import find_checkpoint
+
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1, "keep": 5})
+    assert launch(run, nproc=2, strategy=DP2, job=job, max_steps=2).returncode == 0
+    newest = RunDir(run).checkpoint_dir(2)
+    marker = json.loads((newest / "COMPLETE").read_text())
+    assert marker["crc32"].keys() == marker["files"].keys()
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json"} <= marker["crc32"].keys()
+    shard = newest / "__1_0.distcp"  # checked by rank 1
+    _flip_bit(shard, shard.stat().st_size // 2)
+    assert verify_checkpoint(newest) is None  # the sizes alone see nothing
+    problem = "__1_0.distcp fails its CRC-32 check: its bytes changed on storage after it was written"
+    with pytest.raises(ValueError, match=re.escape(f"{newest}: {problem}; export an intact one with --step 1")):
+        find_checkpoint(RunDir(run), None)
+
+    result = launch(run, nproc=2, strategy=DP2, job=job, max_steps=3, attempt=1)
+    assert result.returncode == 0, describe(result)
+    resumed = [r for r in read_jsonl(run / "samples" / "1.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 1, "samples": 16}]
+    skipped = [hb["reason"] for hb in read_jsonl(run / "heartbeats" / "1.jsonl")[0] if hb.get("event") == "checkpoint-skipped"]
+    assert skipped == [f"skipping checkpoint {newest}: cannot load it ({problem})"], skipped
+
+
+def test_a_damaged_shard_of_a_checkpoint_without_checksums_falls_back_in_one_line(tmp_path):
+    """A marker of an earlier cona has no crc32, so DCP's read is what fails: its error (a CheckpointException,
+    which is no Exception) used to pass the fallback and end every relaunch in a traceback."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1, "keep": 5})
+    assert launch(run, nproc=0, strategy=ONE, job=job, max_steps=2).returncode == 0
+    newest = RunDir(run).checkpoint_dir(2)
+    marker = json.loads((newest / "COMPLETE").read_text())
+    marker.pop("crc32", None)
+    (newest / "COMPLETE").write_text(json.dumps(marker))
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[:4] = b"\0\0\0\0"  # the first record's zip header
+    shard.write_bytes(bytes(data))
+
+    result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=3, attempt=1)
+    assert result.returncode == 0, describe(result)
+    assert "Traceback" not in result.stderr, describe(result)
+    resumed = [r for r in read_jsonl(run / "samples" / "1.jsonl")[0] if "resume" in r]
+    assert resumed == [{"resume": 1, "samples": 16}]
+    skipped = [hb["reason"] for hb in read_jsonl(run / "heartbeats" / "1.jsonl")[0] if hb.get("event") == "checkpoint-skipped"]
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipping checkpoint {newest}: cannot load it ("), skipped
+    assert "\n" not in skipped[0] and len(skipped[0]) < 400, skipped

@@ -8,11 +8,14 @@ Layout of `RunDir.checkpoint_dir(step)` = `checkpoints/step-<8 digits>/`:
     trainer_state.json             step, samples, tokens, LR position, strategy, val history, control seq, RNG…
     COMPLETE                       written last by rank 0 once every rank's shards are written (fsync'd, then the
                                    directory fsync'd):
-                                   JSON {"step", "time", "files": {name: size}}
+                                   JSON {"step", "time", "files": {name: size}, "crc32": {name: CRC-32}}
 
 A checkpoint counts only with its COMPLETE marker, and only if every file listed there still has its size and
 trainer_state.json parses (`verify_checkpoint`). Resuming takes the newest valid one and warns, naming it, about
-each newer directory it skips; a DCP read error falls back to the next older one. After a save, only the newest
+each newer directory it skips; a file whose CRC-32 no longer matches (a flipped bit on storage keeps the size, and
+DCP would load it without a word) or a DCP read error falls back to the next older one. Each rank computes the
+CRC-32 of the shards it wrote itself, while they are still in its page cache, and checks the same ones before a
+load; checkpoints of earlier versions, without "crc32", are checked by size only. After a save, only the newest
 `checkpoint.keep` complete checkpoints are kept, and older incomplete directories are deleted.
 
 Saving a step that already has a complete checkpoint (a run that finishes right after a checkpoint it served during
@@ -28,10 +31,13 @@ import contextlib
 import errno
 import json
 import os
+import pickle
+import re
 import shutil
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint's files could not be read back (a damaged shard, a failed read): one line naming the file or
+    the error. Raised on every rank alike, so the trainer can fall back to an older checkpoint together."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -169,6 +180,7 @@ def save_checkpoint(
     target = _resave_dir(path) if resave else path
     error: BaseException | None = None
     writer = None
+    own: dict[str, int] = {}
     # 1. Local preparation: nothing here is collective, so a failure on one rank is only agreed below.
     try:
         if rank == 0:
@@ -191,15 +203,21 @@ def save_checkpoint(
         dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(enable_plan_caching=True))
         if rank == 0:
             atomic_write_json(target / TRAINER_STATE, trainer_state)
+        own = {p.name: file_crc32(p) for p in target.iterdir() if _shard_rank(p.name) == rank}
     except (Exception, CheckpointException) as e:
         error = e
     _agree(run_dir, target, error, device)  # every rank's shards are on storage before the marker says so
+    sums: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, own)
     # 3. The marker (rank 0): until it is agreed on, the others must not train on into the next step's collective.
     try:
         if rank == 0:
             files = {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.is_file() and not p.name.startswith(".tmp")}
             files.pop(COMPLETE_MARKER, None)
-            atomic_write_json(target / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files})
+            known = {name: crc for part in sums if part for name, crc in part.items()}
+            # Rank 0 wrote the rest (.metadata, trainer_state.json), or a DCP of another naming did: it reads them.
+            crc32 = {name: known[name] if name in known else file_crc32(target / name) for name in files}
+            atomic_write_json(target / COMPLETE_MARKER, {"step": step, "time": time.time(), "files": files, "crc32": crc32})
             _fsync_dir(target)
             if resave:
                 _swap_in(target, path)
@@ -337,6 +355,10 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"{name} is missing"
         if actual != size:
             return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
+    crc32 = manifest.get("crc32")
+    if crc32 is not None and (not isinstance(crc32, dict) or crc32.keys() != files.keys()
+                              or not all(type(v) is int for v in crc32.values())):  # fmt: skip
+        return "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
     if ".metadata" not in files or TRAINER_STATE not in files:
         return "it lacks .metadata or trainer_state.json"
     try:
@@ -411,12 +433,71 @@ def resume_candidates(run_dir: RunDir, notices: list[tuple[HeartbeatEvent, str]]
     return candidates
 
 
+_SHARD_NAME = re.compile(r"__(\d+)_\d+\.distcp")
+"""DCP's FileSystemWriter names the files of rank r `__<r>_<i>.distcp`."""
+
+
+def _shard_rank(name: str) -> int | None:
+    """The rank that wrote the DCP shard file `name`; None for the coordinator's files and anything else."""
+    match = _SHARD_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of a file, read in chunks (zlib's, about 2 GB/s on one core)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def checksum_problem(path: Path, names: list[str] | None = None) -> str | None:
+    """The first of `names` (default: every file of the marker) whose CRC-32 is not the marker's, in one line;
+    None if all match, or the checkpoint predates checksums. Assumes `verify_checkpoint` passed."""
+    crc32 = json.loads((path / COMPLETE_MARKER).read_text()).get("crc32")
+    if not crc32:
+        return None
+    for name in sorted(crc32) if names is None else names:
+        if file_crc32(path / name) != crc32[name]:
+            return f"{name} fails its CRC-32 check: its bytes changed on storage after it was written"
+    return None
+
+
+def _verify_checksums(path: Path) -> str | None:
+    """Collective: each rank checks the shards its rank number wrote (in its page cache after an in-place switch),
+    the other files round-robin; the lowest rank's problem, the same on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    try:
+        names = sorted(json.loads((path / COMPLETE_MARKER).read_text()).get("crc32") or {})
+        owner = {n: r if (r := _shard_rank(n)) is not None and r < world else i % world for i, n in enumerate(names)}
+        problem = checksum_problem(path, [n for n in names if owner[n] == rank])
+    except OSError as e:
+        problem = f"cannot read it ({e.strerror or e})"
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
 def load_checkpoint(
     path: Path, *, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> dict[str, Any]:
-    """Collective: load model and optimizer state (resharded to this layout) and return the trainer state."""
+    """Collective: check the files' checksums, load model and optimizer state (resharded to this layout) and return
+    the trainer state. CheckpointLoadError, on every rank alike, for a damaged or unreadable checkpoint."""
+    problem = _verify_checksums(path)
+    if problem is not None:
+        raise CheckpointLoadError(problem)
     state, keys = _state(parts, optimizers)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    # DCP gathers every rank's read failure into a CheckpointException, which is a BaseException: left as it is,
+    # it would pass the trainer's fallback to an older checkpoint and end the attempt in a traceback.
+    except CheckpointException as error:
+        e = first_failure(error)
+        # The first sentence: torch's own text for a damaged file goes on to advise on how it was saved.
+        detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or [""])[0]
+        raise CheckpointLoadError(f"{type(e).__name__}: {detail.split('. ')[0][:300]}") from None
     for part, optimizer, (model_keys, optim_keys) in zip(parts, optimizers, keys, strict=True):
         set_state_dict(
             part,

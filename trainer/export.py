@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def find_checkpoint(run_dir: RunDir, step: int | None) -> Path:
     """The complete checkpoint to export; ValueError naming what is there otherwise."""
-    from cona.trainer.checkpoint import verify_checkpoint
+    from cona.trainer.checkpoint import checksum_problem, verify_checkpoint
 
     if not run_dir.root.is_dir():
         raise ValueError(f"{run_dir.root}: no such run directory")
@@ -59,7 +59,8 @@ def find_checkpoint(run_dir: RunDir, step: int | None) -> Path:
         if path not in complete:
             have = ", ".join(str(int(p.name.split("-")[1])) for p in complete) or "none"
             raise ValueError(f"--step {step}: no complete checkpoint {path.name} (complete steps: {have})")
-    problem = verify_checkpoint(path)
+    # Sizes first (cheap); then every file's checksum, since the export reads the model's bytes from them.
+    problem = verify_checkpoint(path) or checksum_problem(path)
     if problem:
         # Say what to do: the trainer resumes from the newest intact checkpoint, and the export can take that one too.
         intact = [int(p.name.split("-")[1]) for p in complete if p != path and verify_checkpoint(p) is None]

@@ -202,7 +202,9 @@ class Trainer:
             failed = None
             try:
                 data = ckpt.load_checkpoint(Path(path), parts=self.model.parts, optimizers=self.model.optimizers)
-            except Exception as e:  # a corrupt shard: every rank must fall back together
+            except ckpt.CheckpointLoadError as e:  # a corrupt shard: every rank must fall back together
+                failed, data = str(e), None
+            except Exception as e:
                 failed, data = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
             flag = torch.tensor([1.0 if failed else 0.0], device=self.env.device)
             dist.all_reduce(flag)
