@@ -18,7 +18,8 @@ the `memory_gb` per GPU it published, which is shown beside the memory model's. 
 (or `table_1`) lists runs with their own
 model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute` and `attention`),
 `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
-the paper names. A misspelled key is refused with the list of valid ones; run names are free text. A second
+the paper names. A misspelled key is refused with the list of valid ones, and a run published above the
+accelerator's peak (by the record's formula) in one line naming it; run names are free text. A second
 record, `tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format
 on another cluster. `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md
 shows the tables.
@@ -435,6 +436,19 @@ def all_cases(record: dict[str, Any] | None = None) -> list[Case]:
     return [c for table in (runs, table_1, table_2, figure_13, figure_14, figure_16) for c in table(record, cluster)]
 
 
+def above_peak(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> str | None:
+    """One line for the first run whose published rate, by the record's FLOP formula, is above the accelerator's
+    dense peak: no run can be, so a rate or unit is mistyped (tokens/s for the whole cluster given per GPU) or the
+    record's profile is not the cluster the runs were on. None if every run is at or below it."""
+    peak = cluster.accelerator.peak_tflops
+    for c in cases:
+        if c.published_tflops is not None and c.published_tflops > peak:
+            return (f"{c.group}: run {c.label!r}: its published rate is {c.published_tflops:,.0f} TFLOP/s per GPU by the "
+                    f"{formula} formula, above the {cluster.accelerator.name}'s peak of {peak:g} (profile "
+                    f"{cluster.name}); check its tflops/tokens_per_s (per GPU) or iter_time_s, and the record's profile")  # fmt: skip
+    return None
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation (no ties expected in the published values)."""
 
@@ -491,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = all_cases(record)
     except ConfigError as e:  # a run's model that the trainer's job refuses (it names the run and the field)
         parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
+    problem = above_peak(cases, record_cluster(record), formula=record.get("flops", FLOPS[0]))
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: {args.record}: {problem}\n")
     print_cases(cases)
     for group in ("runs", "table_1"):
         rows = [c for c in cases if c.group == group and c.ratio]

@@ -150,6 +150,23 @@ def test_a_model_the_trainer_refuses_is_named_by_its_run_not_as_the_profile(tmp_
     assert f"{path}: published run 2.7B" in err and "seq_len" in err and "profile" not in err, err
 
 
+def test_a_published_rate_above_the_accelerators_peak_is_refused_in_one_line(tmp_path, capsys):
+    """Tokens/s of the whole cluster given as per GPU (a rate 16× too high here) would be costed as a run the model
+    is 16× too slow for; no run can beat the peak, so the record is refused, naming the run and what to check."""
+    run = {**RECORD["runs"][0], "tokens_per_s": 40000}
+    run.pop("iter_time_s")
+    path = write(tmp_path, {**RECORD, "runs": [run, RECORD["runs"][1]]})
+    with pytest.raises(SystemExit) as exit_:
+        main(["--record", str(path), "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{path}: runs: run '2.7B': its published rate is " in err and "above the H100-SXM-80GB's peak of 989" in err, err
+    assert "tokens_per_s (per GPU)" in err and not (tmp_path / "x.json").exists(), err
+    # The same run at a rate per GPU (2,500 tokens/s: about 200 TFLOP/s) is costed.
+    run["tokens_per_s"] = 2500
+    assert main(["--record", str(write(tmp_path, {**RECORD, "runs": [run]})), "--out", str(tmp_path / "x.json")]) == 0
+
+
 def test_a_run_sets_its_own_vocabulary_sequence_recompute_and_attention(tmp_path):
     """A record mixing runs of several settings (another tokenizer, context, selective recompute) in one list."""
     own = {**RECORD["runs"][0], "name": "BLOOM 176B t4 p12 (final)", "vocab_size": 250880, "seq_len": 2048,
