@@ -684,7 +684,8 @@ class ConaPolicy(Policy):
             target.strategy,
             f"switch {ctx.current.short()} → {target.strategy.short()}: R {_fmt(r_target / r_cur, 4)}× current ≥ "
             f"threshold {_fmt(threshold_of(target.strategy), 4)}× (δ={self.min_gain}, H={_fmt(horizon)}s, "
-            f"C_sw={_fmt(cost_of(target.strategy))}s), won {wins[target.strategy]}/{persistence} evaluations"
+            f"C_sw={_fmt(cost_of(target.strategy))}s), won {wins[target.strategy]} evaluations in a row "
+            f"({persistence} needed)"
             f"{' (the probe was measured: no dwell or persistence)' if self._waive else ''}; "
             f"{noise_text}",
             metrics,
