@@ -315,9 +315,15 @@ def test_a_damaged_shard_of_a_checkpoint_without_checksums_falls_back_in_one_lin
     marker.pop("crc32", None)
     (newest / "COMPLETE").write_text(json.dumps(marker))
     shard = newest / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[:4] = b"\0\0\0\0"  # the first record's zip header
-    shard.write_bytes(bytes(data))
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeros, at the size the marker lists
+    # Exporting it (no checksums to check first) is refused in one line.
+    from cona.trainer.hf import checkpoint_model_tensors
+
+    with pytest.raises(ValueError) as refused:
+        checkpoint_model_tensors(newest)
+    text = str(refused.value)
+    assert text.startswith(f"{newest}: unreadable checkpoint (") and text.endswith("use an older one (cona export --step K)")
+    assert "\n" not in text, text
 
     result = launch(run, nproc=0, strategy=ONE, job=job, max_steps=3, attempt=1)
     assert result.returncode == 0, describe(result)

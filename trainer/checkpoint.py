@@ -90,6 +90,15 @@ def first_failure(error: BaseException) -> BaseException:
     return error
 
 
+def read_failure(error: BaseException) -> str:
+    """One line for a failed read of a checkpoint (DCP's CheckpointException or what a damaged file raised)."""
+    e = first_failure(error)
+    # torch's own text for a damaged pickle advises weights_only=False, and for a damaged zip goes on about how the
+    # file was saved: neither is a fix for damage, so the first sentence only.
+    detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {detail.split('. ')[0][:300]}"
+
+
 def _save_failure(run_dir: RunDir, path: Path, error: BaseException | None) -> str:
     """The one-line reason for a failed save of `path`, with the space it needs when the disk is full."""
     # Not `path` itself: its marker may be written when only the fsync after it failed, and it is removed.
@@ -494,10 +503,7 @@ def load_checkpoint(
     # DCP gathers every rank's read failure into a CheckpointException, which is a BaseException: left as it is,
     # it would pass the trainer's fallback to an older checkpoint and end the attempt in a traceback.
     except CheckpointException as error:
-        e = first_failure(error)
-        # The first sentence: torch's own text for a damaged file goes on to advise on how it was saved.
-        detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or [""])[0]
-        raise CheckpointLoadError(f"{type(e).__name__}: {detail.split('. ')[0][:300]}") from None
+        raise CheckpointLoadError(read_failure(error)) from None
     for part, optimizer, (model_keys, optim_keys) in zip(parts, optimizers, keys, strict=True):
         set_state_dict(
             part,

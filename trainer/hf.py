@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -540,7 +539,7 @@ def save_directory(
 def checkpoint_model_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     """The model's tensors of a DCP checkpoint written under any layout, by one process without a process group
     (the optimizer state is not read). ValueError, in one line, for a checkpoint whose files are damaged."""
-    from cona.trainer.checkpoint import first_failure
+    from cona.trainer.checkpoint import read_failure
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -553,10 +552,7 @@ def checkpoint_model_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     # torch's reader raises whatever a damaged file gives it (pickle, struct, ...), wrapped by DCP in a
     # CheckpointException, which is no Exception.
     except (Exception, CheckpointException) as error:
-        e = first_failure(error)
-        # torch's own text for a damaged pickle advises weights_only=False, which is no fix for damage.
-        detail = "a file in it is damaged" if isinstance(e, pickle.UnpicklingError) else (str(e).splitlines() or ["?"])[0]
-        raise ValueError(f"{path}: unreadable checkpoint ({type(e).__name__}: {detail}); use an older one (cona export --step K)") from None
+        raise ValueError(f"{path}: unreadable checkpoint ({read_failure(error)}); use an older one (cona export --step K)") from None
     return dict(state["model"])
 
 
