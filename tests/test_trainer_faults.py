@@ -213,3 +213,17 @@ def test_an_attempt_run_again_at_a_switch_point_acts_on_the_decision_before_its_
     assert (nxt.exit_code, nxt.exit.step) == (ExitCode.STOPPED, 5), describe(nxt)
     assert not [hb for hb in heartbeats(run, 2) if hb.get("event") == "hold"]
     assert audit_samples(run)[-1] == (80, 112)
+
+
+@pytest.mark.distributed
+def test_a_diverged_run_stops_with_one_line_and_its_exit_record(tmp_path):
+    """A learning rate far too high: the loss is no longer finite after a step. Every rank has the same all-reduced
+    loss and stops; rank 0 says so once (not once per rank) and records it, and the attempt exits 1 (a crash, so
+    the orchestrator may relaunch it, not bad input)."""
+    job = write_job(tmp_path, optimizer={"lr": 1e30, "min_lr": 1e29, "warmup_samples": 0})
+    result = launch(tmp_path / "run", nproc=2, strategy="dp=2,tp=1,pp=1,mbs=4,gbs=16", job=job, max_steps=20)
+    assert result.returncode != 0, describe(result)
+    said = [line for line in result.stderr.splitlines() if "training diverged" in line]
+    assert len(said) == 1 and said[0].startswith("cona trainer: error: training diverged: step "), describe(result)
+    assert said[0].endswith("; lower optimizer.lr"), said
+    assert result.exit is not None and result.exit.exit_code == 1 and "lower optimizer.lr" in result.exit.reason

@@ -10,6 +10,10 @@ from cona.trainer.main import main
 # in native code (an abort in a collective library, a segfault) leaves the Python stack of every thread in the
 # node's log instead of only torchrun's "exitcode -6".
 faulthandler.enable(all_threads=True)
+# Every line in one write: the ranks share torchrun's stderr, and a write-through stderr (Python's default when it is
+# no terminal) writes print's text and its newline separately, so two ranks' lines could run together.
+if hasattr(sys.stderr, "reconfigure"):
+    sys.stderr.reconfigure(line_buffering=True, write_through=False)
 code = main()
 # `main` has written the exit record, destroyed the process groups and closed its files. What is left is the
 # interpreter's teardown of torch's modules, which every rank of every attempt pays before torchrun can report the

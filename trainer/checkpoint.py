@@ -482,8 +482,11 @@ def _verify_checksums(path: Path) -> str | None:
         names = sorted(json.loads((path / COMPLETE_MARKER).read_text()).get("crc32") or {})
         owner = {n: r if (r := _shard_rank(n)) is not None and r < world else i % world for i, n in enumerate(names)}
         problem = checksum_problem(path, [n for n in names if owner[n] == rank])
+    # Any error, not only a failed read: a rank that raised here alone would leave the others in the gather below.
     except OSError as e:
         problem = f"cannot read it ({e.strerror or e})"
+    except Exception as e:
+        problem = f"cannot check it ({type(e).__name__}: {e})"
     problems: list[str | None] = [None] * world
     dist.all_gather_object(problems, problem)
     return next((p for p in problems if p is not None), None)

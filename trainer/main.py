@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cona trainer: error: {e}", file=sys.stderr, flush=True)
         status = 1
     except TrainingDiverged as e:  # a crash, not bad input: exit 1, but say why in one line
-        if env.rank == 0:
+        if env.rank == 0:  # every rank has the same all-reduced loss, so one says it
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
-        print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
+            print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
         status = 1
     finally:
         # FSDP2's state and the DTensors of a trainer sit in reference cycles that hold the process groups. Left to
