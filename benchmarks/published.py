@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         record = load_record(args.record)
         if args.profile_set:  # what the record says, then the command line's
             record = {**record, "profile_set": [*record.get("profile_set", []), *args.profile_set]}
-        record_cluster(record)
+        cluster = record_cluster(record)
     except RecordError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except ConfigError as e:  # the profile the record names, or its profile_set
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = all_cases(record)
     except ConfigError as e:  # a run's model that the trainer's job refuses (it names the run and the field)
         parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
-    problem = above_peak(cases, record_cluster(record), formula=record.get("flops", FLOPS[0]))
+    problem = above_peak(cases, cluster, formula=record.get("flops", FLOPS[0]))
     if problem:
         parser.exit(2, f"{parser.prog}: error: {args.record}: {problem}\n")
     print_cases(cases)

@@ -15,7 +15,8 @@ trainer_state.json parses (`verify_checkpoint`). Resuming takes the newest valid
 each newer directory it skips; a file whose CRC-32 no longer matches (a flipped bit on storage keeps the size, and
 DCP would load it without a word) or a DCP read error falls back to the next older one. Each rank computes the
 CRC-32 of the shards it wrote itself, while they are still in its page cache, and checks the same ones before a
-load; checkpoints of earlier versions, without "crc32", are checked by size only. After a save, only the newest
+load (not after an in-place switch, whose processes checksummed those bytes moments before); checkpoints of
+earlier versions, without "crc32", are checked by size only. After a save, only the newest
 `checkpoint.keep` complete checkpoints are kept, and older incomplete directories are deleted.
 
 Saving a step that already has a complete checkpoint (a run that finishes right after a checkpoint it served during
@@ -461,16 +462,23 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def checksum_problem(path: Path, names: list[str] | None = None) -> str | None:
-    """The first of `names` (default: every file of the marker) whose CRC-32 is not the marker's, in one line;
-    None if all match, or the checkpoint predates checksums. Assumes `verify_checkpoint` passed."""
-    crc32 = json.loads((path / COMPLETE_MARKER).read_text()).get("crc32")
-    if not crc32:
-        return None
-    for name in sorted(crc32) if names is None else names:
+def _marker_crc32(path: Path) -> dict[str, int]:
+    """The marker's checksums ({} for a checkpoint that predates them). Assumes `verify_checkpoint` passed."""
+    return json.loads((path / COMPLETE_MARKER).read_text()).get("crc32") or {}
+
+
+def _first_mismatch(path: Path, crc32: dict[str, int], names: list[str]) -> str | None:
+    for name in names:
         if file_crc32(path / name) != crc32[name]:
             return f"{name} fails its CRC-32 check: its bytes changed on storage after it was written"
     return None
+
+
+def checksum_problem(path: Path) -> str | None:
+    """The first file whose CRC-32 is not the marker's, in one line; None if all match, or the checkpoint predates
+    checksums. Assumes `verify_checkpoint` passed."""
+    crc32 = _marker_crc32(path)
+    return _first_mismatch(path, crc32, sorted(crc32))
 
 
 def _verify_checksums(path: Path) -> str | None:
@@ -479,9 +487,10 @@ def _verify_checksums(path: Path) -> str | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     problem = None
     try:
-        names = sorted(json.loads((path / COMPLETE_MARKER).read_text()).get("crc32") or {})
+        crc32 = _marker_crc32(path)
+        names = sorted(crc32)
         owner = {n: r if (r := _shard_rank(n)) is not None and r < world else i % world for i, n in enumerate(names)}
-        problem = checksum_problem(path, [n for n in names if owner[n] == rank])
+        problem = _first_mismatch(path, crc32, [n for n in names if owner[n] == rank])
     # Any error, not only a failed read: a rank that raised here alone would leave the others in the gather below.
     except OSError as e:
         problem = f"cannot read it ({e.strerror or e})"
@@ -493,11 +502,12 @@ def _verify_checksums(path: Path) -> str | None:
 
 
 def load_checkpoint(
-    path: Path, *, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
+    path: Path, *, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], verify: bool = True
 ) -> dict[str, Any]:
-    """Collective: check the files' checksums, load model and optimizer state (resharded to this layout) and return
-    the trainer state. CheckpointLoadError, on every rank alike, for a damaged or unreadable checkpoint."""
-    problem = _verify_checksums(path)
+    """Collective: check the files' checksums (unless `verify` is False: these processes wrote and checksummed them
+    moments ago), load model and optimizer state (resharded to this layout) and return the trainer state.
+    CheckpointLoadError, on every rank alike, for a damaged or unreadable checkpoint."""
+    problem = _verify_checksums(path) if verify else None
     if problem is not None:
         raise CheckpointLoadError(problem)
     state, keys = _state(parts, optimizers)

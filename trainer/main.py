@@ -184,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             # An in-place switch: the process group, imports and data stay; the model, optimizer and meshes are
             # rebuilt for the new strategy and resume from the checkpoint just written, as a relaunch would.
             strategy, attempt = trainer.next_strategy, attempt + 1
-            groups, control = trainer.model.own_process_groups(), trainer.control
+            groups, control, written = trainer.model.own_process_groups(), trainer.control, trainer.saved
             del trainer
             gc.collect()
             for group in groups:  # every rank destroys the same groups in the same order
                 dist.destroy_process_group(group)
             now = time.time()
             startup = {"process_start": None, "main_start": now, "dist_ready": now, "in_place": True}
-            trainer = make_trainer(strategy=strategy, attempt=attempt, startup=startup, control=control)
+            trainer = make_trainer(strategy=strategy, attempt=attempt, startup=startup, control=control, written=written)
             code = trainer.run()
         status = process_exit_status(code, reason=trainer.exit_reason)
     except ConfigError as e:

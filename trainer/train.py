@@ -119,6 +119,9 @@ class Trainer:
     control: ControlState = dataclasses.field(default_factory=ControlState)
     """Control and signal state; an in-place switch hands the previous attempt's on, so a signal that arrives while
     the model is rebuilt is not lost."""
+    written: Path | None = None
+    """The checkpoint the previous attempt of these processes saved just before an in-place switch: its checksums
+    were computed from those bytes moments ago, so loading it does not read them all again to check them."""
 
     def __post_init__(self) -> None:
         self.rank = self.env.rank
@@ -131,6 +134,8 @@ class Trainer:
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
         self.loaded_step: int | None = None
+        self.saved: Path | None = None
+        """The checkpoint this trainer saved last (an in-place switch hands it on as the next one's `written`)."""
         self._started = time.time()
         self._elapsed_base = 0.0
         self._eval_set = self._eval_tensors()
@@ -201,7 +206,8 @@ class Trainer:
         for path in paths:
             failed = None
             try:
-                data = ckpt.load_checkpoint(Path(path), parts=self.model.parts, optimizers=self.model.optimizers)
+                data = ckpt.load_checkpoint(Path(path), parts=self.model.parts, optimizers=self.model.optimizers,
+                                            verify=Path(path) != self.written)  # fmt: skip
             except ckpt.CheckpointLoadError as e:  # a corrupt shard: every rank must fall back together
                 failed, data = str(e), None
             except Exception as e:
@@ -500,7 +506,7 @@ class Trainer:
         s.decision_due = self._at_switch_point
         s.rng_state = ckpt.rng_state()
         payload = dataclasses.asdict(s)
-        ckpt.save_checkpoint(
+        self.saved = ckpt.save_checkpoint(
             self.run_dir, step=s.step, parts=self.model.parts, optimizers=self.model.optimizers,
             trainer_state=payload, keep=self.job.checkpoint.keep,
         )  # fmt: skip
