@@ -55,6 +55,9 @@ from typing import Any
 from benchmarks.common import REPO, command_line, fmt_s, json_default, machine, print_table
 
 RESULT_FILE = "gpu-check.json"
+# The switch runs use one process, on the CPU as on the GPU (a lent machine has one): the CPU version checks what
+# the GPU will run. Multi-process switches are the end-to-end tests' (tests/test_orchestrator_e2e.py).
+SWITCH_WORLD = 1
 
 # (preset, micro-batch sizes): sizes that fill a good part of an 80-141 GB device without recompute.
 GPU_FAMILIES: list[tuple[str, list[int]]] = [
@@ -473,7 +476,7 @@ def _samples_consumed(run_dir: Any) -> list[tuple[int, int]] | str:
 
 def run_switch(results: Results, *, cuda: bool, profile: Any, work: Path, data: Path) -> None:
     """Part 3: never switched, switched in place, switched by relaunch; the checks in the module docstring."""
-    world = 1 if cuda else 2
+    world = SWITCH_WORLD
     a = f"dp={world},tp=1,pp=1,mbs=4,gbs=16"
     b = f"dp={world},tp=1,pp=1,mbs=8,gbs=16"  # a micro-batch switch: the same math
     c = f"dp={world},tp=1,pp=1,mbs=2,gbs=16"
@@ -679,7 +682,7 @@ def synthetic_text(work: Path) -> Path:
 def switch_profile(profile: Any, *, cuda: bool) -> Any:
     """The profile of the switch runs: this machine, as many processes as the runs use."""
     data = profile.model_dump(mode="json")
-    data["gpus_per_node"] = 1 if cuda else 2
+    data["gpus_per_node"] = SWITCH_WORLD
     data["backend"] = "local"
     data["storage"]["run_root"] = "runs"
     return type(profile).model_validate(data)

@@ -65,3 +65,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return "slurm" if Path(nodeid.split("::")[0]).name.startswith(SLURM_MODULES) else nodeid
 
     return SlurmTestsTogether(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked `slow` go first: the two workers then end on short tests, together, instead of one of them
+    idling while the other finishes a run of minutes that it picked up last. The Slurm tests, one unit of work
+    that starts first anyway, keep their order among themselves."""
+
+    def later(item: pytest.Item) -> bool:
+        return item.get_closest_marker("slow") is None and not item.path.name.startswith(SLURM_MODULES)
+
+    items.sort(key=later)  # stable: each kind keeps its order
+
+
+# `CONA_TEST_TIMELINE=FILE` appends one JSON line per test phase (nodeid, phase, worker, start, stop) as the run
+# goes: what each worker ran when, and how long it sat idle, which `--durations` cannot tell.
+TIMELINE = os.environ.get("CONA_TEST_TIMELINE")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not TIMELINE or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes, once per phase
+        return
+    import json
+
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    with open(TIMELINE, "a") as f:
+        f.write(json.dumps({"test": report.nodeid, "phase": report.when, "worker": worker,
+                            "start": report.start, "stop": report.stop}) + "\n")  # fmt: skip

@@ -64,6 +64,7 @@ def test_the_devices_file_is_the_machine_now(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_fewer_devices_shrink_the_run_and_their_return_grows_it_back(tmp_path):
     """4 processes; the `devices` file says 2 mid-run: the attempt ends as lost devices, the run goes on from the
     last complete checkpoint in 2 processes with the strategy planned for one node, training exactly what a fresh

@@ -122,6 +122,7 @@ def assert_samples(run: K8sRun, expected: int) -> None:
     assert assert_samples_exact(run.run) == expected, run.logs()
 
 
+@pytest.mark.slow
 def test_cona_run_switches_through_kubernetes_jobs(k8s_run):
     """A schedule 2 pods × 2 → 1 pod × 2 (dp 4 → 2, gbs 16 → 32) at 800 samples: one Indexed Job per attempt."""
     schedule = f"[{{samples: 0, strategy: '{S4}'}}, {{samples: 800, strategy: '{S2}'}}]"
@@ -154,6 +155,7 @@ def test_cona_run_switches_through_kubernetes_jobs(k8s_run):
     assert_samples(k8s_run, state.live["samples"])
 
 
+@pytest.mark.slow
 def test_cona_run_switches_through_jobsets(jobset_run):
     """The same schedule (2 pods × 2 → 1 pod × 2 at 800 samples) with `workload: jobset`: one JobSet per attempt,
     its pods named and reached as JobSet names them, no Service of cona's own."""
@@ -189,6 +191,7 @@ def steps(run: K8sRun, attempt: int) -> int:
     return max((h.get("step", 0) for h in heartbeats(run.run, attempt)), default=0)
 
 
+@pytest.mark.slow
 def test_a_crashed_worker_a_disrupted_pod_and_a_deleted_pod_are_relaunched_from_the_checkpoint(k8s_run):
     """Attempt 1: a trainer worker of pod 0 is killed (-9): torchrun fails, the pod fails, the Job fails
     (backoffLimit 0): a crash. Attempt 2: pod 1 is evicted (DisruptionTarget): the backend deletes the Job and the

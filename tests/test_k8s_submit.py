@@ -115,6 +115,7 @@ def cluster(k8s, tmp_path):
 MAX_SAMPLES = 3200
 
 
+@pytest.mark.slow
 def test_submit_switches_survives_a_killed_orchestrator_and_reports(cluster):
     """A schedule 2 pods × 2 → 1 pod × 2 at 800 samples. The orchestrator pod is killed (-9) during attempt 2:
     Kubernetes restarts it (OnFailure), the new process waits for the Lease, adopts the running attempt and
@@ -165,6 +166,7 @@ def test_submit_switches_survives_a_killed_orchestrator_and_reports(cluster):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.read_bytes() == (run.root / "report.png").read_bytes()
 
 
+@pytest.mark.slow
 def test_stop_and_report_of_a_live_run_through_the_api(cluster):
     """`cona report` while the run trains (the orchestrator writes it on request), then `cona stop`: the run
     checkpoints and ends `stopped`; a second stop says it has ended; `cona submit --resume` finishes it. Each

@@ -5,11 +5,13 @@ follow the gradients of the batch being trained, the estimates at two batch size
 
 from __future__ import annotations
 
+import pytest
 from cona.orchestrator.job import PolicySpec
 
 from benchmarks.noise_batch import Settings, measure
 
 
+@pytest.mark.slow
 def test_default_estimator_agrees_across_batches_at_one_state():
     default = PolicySpec().noise_estimator
     result = measure(Settings(workload="gpt", states=(2048,), batches=(16, 128), steps=160, warmup=40, seed=0,

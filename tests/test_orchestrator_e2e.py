@@ -110,6 +110,7 @@ def assert_samples_exact(run_dir: RunDir) -> int:
     return ranges[-1][1]
 
 
+@pytest.mark.slow
 def test_main_command_switches_and_reaches_target(tmp_path):
     """The README's main command: tiny GPT, local backend, 4 processes, cona policy."""
     run_dir = RunDir(tmp_path / "run")
@@ -134,6 +135,7 @@ def test_main_command_switches_and_reaches_target(tmp_path):
     assert "report:" in out
 
 
+@pytest.mark.slow
 def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     args = ("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT, *SCHEDULE)
@@ -166,6 +168,7 @@ def test_orchestrator_killed_and_restarted_adopts_the_attempt(tmp_path):
 AFTER_FIRST_CHECKPOINT = ["--set", "target.max_samples=800"]
 
 
+@pytest.mark.slow
 def test_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     proc = cona("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
@@ -185,6 +188,7 @@ def test_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path):
     assert assert_samples_exact(run_dir) == 800
 
 
+@pytest.mark.slow
 def test_stop_then_resume(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     args = ("run", "--profile", PROFILE, "--job", TINY, "--run-dir", str(run_dir.root), *SHORT,
@@ -222,6 +226,7 @@ def test_bad_input_fails_fast_with_one_line(tmp_path):
     assert "policy.strategy" in out.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
     """A worker that stops making progress (SIGSTOP) silences the heartbeats: after the timeout the attempt is
     cancelled and relaunched from its last checkpoint."""
@@ -244,6 +249,7 @@ def test_hung_attempt_is_cancelled_and_relaunched(tmp_path):
     assert assert_samples_exact(run_dir) == 800
 
 
+@pytest.mark.slow
 def test_in_place_switch_continues_exactly_as_a_relaunch(tmp_path):
     """An in-place switch (the processes stay; model, optimizer and meshes are rebuilt for the new layout and batch)
     trains exactly what a fresh torchrun of the new strategy trains from the same checkpoint, bit for bit."""

@@ -171,6 +171,7 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_profile_then_run_from_its_measurements(tmp_path):
     """A real `cona profile` (4 processes, two strategies, in-place switch between them), then `cona run
     --measured` from it: the run starts with the profile's measurements in its throughput model."""

@@ -64,6 +64,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_is_
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_save_that_fails_on_one_rank_stops_every_rank_promptly(tmp_path):
     """A save that fails on one rank only (`tests/save_fault_trainer.py`: before DCP's first collective, inside
     its collectives, or at the marker after them) must not leave the other ranks waiting in a collective until the

@@ -58,6 +58,7 @@ def _assert_same_state(saved: dict, loaded: dict, where: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_switch_chain_matches_a_run_that_never_switched(tmp_path):
     job = write_job(tmp_path)
     last_gbs16_step = STEPS_PER_SEGMENT * (len(CHAIN) - 1)
