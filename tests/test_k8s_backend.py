@@ -315,7 +315,7 @@ def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):
         ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1"),
         ("DELETE", f"/api/v1/namespaces/{NS}/services/exp1-a1"),
     ] * 2
-    body = next(r for r in k8s.kmock._requests if r.method.value.upper() == "DELETE").data
+    body = next(r for r in k8s.requests() if r.method.value.upper() == "DELETE").data
     assert body["propagationPolicy"] == "Foreground"
 
 
@@ -487,7 +487,7 @@ def test_pods_of_another_attempt_are_not_mixed_in(k8s, tmp_path, workload):
                   conditions=[{"type": "PodScheduled", "status": "False", "message": INSUFFICIENT}])  # fmt: skip
     assert backend.poll(first).status is AttemptStatus.RUNNING
     assert (backend.poll(second).status, backend.poll(second).detail) == (AttemptStatus.PENDING, INSUFFICIENT)
-    selectors = [r.params.get("labelSelector") for r in k8s.kmock._requests
+    selectors = [r.params.get("labelSelector") for r in k8s.requests()
                  if r.url.path.endswith("/pods") and r.method.value.upper() == "GET"]  # fmt: skip
     assert set(selectors) == {"jobset.sigs.k8s.io/jobset-name=exp1-a1", "jobset.sigs.k8s.io/jobset-name=exp1-a2"}
 
@@ -518,7 +518,7 @@ def test_cancel_deletes_the_custom_object_in_the_foreground_and_no_service(k8s, 
     backend.cancel(attempt)
     path = CUSTOM[workload][0]
     assert [r for r in k8s.backend_requests() if r[0] == "DELETE"] == [("DELETE", f"{path}/exp1-a1")] * 2
-    body = next(r for r in k8s.kmock._requests if r.method.value.upper() == "DELETE").data
+    body = next(r for r in k8s.requests() if r.method.value.upper() == "DELETE").data
     assert body["propagationPolicy"] == "Foreground"
     assert backend.poll(attempt).detail == f"the {CUSTOM[workload][1]} is gone"
 
