@@ -1,0 +1,46 @@
+"""The suite's own machinery (tests/conftest.py): the slow tests are collected first, and `CONA_TEST_TIMELINE`
+records each test phase with its worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, pytest_collection_modifyitems
+
+
+class Item:
+    def __init__(self, name: str, *, slow: bool = False) -> None:
+        self.path = Path("tests") / name.split("::")[0]
+        self.name, self.slow = name, slow
+
+    def get_closest_marker(self, marker: str) -> object | None:
+        return object() if marker == "slow" and self.slow else None
+
+
+def test_slow_tests_go_first_and_the_slurm_tests_keep_their_order():
+    items = [Item("test_a.py::fast"), Item("test_slurm_e2e.py::first"), Item("test_a.py::slow", slow=True),
+             Item("test_b.py::fast"), Item("test_slurm_e2e.py::second", slow=True), Item("test_faults.py::x"),
+             Item("test_b.py::slow", slow=True)]  # fmt: skip
+    pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.name for i in items] == ["test_slurm_e2e.py::first", "test_a.py::slow", "test_slurm_e2e.py::second",
+                                       "test_faults.py::x", "test_b.py::slow", "test_a.py::fast", "test_b.py::fast"]  # fmt: skip
+
+
+def test_the_timeline_has_every_phase_of_every_test(tmp_path):
+    (tmp_path / "test_tiny.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    assert 1 + 1 == 3\n")
+    timeline = tmp_path / "timeline.jsonl"
+    # A run of its own, not a worker of this one (under xdist the variable says it is, and workers do not write).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")} | {"CONA_TEST_TIMELINE": str(timeline)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_tiny.py")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=env)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:]  # test_two fails, and is recorded all the same
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert [(r["test"].split("::")[-1], r["phase"]) for r in rows] == [
+        (test, phase) for test in ("test_one", "test_two") for phase in ("setup", "call", "teardown")
+    ]
+    assert all(r["worker"] == "main" and r["start"] <= r["stop"] for r in rows)
