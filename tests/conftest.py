@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # `CONA_TEST_TIMELINE=FILE` appends one JSON line per test phase (nodeid, phase, worker, start, stop) as the run
-# goes: what each worker ran when, and how long it sat idle, which `--durations` cannot tell.
+# goes: what each worker ran when, and how long it sat idle, which `--durations` cannot tell (`python -m tests.timeline`).
 TIMELINE = os.environ.get("CONA_TEST_TIMELINE")
 
 

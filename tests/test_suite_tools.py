@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO, pytest_collection_modifyitems
+from tests.timeline import summarize
 
 
 class Item:
@@ -44,3 +45,17 @@ def test_the_timeline_has_every_phase_of_every_test(tmp_path):
         (test, phase) for test in ("test_one", "test_two") for phase in ("setup", "call", "teardown")
     ]
     assert all(r["worker"] == "main" and r["start"] <= r["stop"] for r in rows)
+    summary = summarize(rows)
+    assert list(summary["workers"]) == ["main"] and summary["workers"]["main"]["tests"] == 2
+    assert summary["workers"]["main"]["busy_s"] + summary["workers"]["main"]["idle_s"] <= summary["workers"]["main"]["end_s"] + 1e-6
+    assert list(summary["files"]) == [rows[0]["test"].split("::")[0]]
+
+
+def test_the_summary_counts_idle_time_between_a_workers_tests():
+    rows = [{"test": "t.py::a", "phase": "call", "worker": "gw0", "start": 100.0, "stop": 110.0},
+            {"test": "t.py::b", "phase": "call", "worker": "gw0", "start": 115.0, "stop": 120.0},
+            {"test": "u.py::c", "phase": "call", "worker": "gw1", "start": 100.0, "stop": 130.0}]  # fmt: skip
+    summary = summarize(rows)
+    assert summary["workers"]["gw0"] == {"tests": 2, "busy_s": 15.0, "idle_s": 5.0, "end_s": 20.0}
+    assert summary["workers"]["gw1"]["end_s"] == 30.0
+    assert summary["files"] == {"u.py": 30.0, "t.py": 15.0} and summary["total_s"] == 45.0
