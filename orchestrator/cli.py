@@ -117,6 +117,9 @@ def _policy_overrides(policy: str | None) -> list[str]:
         close = difflib.get_close_matches(name, valid, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(f"--policy {policy!r}: {hint}valid: cona, static, fixed:<strategy>, schedule")
+    if strategy and name != "fixed":  # `static:dp=...` meant `fixed:dp=...`; dropping the text would run another policy
+        raise UserError(f"--policy {policy!r}: only fixed takes a strategy after ':' (did you mean "
+                        f"--policy fixed:{strategy}?); cona, static and schedule take none")  # fmt: skip
     overrides = [f"policy.name={name}"]
     if name == "fixed":
         if not strategy:

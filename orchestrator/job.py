@@ -118,6 +118,13 @@ class PolicySpec(StrictModel):
             starts = [e.samples for e in self.schedule]
             if starts != sorted(starts) or starts[0] != 0:
                 raise ValueError("policy.schedule must start at samples 0 and increase")
+        # A strategy the named policy never reads is a forgotten `name:`: the run would switch online instead.
+        if self.strategy and self.name != "fixed":
+            raise ValueError(f"policy.strategy is read only by policy 'fixed', not {self.name!r}; set policy.name: "
+                             "fixed, or remove policy.strategy")  # fmt: skip
+        if self.schedule and self.name != "schedule":
+            raise ValueError(f"policy.schedule is read only by policy 'schedule', not {self.name!r}; set "
+                             "policy.name: schedule, or remove policy.schedule")  # fmt: skip
         return self
 
 

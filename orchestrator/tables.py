@@ -8,6 +8,7 @@ from cona.orchestrator.planner import Candidate
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol.strategy import Strategy
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -37,10 +38,11 @@ def print_plan(
 ) -> None:  # fmt: skip
     console = Console(width=160)
     model = job.model
+    # Names come from the user's YAML: `[...]` in them is text, not rich markup (`[/]` would raise, `[old]` vanish).
     console.print(
-        f"[bold]{job.name}[/]: {model.preset or model.family} ({model.num_params / 1e6:,.1f}M parameters, "
-        f"seq {model.seq_len}) on [bold]{profile.name}[/]: {profile.nodes} node(s) × {profile.gpus_per_node} "
-        f"{profile.accelerator.name}"
+        f"[bold]{escape(job.name)}[/]: {escape(model.preset or model.family)} ({model.num_params / 1e6:,.1f}M "
+        f"parameters, seq {model.seq_len}) on [bold]{escape(profile.name)}[/]: {profile.nodes} node(s) × "
+        f"{profile.gpus_per_node} {escape(profile.accelerator.name)}"
     )
     console.print(f"{num_feasible} feasible of {num_total} candidates; fastest iteration first")
     table = Table(show_lines=False)
@@ -75,5 +77,5 @@ def print_plan(
         for column in ("dp", "tp", "pp", "mbs", "gbs", "reason"):
             rej.add_column(column, justify="right" if column != "reason" else "left")
         for c in rejected:
-            rej.add_row(str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), c.reason)
+            rej.add_row(str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), escape(c.reason))
         console.print(rej)

@@ -87,11 +87,11 @@ class ModelSpec(StrictModel):
     """Vocabulary size; 256 for byte-level corpora."""
     seq_len: int | None = Field(None, gt=1)
     """Training context length s (tokens per sample)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=0)
     """RoPE base (llama only)."""
     rope_scaling: RopeScaling | None = None
     """Llama 3's RoPE frequency scaling (llama only; on in the llama-3.2-1b preset, `null` turns it off)."""
-    norm_eps: float = 1e-5
+    norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of LayerNorm / RMSNorm (1e-12 in the bert-large preset, as BERT's)."""
     tie_embeddings: bool | None = None
     """The output head uses the token embedding's weight (one tensor, as GPT-2/GPT-3, Llama 3.2 1B and BERT do).
@@ -112,6 +112,14 @@ class ModelSpec(StrictModel):
     or BertForMaskedLM whose config matches this section (a mismatch is one line naming the field or tensor). Read
     only when the run has no checkpoint yet, under any layout. A relative path is read from the current directory,
     else next to the job file."""
+
+    @pydantic.field_validator("init_from")
+    @classmethod
+    def _init_not_empty(cls, value: str | None) -> str | None:
+        # Path("") is the current directory: an empty value would be read as a model directory there.
+        if value is not None and not value.strip():
+            raise ValueError("empty; give a Hugging Face model directory, or null to start from random weights")
+        return value
 
     @pydantic.field_validator("preset")
     @classmethod
@@ -207,6 +215,14 @@ class DataSpec(StrictModel):
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     """Fraction at the end of the corpus held out for validation."""
 
+    @pydantic.field_validator("path")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        # Path("") is the current directory, which exists: an empty value would train on whatever files are there.
+        if not value.strip():
+            raise ValueError("empty; give a text file, a directory of .txt files or a token file")
+        return value
+
 
 class OptimizerSpec(StrictModel):
     """AdamW and a learning-rate schedule defined over samples, so it survives batch-size changes."""
@@ -232,6 +248,15 @@ class OptimizerSpec(StrictModel):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
+
+    @pydantic.model_validator(mode="after")
+    def _floor_below_peak(self) -> OptimizerSpec:
+        # A floor above the peak turns the cosine decay into a climb.
+        if self.min_lr > self.lr:
+            default = "" if "min_lr" in self.model_fields_set else " (the default)"
+            raise ValueError(f"min_lr={self.min_lr:g}{default} is larger than lr={self.lr:g}; set optimizer.min_lr "
+                             "at most lr: it is the floor the schedule decays to")  # fmt: skip
+        return self
 
 
 class BatchSpec(StrictModel):
@@ -375,7 +400,7 @@ class JobSpec(StrictModel):
     name: str = "cona-job"
     """A short name for run directories and cluster jobs: letters, digits, `.`, `_` and `-`, starting with a letter
     or digit (it becomes a directory name, a Slurm job name and part of Kubernetes object names)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seeds the initialisation, the data order and BERT's masks."""
     model: ModelSpec
     data: DataSpec = Field(default_factory=DataSpec)

@@ -22,6 +22,29 @@ class ConfigError(ValueError):
     """A user error in a YAML file or an override; its message is one line meant for stderr."""
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping. PyYAML keeps the last one, so a section
+    pasted twice (two `batch:`) silently replaces the first one whole, defaults and all. Keys brought in by a
+    merge (`<<: *base`) may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                first = seen[key].start_mark.line + 1
+                raise _DuplicateKey(problem=f"duplicate key {key!r} (first at line {first}); merge the two into one",
+                                    problem_mark=key_node.start_mark)  # fmt: skip
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping with `yaml.safe_load`, turning every failure into a `ConfigError`."""
     path = Path(path)
@@ -35,7 +58,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                           "save it as UTF-8") from None  # fmt: skip
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
@@ -78,12 +101,14 @@ def _field_names(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[
     """The valid field names at `loc` (the parent of an unknown key), following nested models."""
     current: Any = model
     for part in loc:
+        if isinstance(part, int) and isinstance(current, type) and issubclass(current, pydantic.BaseModel):
+            continue  # an item of a list of sections (`policy.schedule.0`): `list[Model]` was unwrapped to Model
         if isinstance(current, type) and issubclass(current, pydantic.BaseModel) and isinstance(part, str):
             field = current.model_fields.get(part)
             if field is None:
                 return []
             current = field.annotation
-            # unwrap Optional[X] / X | None
+            # unwrap Optional[X], X | None and list[X] to the section X
             args = [a for a in getattr(current, "__args__", ()) if a is not type(None)]
             if args and not (isinstance(current, type) and issubclass(current, pydantic.BaseModel)):
                 models = [a for a in args if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
@@ -153,9 +178,45 @@ class StrictModel(pydantic.BaseModel):
         # pydantic's lax mode reads YAML's true/false as 1/0 in a number field (`nodes: true` is one node); a
         # boolean where the field takes none is a slip, so say so.
         field = cls.model_fields.get(info.field_name or "")
-        if field is not None and _stray_bool(field.annotation, value):
-            raise ValueError("expects a number (or a list of numbers), not true/false")
+        if field is None:
+            return value
+        if _stray_bool(field.annotation, value):
+            raise ValueError(_bool_message(field.annotation))
+        if isinstance(value, str) and _takes_int_not_text(field.annotation):
+            # YAML 1.1 reads `1.5e8` and `1e6` (no dot, or no sign in the exponent) as text, which pydantic will
+            # not read as an integer: a whole number written in e-notation is what the user meant.
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if math.isfinite(number) and number.is_integer():
+                return int(number)
         return value
+
+
+def _arms(annotation: Any) -> list[Any]:
+    """The types a field admits, None left out (`int | None` → [int])."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _takes_int_not_text(annotation: Any) -> bool:
+    arms = _arms(annotation)
+    return int in arms and str not in arms and Any not in arms
+
+
+def _bool_message(annotation: Any) -> str:
+    """What a field that takes no true/false expects. YAML 1.1 reads an unquoted yes/no/on/off as true/false, so
+    `lr_scaling: no` or `recompute: off` arrive as booleans."""
+    arms = _arms(annotation)
+    choices = [c for arm in arms if typing.get_origin(arm) is typing.Literal for c in typing.get_args(arm)]
+    quote = " (YAML reads an unquoted yes/no/on/off as true/false: quote the value)"
+    if choices:
+        return f"expects one of {', '.join(repr(c) for c in choices)}, not true/false" + quote
+    if str in arms:
+        return "expects text, not true/false" + quote
+    return "expects a number (or a list of numbers), not true/false"
 
 
 def _admits_bool(annotation: Any) -> bool:

@@ -135,6 +135,30 @@ BAD_JOBS = [
     # YAML's true/false where a number belongs is a slip, not 1/0.
     ("model: {preset: tiny-gpt}\nbatch: {max_gbs: true}\n", "field 'batch.max_gbs': expects a number"),
     ("model: {preset: tiny-gpt}\nbatch: {mbs_choices: [2, true]}\n", "field 'batch.mbs_choices': expects a number"),
+    # YAML 1.1 reads an unquoted no/off as false: a choice or a text field says what it takes and to quote it.
+    ("model: {preset: tiny-gpt}\noptimizer: {lr_scaling: no}\n",
+     "field 'optimizer.lr_scaling': expects one of 'none', 'linear', 'sqrt', not true/false (YAML reads an unquoted "
+     "yes/no/on/off as true/false: quote the value)"),
+    ("model: {preset: tiny-gpt}\ndata: {path: off}\n", "field 'data.path': expects text, not true/false"),
+    # A section given twice: PyYAML would keep the second one whole, the first one's fields back at their defaults.
+    ("model: {preset: tiny-gpt}\nbatch: {max_gbs: 64}\noptimizer: {lr: 0.001}\nbatch: {mbs_choices: [2]}\n",
+     "line 4 column 1: invalid YAML: duplicate key 'batch' (first at line 2); merge the two into one"),
+    # Path("") is the current directory, which exists: an empty path would train on whatever is there.
+    ("model: {preset: tiny-gpt}\ndata: {path: ''}\n", "field 'data.path': empty; give a text file"),
+    ("model: {preset: tiny-gpt, init_from: ''}\n", "field 'model.init_from': empty"),
+    # Values the trainer cannot run (numpy refuses a negative seed; a zero RoPE base or norm epsilon is NaN at step 0).
+    ("model: {preset: tiny-gpt}\nseed: -1\n", "field 'seed': Input should be greater than or equal to 0"),
+    ("model: {preset: tiny-llama, rope_theta: 0}\n", "field 'model.rope_theta': Input should be greater than 0"),
+    ("model: {preset: tiny-gpt, norm_eps: -1.0e-5}\n", "field 'model.norm_eps': Input should be greater than 0"),
+    ("model: {preset: tiny-gpt}\noptimizer: {lr: 1.0e-3, min_lr: 1.0e-2}\n", "min_lr=0.01 is larger than lr=0.001; set optimizer.min_lr at most lr"),
+    # A strategy or schedule the named policy never reads is a forgotten name: the run would switch online instead.
+    ("model: {preset: tiny-gpt}\npolicy: {strategy: 'dp=2,tp=1,pp=2,mbs=2,gbs=32'}\n",
+     "policy.strategy is read only by policy 'fixed', not 'cona'; set policy.name: fixed, or remove policy.strategy"),
+    ("model: {preset: tiny-gpt}\npolicy: {name: static, schedule: [{samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}]}\n",
+     "policy.schedule is read only by policy 'schedule', not 'static'"),
+    # An unknown key in an item of a list of sections is answered with that section's fields.
+    ("model: {preset: tiny-gpt}\npolicy: {name: schedule, schedule: [{samples: 0, stratgy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}]}\n",
+     "unknown field 'policy.schedule.0.stratgy'; did you mean 'strategy'?; valid fields here: samples, strategy"),
 ]
 
 
@@ -147,6 +171,32 @@ def test_bad_job_messages(tmp_path, text, expected):
     assert expected in message
     assert str(path) in message
     assert "\n" not in message
+
+
+def test_a_whole_number_in_e_notation_is_read_as_an_integer(tmp_path):
+    """YAML 1.1 reads `1.5e8` as text; where an integer belongs it is the number the user wrote."""
+    job = load_job(_write(tmp_path, "model: {preset: tiny-gpt}\ntarget: {max_samples: 1.5e8}\n"))
+    assert job.target.max_samples == 150_000_000
+    with pytest.raises(ConfigError, match=r"target\.max_samples"):
+        load_job(_write(tmp_path, "model: {preset: tiny-gpt}\ntarget: {max_samples: 1.5e-3}\n"))
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    """Only a key written twice is refused: YAML's `<<` merge exists to be overridden."""
+    text = "base: &b {lr: 1.0e-3, min_lr: 1.0e-4}\nmodel: {preset: tiny-gpt}\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n"
+    from cona.protocol.yamlconfig import load_yaml
+
+    assert load_yaml(_write(tmp_path, text))["optimizer"] == {"lr": 2.0e-3, "min_lr": 1.0e-4}
+
+
+def test_a_name_with_brackets_is_printed_as_text(tmp_path):
+    """`cona plan` prints names from the YAML with rich: `[/]` raised a MarkupError, `[old nodes]` vanished."""
+    profile = (REPO / "slurm" / "profiles" / "local-cpu.yaml").read_text().replace("name: local-cpu", 'name: "cpu [old nodes] [/]"')
+    assert "cpu [old nodes]" in profile
+    path = _write(tmp_path, profile, "profile.yaml")
+    result = run_cona("plan", "--profile", str(path), "--job", "examples/tiny-gpt.yaml", "--top", "1")
+    assert result.returncode == 0, result.stderr
+    assert "on cpu [old nodes] [/]: 1 node(s)" in result.stdout
 
 
 def test_a_yaml_file_that_is_no_text_is_named(tmp_path):
@@ -263,6 +313,10 @@ def test_strategy_parse_and_errors():
          "global batches [16] is a multiple of it: give e.g. batch.gbs_choices=[18, 36, 72] with batch.base_gbs=18"),
         (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/tiny-gpt.yaml",
           "--policy", "statc"], "did you mean 'static'"),
+        # `static:` for `fixed:`: the strategy was dropped and the static policy ran.
+        (["render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
+          "--policy", "static:dp=1,tp=1,pp=4,mbs=2,gbs=8"],
+         "only fixed takes a strategy after ':' (did you mean --policy fixed:dp=1,tp=1,pp=4,mbs=2,gbs=8?)"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_exit_2(args, expected):
