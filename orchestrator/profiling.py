@@ -204,7 +204,7 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
     candidates = enumerate_candidates(profile=profile, job=job, num_devices=profile.num_gpus, feasible_only=True)
     if not candidates:
         raise ConfigError(no_feasible_strategy(profile, job))
-    if strategies:
+    if strategies is not None:  # an empty --strategies "" names no strategy, as ";;" does: not the default set
         if top is not None:
             raise ConfigError("give --top or --strategies, not both")
         chosen = []
@@ -217,7 +217,14 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
             raise ConfigError("--strategies names no strategy; e.g. 'dp=4,tp=1,pp=1,mbs=8,gbs=32'")
     else:
         chosen = pick_strategies(candidates, base_gbs=job.batch.base_gbs, top=DEFAULT_TOP if top is None else top)
-    steps = DEFAULT_HEARTBEATS * job.heartbeat.interval_steps if steps is None else steps
+    interval = job.heartbeat.interval_steps
+    if steps is not None and steps < 2 * interval:
+        # Checked before anything runs: the first heartbeat after each switch is warm-up, so with fewer steps the
+        # whole profiling run (a cluster allocation) would end with no measurement.
+        raise ConfigError(f"--steps {steps} gives each strategy fewer than 2 heartbeats (heartbeat.interval_steps="
+                          f"{interval}; the first after each switch is warm-up): give at least {2 * interval} "
+                          f"(default {DEFAULT_HEARTBEATS * interval})")  # fmt: skip
+    steps = DEFAULT_HEARTBEATS * interval if steps is None else steps
     entries, end = schedule_for(chosen, steps=steps)
     spec = job_to_dict(job)
     spec["policy"] = {**spec["policy"], "name": "schedule", "schedule": entries}

@@ -77,7 +77,11 @@ def test_the_profiling_job_runs_each_strategy_for_its_steps_and_stops_after_the_
         ({"strategies": "dp=4,tp=1,pp=1,mbs=4,gbs=16", "top": 2}, "give --top or --strategies, not both"),
         ({"strategies": "dp=4,tp=1,pp=1,mbs=4,gbz=16"}, "--strategies entry 0"),
         ({"strategies": " ; "}, "--strategies names no strategy"),
-        ({"steps": 0}, "--steps must be at least 1"),
+        ({"strategies": ""}, "--strategies names no strategy"),  # not the default set
+        # Refused before anything runs: one heartbeat per strategy is its warm-up, so nothing would be measured.
+        ({"steps": 0}, "--steps 0 gives each strategy fewer than 2 heartbeats"),
+        ({"steps": 1}, r"--steps 1 gives each strategy fewer than 2 heartbeats \(heartbeat.interval_steps=1; the "
+                       r"first after each switch is warm-up\): give at least 2"),
     ],
 )
 def test_a_bad_choice_of_what_to_profile_is_one_line(setup, kwargs, message):
