@@ -32,7 +32,7 @@ class AcceleratorSpec(StrictModel):
     """Device memory bandwidth with its unit, e.g. `2039 GB/s`."""
     device: Literal["cuda", "cpu"] = "cuda"
     """What the trainer runs on: `cuda` trains under bf16 autocast (bf16 activations, fp32 states), `cpu` in fp32."""
-    matmul_efficiency: float = Field(0.75, gt=0, le=1)
+    matmul_efficiency: float = Field(0.75, ge=1e-3, le=1)  # a floor: a denormal divides the cost model by zero
     """Fraction of peak that large matmuls reach (the asymptote of the cost model's matmul efficiency). The default
     is fitted to Megatron-LM's published A100 runs (docs/costmodel.md); cona corrects it online from measured step
     times."""
@@ -101,7 +101,7 @@ class NetworkSpec(StrictModel):
     """Latency of one intra-node collective step, microseconds."""
     inter_node_latency_us: float = Field(10.0, ge=0)
     """Latency of one inter-node message, microseconds."""
-    bandwidth_efficiency: float = Field(0.8, gt=0, le=1)
+    bandwidth_efficiency: float = Field(0.8, ge=1e-3, le=1)
     """Fraction of the nominal bandwidths that collectives reach (protocol overheads, imperfect rings, contention).
     The default is fitted to Megatron-LM's published A100 runs (docs/costmodel.md)."""
 
@@ -123,7 +123,7 @@ class NetworkSpec(StrictModel):
 class StorageSpec(StrictModel):
     """Where run directories live; every node must see this path (a shared filesystem or a PVC mount)."""
 
-    run_root: str = "runs"
+    run_root: str = Field("runs", min_length=1)
     """Directory under which `cona run` creates run directories."""
     write_bandwidth: str = "1 GB/s"
     """Checkpoint write bandwidth, used to predict switch cost before one is measured."""
@@ -140,7 +140,7 @@ class StorageSpec(StrictModel):
 class ClusterProfile(StrictModel):
     """A cluster: nodes × devices, their speed and memory, the network, storage and backend settings."""
 
-    name: str
+    name: str = Field(min_length=1)
     backend: Literal["local", "slurm", "kubernetes"]
     nodes: int = Field(gt=0, le=65536)  # bounded: the planner enumerates the world's divisors
     """Number of nodes the job may use."""

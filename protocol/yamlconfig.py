@@ -16,6 +16,8 @@ import pydantic
 import yaml
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+MAX_INT = 2**53
+"""The largest integer a config field takes (the largest a float holds exactly)."""
 
 
 class ConfigError(ValueError):
@@ -182,6 +184,9 @@ class StrictModel(pydantic.BaseModel):
             return value
         if _stray_bool(field.annotation, value):
             raise ValueError(_bool_message(field.annotation))
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            # No count here comes near 2**53; a larger one overflows float arithmetic in the cost model.
+            raise ValueError(f"too large (at most {MAX_INT:.0e})")
         if isinstance(value, str) and _takes_int_not_text(field.annotation):
             # YAML 1.1 reads `1.5e8` and `1e6` (no dot, or no sign in the exponent) as text, which pydantic will
             # not read as an integer: a whole number written in e-notation is what the user meant.

@@ -159,6 +159,8 @@ BAD_JOBS = [
     # An unknown key in an item of a list of sections is answered with that section's fields.
     ("model: {preset: tiny-gpt}\npolicy: {name: schedule, schedule: [{samples: 0, stratgy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}]}\n",
      "unknown field 'policy.schedule.0.stratgy'; did you mean 'strategy'?; valid fields here: samples, strategy"),
+    # Past 2**53 the cost model's float arithmetic overflows (a traceback from 1e309 on).
+    ("model: {preset: tiny-gpt, vocab_size: 100000000000000000000}\n", "field 'model.vocab_size': too large (at most 9e+15)"),
 ]
 
 
@@ -231,6 +233,12 @@ BAD_PROFILES = [
     # quoted the whole profile's repr as the value given.
     ("name: x\nbackend: slurm\nnodes: 2\nmin_nodes: 3\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
      "min_nodes=3 exceeds nodes=2; set min_nodes to at most nodes (the run then trains on any node count between them)"),
+    # A denormal efficiency divided the cost model by zero; an empty name or run root is no name.
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB, matmul_efficiency: 1.0e-320}\n",
+     "field 'accelerator.matmul_efficiency': Input should be greater than or equal to 0.001"),
+    ("name: ''\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n", "field 'name'"),
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nstorage: {run_root: ''}\n",
+     "field 'storage.run_root'"),
 ]  # fmt: skip
 
 
