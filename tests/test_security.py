@@ -48,8 +48,22 @@ def test_every_torch_load_uses_weights_only():
 
 
 def test_yaml_is_read_only_with_safe_load():
-    unsafe = [(p, c.lineno, c.func.attr) for name in ("load", "load_all", "full_load", "unsafe_load", "full_load_all")
-              for p, c in _calls(name) if isinstance(c.func.value, ast.Name) and c.func.value.id == "yaml"]  # fmt: skip
+    """yaml.load only with a loader that is yaml.SafeLoader or a subclass of it (the one that refuses keys given
+    twice); never full_load/unsafe_load, which build arbitrary objects."""
+    from cona.protocol import yamlconfig
+
+    safe = {name for name, value in vars(yamlconfig).items() if isinstance(value, type) and issubclass(value, yaml.SafeLoader)}
+    assert "_StrictLoader" in safe
+    unsafe = []
+    for name in ("load", "load_all", "full_load", "unsafe_load", "full_load_all"):
+        for path, call in _calls(name):
+            if not (isinstance(call.func.value, ast.Name) and call.func.value.id == "yaml"):
+                continue
+            loader = {k.arg: k.value for k in call.keywords}.get("Loader")
+            named = loader.id if isinstance(loader, ast.Name) else None
+            if name in ("load", "load_all") and path.name == "yamlconfig.py" and named in safe:
+                continue
+            unsafe.append((path, call.lineno, name))
     assert unsafe == [], f"YAML read without safe_load: {unsafe}"
 
 
