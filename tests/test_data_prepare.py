@@ -91,6 +91,13 @@ def test_prepare_writes_what_decodes_back_and_trains(tmp_path, corpus):
     trained = launch(tmp_path / "run", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=job, max_steps=2)
     assert trained.returncode == 0 and trained.exit_code == ExitCode.STOPPED, describe(trained)
     assert step_records(tmp_path / "run", 0)[1]["train_loss"] == pytest.approx(np.log(VOCAB), abs=0.3)
+    # Its export says the data's end-of-document id (the run was trained by hand: --job names the data), not
+    # transformers' default for GPT-2 (50256, outside this vocabulary).
+    from cona.trainer.export import main as export
+
+    assert export([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"), "--job", str(job)]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (eos, None)
     # ... and refuses, in one line naming the field, a model whose vocabulary is smaller.
     small = write_job(tmp_path, name="small.yaml", model={"num_layers": 2}, data={"path": str(out)})
     refused = launch(tmp_path / "refused", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=small, max_steps=1)
@@ -163,3 +170,75 @@ def test_bytes_that_are_not_utf8_are_replaced_and_counted(tmp_path, corpus, caps
                  "--out", str(tmp_path / "out")]) == 0  # fmt: skip
     err = capsys.readouterr().err
     assert "mixed.txt: not UTF-8 from byte 380 on; 2 of" in err and "U+FFFD" in err, err
+
+
+# Text where a cut at a line end changes the tokens of GPT-2's pre-tokenizer: markdown's "  \n" line breaks (one
+# pre-token "  \n" at the end of a text, "  " and "\n" before a letter) and two blank lines ("\n\n" and "\n" before
+# a letter, three newlines when cut after the first).
+_TRICKY = "**ROMEO**  \nBut soft!  \nWhat light\n\n\n  through yonder\n\n\n\nwindow breaks?  \n \n"
+
+
+def _tokenizer_of(kind: str, text: str):
+    """A small tokenizer trained on `text`: GPT-2's byte-level BPE, or one of those that add a prefix on every
+    encode call (ByteLevel add_prefix_space, Metaspace prepend_scheme always, a Prepend normalizer as Llama 2's)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    special = ["<|endoftext|>"]
+    if kind.startswith("byte-level"):
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=kind == "byte-level-prefix-space")
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    elif kind == "metaspace-always":
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        trainer = trainers.UnigramTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    else:
+        tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tokenizer
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-level-prefix-space", "metaspace-always", "prepend-normalizer"])
+def test_the_tokens_are_those_of_each_document_encoded_whole_whatever_the_chunks(tmp_path, kind):
+    """Chunks at every line end (a tiny --chunk-mb) gave other tokens than the document encoded whole: a prefix
+    space at every chunk for a tokenizer that adds one per encode call (`friend?  \\n It must` at each 1 MB of the
+    Shakespeare corpus), and other tokens for GPT-2's byte-level BPE wherever whitespace meets the cut."""
+    from cona.trainer.prepare import prepare
+
+    base = corpus_path().read_text()[:6_000]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = [base[:3_000] + _TRICKY * 3, _TRICKY + base[3_000:] + _TRICKY]
+    for k, text in enumerate(texts):
+        (docs / f"{k}.txt").write_text(text)
+    tokenizer = _tokenizer_of(kind, "".join(texts) * 2)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    whole = [i for text in texts for i in [*tokenizer.encode(text, add_special_tokens=False).ids, eos]]
+    for chunk_mb in (1e-6, 1e-3, 1.0):  # every line end a cut; a few; none
+        meta = prepare(path, docs, tmp_path / f"out-{chunk_mb}", workers=1, chunk_mb=chunk_mb, progress=False)
+        got = np.fromfile(tmp_path / f"out-{chunk_mb}" / "tokens.bin", dtype=np.uint16).tolist()
+        assert meta["num_tokens"] == len(whole)
+        assert got == whole, f"--chunk-mb {chunk_mb}: {tokenizer.decode(got)!r}"
+
+
+def test_without_call_prefix_removes_only_the_per_call_prefix():
+    from cona.trainer.prepare import without_call_prefix
+
+    config = {
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                           {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True},
+    }  # fmt: skip
+    out = json.loads(without_call_prefix(json.dumps(config)))
+    assert out["normalizer"]["normalizers"] == [config["normalizer"]["normalizers"][1]]
+    assert [p.get("add_prefix_space", p.get("prepend_scheme")) for p in out["pre_tokenizer"]["pretokenizers"]] == [False, "never"]
+    assert out["decoder"] == config["decoder"]  # decoding is not encoding's business
+    assert json.loads(without_call_prefix(json.dumps({"normalizer": {"type": "Prepend", "prepend": "▁"}})))["normalizer"] is None

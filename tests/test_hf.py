@@ -435,3 +435,123 @@ def test_the_presets_take_the_published_configs():
     assert "set model.tie_embeddings: false" in config_problem(ModelSpec(preset="llama-3.2-1b"), llama, source="x")
     llama["tie_word_embeddings"], llama["rope_scaling"] = True, None
     assert "set model.rope_scaling: null" in config_problem(ModelSpec(preset="llama-3.2-1b"), llama, source="x")
+
+
+class _Collected(list):
+    """transformers' log records of WARNING and above (its loggers do not propagate to the root, so caplog misses
+    them)."""
+
+    def __enter__(self) -> _Collected:
+        import logging
+
+        collected = self
+
+        class Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                collected.append(record.getMessage())
+
+        self._handler = Handler(level=logging.WARNING)
+        logging.getLogger("transformers").addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import logging
+
+        logging.getLogger("transformers").removeHandler(self._handler)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("eos", [None, 3])
+def test_config_json_says_the_token_ids_so_transformers_defaults_never_apply(tmp_path, family, eos):
+    """config.json without bos/eos took transformers' defaults: GPT-2's 50256, outside a 256-token vocabulary (a
+    warning at every load; generation never stops), Llama's 1 and 2 (generation stops on a byte the run never saw as
+    an end)."""
+    from cona.trainer import hf
+
+    spec = _spec(family)
+    hf.save_directory(tmp_path / "hf", spec, _cona_model(spec).state_dict(), eos_token_id=eos)
+    with _Collected() as warned:
+        model = _hf_model(family, tmp_path / "hf")
+    assert not warned, warned
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (None, eos)
+    if family != "bert":
+        generation = model.generation_config
+        assert (generation.bos_token_id, generation.eos_token_id) == (None, eos)
+        prompt = torch.tensor([[5, 6]])
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+        assert out.shape[1] <= 5
+
+
+def test_export_takes_the_recorded_model_refuses_another_job_and_names_no_token_it_lacks(tmp_path, capsys):
+    """`cona export --job` of another model (norm eps 0.1, tanh GELU) wrote that model over the checkpoint's
+    weights with exit 0: logits off by up to 4.3. The recorded model is used, and such a job refused in one line
+    naming the fields, as the trainer's resume does."""
+    from cona.trainer.export import main
+
+    job = write_job(tmp_path, model={"num_layers": 2})  # byte-level text: no end-of-document token
+    trained = launch(tmp_path / "run", nproc=0, strategy="dp=1,mbs=8,gbs=16", job=job, max_steps=1)
+    assert trained.returncode == 0 and trained.exit_code == ExitCode.STOPPED, describe(trained)
+    other = write_job(tmp_path, name="other.yaml", model={"num_layers": 2, "norm_eps": 0.1, "gelu_approximation": "tanh"})
+    args = [str(tmp_path / "run"), "--format", "hf", "--out"]
+    assert main([*args, str(tmp_path / "other"), "--job", str(other)]) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert err.startswith(f"cona: error: --job {other}: ") and len(err.strip().splitlines()) == 1, err
+    assert "gelu_approximation 'none' (this job: 'tanh'), norm_eps 1e-05 (this job: 0.1)" in err, err
+    assert err.strip().endswith("leave --job out to export the model the checkpoint records"), err
+    assert not (tmp_path / "other").exists()
+
+    # The job it was trained with: accepted, and its data (byte-level text) has no end-of-document token.
+    assert main([*args, str(tmp_path / "hf"), "--job", str(job)]) == 0
+    assert capsys.readouterr().err == ""
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["layer_norm_epsilon"]) == (None, None, 1e-5)
+    with _Collected() as warned:
+        _check_export_matches_checkpoint("gpt", _spec("gpt"), tmp_path / "run", tmp_path / "hf")
+    assert not warned, warned
+    capsys.readouterr()  # transformers' progress bar
+    # Trained by hand, without run.yaml or --job: the same model, and a warning that the data is not known.
+    assert main([*args, str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("cona export: warning: ") and len(err.strip().splitlines()) == 1, err
+    assert "no --job names its data" in err and "config.json says eos_token_id: null" in err, err
+    from cona.trainer.hf import directory_digest
+
+    assert directory_digest(tmp_path / "again") == directory_digest(tmp_path / "hf")
+
+
+def test_the_end_of_document_id_is_the_one_the_run_trained_with(tmp_path):
+    """From the tokens.json of `cona data prepare` beside the data of run.yaml's job (else --job's); none for text;
+    unknown (a warning) for a raw token file or data that is gone."""
+    import yaml
+    from cona.protocol.job import job_to_dict, load_job
+    from cona.protocol.rundir import RunDir
+    from cona.trainer.export import run_eos
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "tokens.bin").write_bytes(bytes(8))
+    (prepared / "tokens.json").write_text(json.dumps({"eos_id": 5, "vocab_size": 300, "token_dtype": "uint16"}))
+    (tmp_path / "raw.bin").write_bytes(bytes(8))
+    (tmp_path / "text.txt").write_text("to be\n")
+
+    def eos(data_path: str, *, recorded: bool = False, vocab_size: int = 512) -> tuple[int | None, str | None]:
+        job = load_job(write_job(tmp_path, data={"path": data_path}))
+        run = tmp_path / "run"
+        run.mkdir(exist_ok=True)
+        (run / "run.yaml").unlink(missing_ok=True)
+        if recorded:  # what `cona run` writes; --job is then not asked for the data
+            (run / "run.yaml").write_text(yaml.safe_dump({"job": job_to_dict(job)}))
+            job = load_job(write_job(tmp_path, name="other.yaml", data={"path": str(tmp_path / "text.txt")}))
+        return run_eos(RunDir(run), job, vocab_size=vocab_size)
+
+    assert eos(str(prepared)) == (5, None)
+    assert eos(str(prepared / "tokens.bin")) == (5, None)
+    assert eos(str(prepared), recorded=True) == (5, None)
+    assert eos(str(tmp_path / "text.txt")) == (None, None)
+    for path, why in [(str(tmp_path / "raw.bin"), "has no tokens.json beside it"), (str(tmp_path / "gone"), "no longer exists")]:
+        value, warning = eos(path)
+        assert value is None and why in warning and warning.endswith("config.json says eos_token_id: null (set it "
+                                                                     "there if the data has one)"), warning  # fmt: skip
+    value, warning = eos(str(prepared), vocab_size=4)
+    assert value is None and "end-of-document id 5 is outside the model's vocabulary of 4" in warning

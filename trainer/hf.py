@@ -143,14 +143,17 @@ def _shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 # config.json ----------------------------------------------------------------------------------------------------
 
 
-def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json for `spec`: what transformers needs to build the same model (dropout off, fp32)."""
+def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None, bos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json for `spec`: what transformers needs to build the same model (dropout off, fp32), and the
+    end- and beginning-of-document ids the model was trained with (null: none)."""
     common: dict[str, Any] = {
         "architectures": [ARCHITECTURES[spec.family]], "model_type": MODEL_TYPES[spec.family],
         "vocab_size": spec.vocab_size, "tie_word_embeddings": bool(spec.tie_embeddings), "torch_dtype": "float32",
+        # Written even when null: transformers fills a missing one with its family's default (GPT-2's 50256, outside
+        # a byte-level vocabulary, warned about at every load; Llama's 1 and 2), and generation would stop on a
+        # token the model never learned as an end, or never.
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
     }  # fmt: skip
-    if eos_token_id is not None:
-        common["eos_token_id"] = eos_token_id
     if spec.family == "gpt":
         return {**common, "n_layer": spec.num_layers, "n_embd": spec.hidden_size, "n_head": spec.num_heads,
                 "n_inner": spec.ffn_hidden_size, "n_positions": spec.seq_len, "layer_norm_epsilon": spec.norm_eps,
@@ -491,10 +494,11 @@ def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[st
 
 def save_directory(
     directory: Path | str, spec: ModelSpec, state: Mapping[str, torch.Tensor], *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_token_id: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_token_id: int | None = None, bos_token_id: int | None = None,
 ) -> list[Path]:  # fmt: skip
     """Write config.json and the weights of the model `state` (cona names) in the transformers format; returns the
-    files written. The bytes depend only on the tensors and the spec (no times), so an export is reproducible."""
+    files written. The bytes depend only on the tensors, the spec and the token ids (no times), so an export is
+    reproducible."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -508,7 +512,8 @@ def save_directory(
         for stale in [directory / WEIGHTS, directory / INDEX, *directory.glob("model-*-of-*.safetensors")]:
             stale.unlink(missing_ok=True)
         written.append(directory / CONFIG)
-        written[-1].write_text(json.dumps(hf_config(spec, eos_token_id=eos_token_id), indent=2, sort_keys=True) + "\n")
+        config = hf_config(spec, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+        written[-1].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if len(shards) == 1:
             written.append(directory / WEIGHTS)
             save_file(tensors, written[-1], metadata={"format": "pt"})
@@ -567,8 +572,9 @@ def directory_digest(directory: Path | str) -> str:
 
 def export_checkpoint(
     checkpoint: Path | str, out: Path | str, *, spec: ModelSpec, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    eos_token_id: int | None = None,
+    eos_token_id: int | None = None, bos_token_id: int | None = None,
 ) -> list[Path]:  # fmt: skip
     """Write the model of a DCP checkpoint (any layout) to `out` in the transformers format."""
     state = checkpoint_model_tensors(checkpoint)
-    return save_directory(out, spec, state, max_shard_bytes=max_shard_bytes, eos_token_id=eos_token_id)
+    return save_directory(out, spec, state, max_shard_bytes=max_shard_bytes, eos_token_id=eos_token_id,
+                          bos_token_id=bos_token_id)  # fmt: skip

@@ -11,9 +11,18 @@ tool, and needs Hugging Face `tokenizers` (`pip install cona[data]`), not torch.
                       vocabulary is smaller than the tokenizer's (`trainer.data.read_token_metadata`)
 
 and `data.path: DIR` trains on it. A document is one input file (a directory's `.txt`/`.md` files and files without
-a suffix, sorted, as the byte-level reader takes them). Files are cut into chunks of about `--chunk-mb` at line
-ends and the chunks are tokenized by `--workers` processes (a progress bar on a terminal); the chunks depend only
-on the text, so the output is the same for any number of workers.
+a suffix, sorted, as the byte-level reader takes them). Files are cut into chunks of about `--chunk-mb` and the
+chunks are tokenized by `--workers` processes (a progress bar on a terminal). The tokens are those of each document
+encoded whole, whatever `--workers` and `--chunk-mb`:
+
+- A tokenizer may add a prefix on every encode call (ByteLevel's `add_prefix_space`, Metaspace's `prepend_scheme`
+  `always` or `first`, a `Prepend` normalizer): inside a document it would insert a space at every chunk. A
+  document's first chunk is encoded with the tokenizer as it is, the others with a copy without that prefix
+  (`without_call_prefix`).
+- Tokens can depend on the text across a cut (GPT-2's pre-tokenizer groups `"  \n"` differently at the end of a
+  text than before a letter; `"\n\n\n"` cut after its first line end encodes as three newlines instead of two
+  tokens). A chunk ends at the first line end past `--chunk-mb` where cutting changes no token: the text around the
+  cut (`_CONTEXT` characters each side) encodes the same whole as in two parts (`harmless_cut`).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
@@ -71,29 +80,100 @@ def input_files(path: Path) -> list[Path]:
     return files
 
 
-def chunks(text: str, size: int) -> Iterator[str]:
-    """`text` cut after a line end near every `size` characters (the whole rest when there is none)."""
+_CONTEXT = 1000
+"""Characters each side of a cut that `harmless_cut` encodes: far more than a pre-token spans in text."""
+_TRIES = 64
+"""Line ends tried in a row before skipping a chunk's length further, so a tokenizer for which no cut is harmless
+(a `Strip` normalizer) costs a bounded number of checks per chunk rather than one per line."""
+
+
+def chunks(text: str, size: int, harmless: Callable[[str, int], bool] | None = None) -> Iterator[str]:
+    """`text` cut after a line end near every `size` characters (the whole rest when there is none): the first line
+    end from there where `harmless(text, cut)` holds (every one when `harmless` is None)."""
     start = 0
     while start < len(text):
-        cut = text.find("\n", start + size)
-        end = len(text) if cut < 0 else cut + 1
+        end = _cut(text, start + size, size, harmless)
         yield text[start:end]
         start = end
 
 
-_TOKENIZER: Any = None
+def _cut(text: str, at: int, size: int, harmless: Callable[[str, int], bool] | None) -> int:
+    tried = 0
+    while True:
+        line_end = text.find("\n", at)
+        if line_end < 0 or line_end + 1 == len(text):
+            return len(text)
+        cut = line_end + 1
+        if harmless is None or harmless(text, cut):
+            return cut
+        tried += 1
+        at = cut if tried % _TRIES else cut + size
 
 
-def _init_worker(tokenizer_json: str) -> None:
-    global _TOKENIZER
+def without_call_prefix(tokenizer_json: str) -> str:
+    """The tokenizer without the prefix it adds at the start of every encode call (see the module): the one to
+    encode the chunks of a document after its first with, where the whole document's encode adds nothing."""
+    config = json.loads(tokenizer_json)
+
+    def strip(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind == "Prepend":
+            return None
+        if kind == "ByteLevel":
+            return {**node, "add_prefix_space": False}
+        if kind == "Metaspace":
+            # `first` prepends to the first section of every call, a later chunk's too; mid-document the whole
+            # document's encode prepends nothing.
+            node = {**node, "prepend_scheme": "never"}
+            if "add_prefix_space" in node:  # the field of tokenizers before 0.19
+                node["add_prefix_space"] = False
+            return node
+        for key in ("normalizers", "pretokenizers"):  # Sequence
+            if isinstance(node.get(key), list):
+                node = {**node, key: [n for n in map(strip, node[key]) if n is not None]}
+        return node
+
+    for key in ("normalizer", "pre_tokenizer"):
+        config[key] = strip(config.get(key))
+    return json.dumps(config)
+
+
+def harmless_cut(first: Any, rest: Any) -> Callable[[str, int], bool]:
+    """Whether cutting `text` at `cut` leaves the tokens as they are: the text around it encodes the same whole as
+    in two parts, the part after the cut as a chunk after the first is (by `rest`; by `first` what starts at the
+    document's start, as its first chunk is)."""
+
+    def ids(tokenizer: Any, text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    def check(text: str, cut: int) -> bool:
+        begin = max(0, cut - _CONTEXT)
+        before = first if begin == 0 else rest
+        left, right = text[begin:cut], text[cut : cut + _CONTEXT]
+        return ids(before, left + right) == ids(before, left) + ids(rest, right)
+
+    return check
+
+
+_TOKENIZERS: tuple[Any, Any] | None = None
+
+
+def _init_worker(first_json: str, rest_json: str) -> None:
+    global _TOKENIZERS
     from tokenizers import Tokenizer
 
-    _TOKENIZER = Tokenizer.from_str(tokenizer_json)
+    _TOKENIZERS = (Tokenizer.from_str(first_json), Tokenizer.from_str(rest_json))
 
 
-def _encode(text: str) -> np.ndarray:
+def _encode(task: tuple[str, bool]) -> np.ndarray:
     # No special tokens added per chunk (a chunk is not a document); EOS is appended per document by the caller.
-    return np.asarray(_TOKENIZER.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    # Only a document's first chunk takes the prefix the tokenizer adds per call, as the whole document's encode does.
+    text, first = task
+    assert _TOKENIZERS is not None
+    tokenizer = _TOKENIZERS[0] if first else _TOKENIZERS[1]
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
 def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | None = None, workers: int = 1,
@@ -131,18 +211,23 @@ def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | Non
     with _writing_to(out, tmp):
         out.mkdir(parents=True, exist_ok=True)
         size = max(1, int(chunk_mb * 1e6))
-        tasks = [(k, piece) for k, text in enumerate(texts) for piece in chunks(text, size)]
+        rest_json = _rest_tokenizer(raw.decode())
+        harmless = harmless_cut(tokenizer, Tokenizer.from_str(rest_json))
+        tasks = [(k, piece) for k, text in enumerate(texts) for piece in chunks(text, size, harmless)]
         last_of_document = {k: i for i, (k, _) in enumerate(tasks)}  # a document's EOS follows its last chunk
         ends = set(last_of_document.values())
+        firsts = {i for i, (k, _) in enumerate(tasks) if i == 0 or tasks[i - 1][0] != k}
         from tqdm import tqdm
 
         total = 0
         # disable=None: tqdm shows the bar on a terminal only (no bar in logs and CI).
         bar = tqdm(total=len(tasks), unit="chunk", desc="cona data prepare", file=sys.stderr,
                    disable=None if progress is None else not progress)  # fmt: skip
-        with open(tmp, "wb") as f, ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(raw.decode(),)) as pool:
+        with open(tmp, "wb") as f, ProcessPoolExecutor(workers, initializer=_init_worker,
+                                                       initargs=(raw.decode(), rest_json)) as pool:  # fmt: skip
             # map keeps the order of the chunks, so the file is the same for any number of workers.
-            for i, ids in enumerate(pool.map(_encode, [piece for _, piece in tasks], chunksize=1)):
+            work = [(piece, i in firsts) for i, (_, piece) in enumerate(tasks)]
+            for i, ids in enumerate(pool.map(_encode, work, chunksize=1)):
                 if i in ends and eos_id is not None:
                     ids = np.append(ids, eos_id)
                 f.write(ids.astype(dtype).tobytes())
@@ -159,6 +244,20 @@ def prepare(tokenizer_path: Path, input_path: Path, out: Path, *, eos: str | Non
         }  # fmt: skip
         (out / TOKENS_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+def _rest_tokenizer(tokenizer_json: str) -> str:
+    """`without_call_prefix`, or the tokenizer itself where that copy does not load (a field this version of
+    tokenizers reads in some other form): then every cut shows the prefix, none is harmless, and each document is
+    encoded in one piece, slower but right."""
+    from tokenizers import Tokenizer
+
+    stripped = without_call_prefix(tokenizer_json)
+    try:
+        Tokenizer.from_str(stripped)
+    except Exception:  # tokenizers raises its own exception types
+        return tokenizer_json
+    return stripped
 
 
 @contextlib.contextmanager
