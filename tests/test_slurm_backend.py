@@ -409,7 +409,7 @@ def test_an_elastic_launch_submits_a_node_range_and_reports_the_strategy_it_got(
     backend, fake, run = env
     attempt = backend.launch(attempt=1, strategy=S4, elastic={1: S2, 2: S4})
     sbatch = next(c for c in fake.calls if c[0] == "sbatch")
-    assert sbatch[1:5] == ["--parsable", "--nodes=1-2", "--ntasks=2", "--ntasks-per-node=2"], sbatch
+    assert sbatch[1:4] == ["--parsable", "--nodes=1-2", "--ntasks=2"] and sbatch[4] == str(backend.script_path()), sbatch
     launch = json.loads((run.attempt_dir(1) / "launch.json").read_text())
     assert launch["by_nnodes"] == {"1": {"strategy": S2.to_dict(), "nproc_per_node": 2},
                                    "2": {"strategy": S4.to_dict(), "nproc_per_node": 2}}  # fmt: skip

@@ -160,10 +160,80 @@ def test_render_of_an_elastic_run_asks_for_the_range_the_scheduler_submits(tmp_p
     assert sorted(plan.by_nodes()) == [2, 3, 4]
     strategy = plan.strategy_for(plan.max_nodes)
     rendered = backend.render(strategy=strategy)
-    assert _node_lines(rendered) == ["#SBATCH --nodes=2-4", "#SBATCH --ntasks=4", "#SBATCH --ntasks-per-node=4"]
+    assert _node_lines(rendered) == ["#SBATCH --nodes=2-4", "#SBATCH --ntasks=4"]
     backend.launch(attempt=1, strategy=strategy, elastic=plan.by_nodes())
     (sbatch,) = [c for c in calls if c[0] == "sbatch"]
     assert [f"#SBATCH {option}" for option in sbatch[2:-2]] == _node_lines(rendered)
+
+
+def test_a_node_range_does_not_raise_the_per_node_cpu_minimum():
+    """slurmctld makes `cpus_per_task × ntasks_per_node` every node's minimum CPU count when a job has more than
+    one task, so `--nodes=150-288 --ntasks=288 --ntasks-per-node=288` fitted no node with fewer than 288 CPUs and
+    never started. A range asks for MAX tasks only; the batch script's srun still starts one agent per node."""
+    profile = _profile_set("nodes=300", "min_nodes=150")
+    text = render_batch_script(profile, None, "/runs/x", nodes="150-288")
+    assert _node_lines(text) == ["#SBATCH --nodes=150-288", "#SBATCH --ntasks=288"]
+    step = next(line for line in text.splitlines() if line.strip().startswith("srun "))
+    assert '--nodes="$cona_nnodes" --ntasks="$cona_nnodes" --ntasks-per-node=1' in step
+    # A node count keeps one task per node.
+    assert _node_lines(render_batch_script(profile, None, "/runs/x", nodes=3)) == [
+        "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1"]  # fmt: skip
+
+
+# --- slurm.use_submitit ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_submitit_slurm(tmp_path, monkeypatch):
+    """An sbatch that answers with job id 12345 (what submitit parses) and an srun (submitit looks for one)."""
+    pytest.importorskip("submitit")
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text('#!/bin/sh\necho "$@" >>"$0.calls"\necho "Submitted batch job 12345"\n')
+    (bindir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in ("sbatch", "srun"):
+        (bindir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return bindir
+
+
+def test_submitit_submits_an_elastic_range_with_the_profiles_python(tmp_path, fake_submitit_slurm):
+    """submitit's typed `nodes` takes only an int: an elastic `MIN-MAX` crashed the first launch with its
+    AssertionError. The node options go in as sbatch options, the same as the sbatch path's; and submitit's batch
+    script starts `slurm.python` on the compute node, not the orchestrator's own interpreter."""
+    profile = _profile_set("min_nodes=1", "slurm.use_submitit=true", base=PROFILES / "local-slurm.yaml")
+    python = "'/opt/cona venv/bin/python3' -X utf8"  # split like a shell command
+    profile = profile.model_copy(update={"slurm": profile.slurm.model_copy(update={"python": python})})
+    run_dir = RunDir(tmp_path / "run")
+    backend = SlurmBackend(run_dir=run_dir, profile=profile, job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    s4, s2 = Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"), Strategy.parse("dp=2,tp=1,pp=1,mbs=4,gbs=16")
+    attempt = backend.launch(attempt=1, strategy=s4, elastic={1: s2, 2: s4})
+    assert attempt.backend_id == "12345"
+    submitted = (run_dir.root / "slurm" / "submitit" / "12345_submission.sh").read_text()
+    assert _node_lines(submitted) == ["#SBATCH --nodes=1-2", "#SBATCH --ntasks=2"], submitted
+    assert "\n'/opt/cona venv/bin/python3' -X utf8 -u -m submitit.core._submit " in submitted, submitted
+    # A node count stays one task per node.
+    backend.launch(attempt=2, strategy=s2, previous=None)
+    submitted = (run_dir.root / "slurm" / "submitit" / "12345_submission.sh").read_text()
+    assert _node_lines(submitted) == ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"], submitted
+
+
+def test_render_says_that_submitit_submits_its_own_script(tmp_path):
+    """With use_submitit, `cona render slurm` prints the script the job runs, not the one sbatch gets: its head says
+    so, and which interpreter starts it. Still a script: #SBATCH lines before the first command, `bash -n` clean."""
+    profile = _profile_set("slurm.use_submitit=true", "slurm.python=/opt/py/bin/python3", base=PROFILES / "local-slurm.yaml")
+    backend = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=profile, job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    text = backend.render(strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash" and lines[1].startswith("# NOTE slurm.use_submitit is true: `cona run` does not")
+    head = "\n".join(lines[1:5])
+    assert "/opt/py/bin/python3 -u -m submitit.core._submit" in head and "slurm/submitit/%j_0_log.out" in head
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
+    if BASH:
+        subprocess.run([BASH, "-n"], input=text, text=True, check=True)
+    plain = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=_profile(), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    assert "use_submitit" not in plain.render(strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
 
 
 def test_sbatch_quote_follows_sbatch_parser():

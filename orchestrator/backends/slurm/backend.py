@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.backends.slurm.script import node_options, parse_extra_option, render_batch_script
+from cona.orchestrator.backends.slurm.script import (
+    node_options,
+    parse_extra_option,
+    python_command,
+    render_batch_script,
+)
 from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
@@ -337,7 +342,12 @@ class SlurmBackend(Backend):
         `launch` would pass (the strategy's node count, or an elastic run's range). The strategy itself reaches
         the job through launch.json."""
         nodes = self.node_request(strategy, self._startable_node_counts())
-        return render_batch_script(self.profile, self.job, str(self.run_dir.root), nodes=nodes)
+        text = render_batch_script(self.profile, self.job, str(self.run_dir.root), nodes=nodes)
+        if not self.profile.slurm.use_submitit:
+            return text
+        shebang, _, rest = text.partition("\n")
+        log = self.run_dir.root.absolute() / "slurm" / "submitit" / "%j_0_log.out"
+        return f"{shebang}\n{SUBMITIT_NOTE.format(python=submitit_python(self.profile), log=log)}\n{rest}"
 
     def placement(self, strategy: Strategy) -> tuple[int, int]:
         return placement(strategy, self.profile.gpus_per_node, self.profile.nodes)
@@ -538,11 +548,14 @@ class SlurmBackend(Backend):
         spec = self.profile.slurm
         script = self.write_script(nnodes)
         folder = self.run_dir.root / "slurm" / "submitit"
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        # submitit's batch script starts `python -u -m submitit.core._submit` on the first node, by default with this
+        # process's interpreter: the compute nodes' one is `slurm.python` (submitit needs to be installed there).
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_python=submitit_python(self.profile))
         additional: dict[str, Any] = {"requeue": True, "time": spec.time_limit}
-        for option, value in node_options(nnodes):
-            if option != "--nodes":  # submitit's own parameter, below
-                additional[option[2:].replace("-", "_")] = int(value)
+        # The node options go in verbatim, the same as the sbatch path's: submitit's typed `nodes` parameter takes
+        # only an int, and an elastic `MIN-MAX` failed its check. (Left unset it stays 1: submitit then expects the
+        # one result of the one process that runs the loop, which is what `slurm_use_srun=False` starts.)
+        additional.update({option[2:].replace("-", "_"): value for option, value in node_options(nnodes)})
         if spec.signal_before_timeout_s > 0:
             additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
         for entry in spec.extra_sbatch:
@@ -550,7 +563,6 @@ class SlurmBackend(Backend):
             additional[option.lstrip("-").replace("-", "_")] = True if value is None else value
         params: dict[str, Any] = {
             "name": (self.job.name if self.job is not None else self.run_dir.root.name),
-            "nodes": int(nnodes) if nnodes.isdigit() else nnodes,
             "slurm_use_srun": False,
             "slurm_setup": list(spec.setup),
             "slurm_additional_parameters": additional,
@@ -677,6 +689,19 @@ class SlurmBackend(Backend):
             with contextlib.suppress(SlurmError):
                 self._release(job_id, wait=False)
         self._jobs.clear()
+
+
+SUBMITIT_NOTE = """\
+# NOTE slurm.use_submitit is true: `cona run` does not sbatch this script. It submits submitit's own batch script,
+# which asks for the resources of the #SBATCH lines below, but sends the pre-timeout signal to the steps
+# (--signal=USR1@N, not B:), logs to {log} and adds --wckey=submitit. It runs
+# `{python} -u -m submitit.core._submit` (slurm.python), which runs this script with bash."""
+"""The head of `cona render slurm` for a submitit profile: what it prints is not what is submitted."""
+
+
+def submitit_python(profile: ClusterProfile) -> str:
+    """`slurm.python` as the shell command submitit puts in its batch script (each word quoted)."""
+    return " ".join(shlex.quote(word) for word in python_command(profile))
 
 
 def _outcome_from_exit(done: dict[str, Any], job_id: str) -> Outcome:

@@ -130,15 +130,19 @@ def node_options(nodes: int | str) -> list[tuple[str, str]]:
     """The sbatch options that give a job `nodes` nodes: a count, or `MIN-MAX` for an elastic launch. Both the
     script's `#SBATCH` lines and SlurmBackend's sbatch command line come from here, so they cannot differ.
 
-    One task per node: the batch script's `srun` starts one helper agent on each node, and it starts the
-    node's trainers. A range needs more: Slurm allocates at most as many nodes as the job has tasks, and
-    `--ntasks-per-node=1` without `--ntasks` makes that MIN, so the job would always get MIN nodes. MAX tasks, up
-    to MAX a node, fit on any node count of the range, so Slurm gives as many nodes as it can. (The training
+    One task per node: the batch script's `srun` starts one helper agent on each node (it says `--ntasks=K
+    --ntasks-per-node=1` itself), and that agent starts the node's trainers. A range needs more tasks: Slurm
+    allocates at most as many nodes as the job has tasks, and `--ntasks-per-node=1` without `--ntasks` makes that
+    MIN, so the job would always get MIN nodes. MAX tasks fit on any node count of the range, so Slurm gives as
+    many nodes as it can. A range has no `--ntasks-per-node`: with more than one task, slurmctld makes
+    `cpus_per_task × ntasks_per_node` every node's minimum CPU count (job_mgr.c), so `--ntasks-per-node=MAX` left
+    out every node with fewer than MAX CPUs, and a range whose top exceeds a node's CPU count never started.
+    Without it Slurm packs the MAX tasks (one CPU each) onto the nodes it gives however they fit. (The training
     steps set their own task counts.)"""
     text = str(nodes)
     _, sep, high = text.partition("-")
     if sep and high.isdigit():
-        return [("--nodes", text), ("--ntasks", high), ("--ntasks-per-node", high)]
+        return [("--nodes", text), ("--ntasks", high)]
     return [("--nodes", text), ("--ntasks-per-node", "1")]
 
 

@@ -145,7 +145,8 @@ class SlurmSpec(StrictModel):
     setup: list[str] = Field(default_factory=list)
     """Shell commands run before training (module loads, `source venv/bin/activate`)."""
     use_submitit: bool = False
-    """Submit through submitit instead of a rendered sbatch script."""
+    """Submit through submitit instead of sbatch: submitit's own batch script (same resources) starts `python -m
+    submitit.core._submit` (so submitit must be installed for `python`), which runs the rendered script with bash."""
     signal_before_timeout_s: int = 120
     """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints (0: no signal); below
     `time_limit` and at most 65535 (sbatch's limit)."""
