@@ -71,13 +71,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_by_iter_time(candidates)
     if not ranked and not args.all and not args.json:
         at = f" at --gbs {args.gbs}" if args.gbs else ""
+        low, high = job.batch.min_gbs, job.batch.max_gbs
+        if args.gbs and not low <= args.gbs <= high:  # then no other reason matters: say it alone
+            raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at}: it is outside the job's "
+                            f"batch bounds [{low}, {high}]; give a --gbs within them, or widen them with --set "
+                            f"batch.{'min' if args.gbs < low else 'max'}_gbs={args.gbs}")  # fmt: skip
         from cona.orchestrator.elastic import is_elastic
 
         # An elastic run starts on fewer nodes when nothing fits on all of them (`cona render` shows which).
         elastic = (f"the profile is elastic (min_nodes={profile.min_nodes}): a run starts on the largest node count "
                    "where a strategy fits, `--profile-set nodes=K` plans K nodes; ") if is_elastic(profile) else ""  # fmt: skip
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
-                        f"candidates on all {profile.num_gpus} devices; {batch_hint(job, profile.num_gpus, gbs_values)}"
+                        f"candidates on all {profile.num_gpus} devices; {batch_hint(profile, job, profile.num_gpus, gbs_values)}"
                         f"{memory_hint(profile, candidates)}{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     shown = ranked if args.top <= 0 else ranked[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
@@ -144,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "--resume takes the profile, job and policy (and any --measured step times) from the run directory; "
                 "drop --profile/--profile-set/--job/--set/--policy/--run-dir/--measured"
             )
-        profile, job = load_run(run_dir)
+        profile, job = load_run(run_dir, resume=True)  # a run.yaml cut short is refused, not run with defaults
     else:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
@@ -223,7 +228,7 @@ def _same_run(run_dir: RunDir, profile: ClusterProfile, job: Job) -> tuple[Clust
     from cona.orchestrator.job import job_to_dict
     from cona.orchestrator.runstate import load_run
 
-    stored_profile, stored_job = load_run(run_dir)
+    stored_profile, stored_job = load_run(run_dir, resume=True)
     asked = job.model_copy(deep=True)
     asked.data.path = str(Path(job.data.path).resolve())  # as create_run stored it
     changed = [name for name, a, b in (
@@ -270,13 +275,27 @@ def cmd_stop(args: argparse.Namespace) -> int:
         with _no_cluster_is_no_run(args):
             print(remote_stop(args.run_dir, namespace=_namespace(args)))
         return 0
+    from cona.orchestrator.live import orphaned
+
     run_dir = RunDir(Path(args.run_dir))
-    load_run(run_dir)  # a clear error when this is not a run directory
+    profile, job = load_run(run_dir)  # a clear error when this is not a run directory
     state = read_state(run_dir)
     if state.final:
         print(f"{run_dir.root} already ended ({state.status}); nothing to stop")
         return 0
+    orphan = orphaned(run_dir, profile=profile, job=job, state=state)
+    if orphan is not None and orphan.trainer_seen_s is None:
+        # Nobody would act on a stop now, so the next `cona run --resume` would: it would stop after one step.
+        print(f"{run_dir.root} is not running: its orchestrator (pid {orphan.pid}) is gone and no trainer of it has "
+              f"written lately; nothing to stop (no stop command written); resume it with "
+              f"`cona run --resume {run_dir.root}`")  # fmt: skip
+        return 0
     request_stop(run_dir)
+    if orphan is not None:  # the orchestrator died, its trainer trains on unattended and reads control.json itself
+        print(f"asked {run_dir.root} to stop: its orchestrator (pid {orphan.pid}) is gone, but attempt {orphan.attempt}'s "
+              "trainer is still writing; it checkpoints at its next step boundary and exits; resume later with "
+              f"`cona run --resume {run_dir.root}`")  # fmt: skip
+        return 0
     print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")
     return 0
 
@@ -374,6 +393,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         with _no_cluster_is_no_run(args, run=args.resume):
             print(resume(args.resume, namespace=_namespace(args)))
         return 0
+    if args.namespace is not None:
+        # A new run's objects all go to the profile's namespace (its workloads, Lease and PVC live there too):
+        # an -n that named another one was silently ignored.
+        raise UserError("-n/--namespace is for --resume; a new run goes to the profile's kubernetes.namespace: "
+                        "set it there or give --profile-set kubernetes.namespace=NS")  # fmt: skip
     if not args.profile or not args.job:
         raise UserError("give --profile and --job (or --resume RUN)")
     profile = load_profile(args.profile, args.profile_overrides)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.job import Job
-from cona.orchestrator.runstate import read_events, read_state, warn_skipped
-from cona.protocol.rundir import RunDir, read_jsonl
+from cona.orchestrator.runstate import RunState, read_events, read_state, warn_skipped
+from cona.protocol.heartbeat_record import NOTICE_EVENTS
+from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, read_json, read_jsonl
+from cona.protocol.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.orchestrator.profile import ClusterProfile
     from cona.orchestrator.scheduler import LiveStatus, Scheduler
-    from cona.protocol.strategy import Strategy
 
 
 def _duration(seconds: float | None) -> str:
@@ -55,6 +61,257 @@ def _switch_line(source: dict, target: dict, reason: str) -> str:
     return reason if head in reason else f"switch {head}: {reason}"
 
 
+# ------------------------------------------------------------------------------- reading a run directory safely
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_strategy(value: Any) -> bool:
+    try:
+        Strategy.from_dict(value)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+def event_problem(record: dict[str, Any]) -> str | None:
+    """What an events.jsonl record that `read_events` let through (a numeric time, an event name, a switch's two
+    strategies) lacks of the fields that `cona run`'s console, `cona status` and `cona report` take from a record of
+    its kind; None: usable. The one place these shapes are judged: a record edited by hand, or bytes flipped into
+    valid JSON, is skipped and said, as a damaged line is, instead of ending the reader in a traceback."""
+    kind = record["event"]
+    if kind == "launch":
+        if not _is_int(record.get("attempt")):
+            return f"a launch record without an attempt number ({record.get('attempt')!r})"
+        if not _is_strategy(record.get("strategy")):
+            return "a launch record without a strategy"
+    elif kind == "switch":
+        if not _is_strategy(record.get("from")) or not _is_strategy(record.get("to")):
+            return "a switch record without its two strategies"
+        if not isinstance(record.get("reason", ""), str):
+            return f"a switch record whose reason is not text ({record.get('reason')!r})"
+    elif kind == "switch-complete":
+        if not _is_number(record.get("switch_cost_s")):
+            return f"a switch-complete record without a numeric switch_cost_s ({record.get('switch_cost_s')!r})"
+    elif kind in NOTICE_EVENTS and not (_is_int(record.get("attempt")) and isinstance(record.get("detail"), str)):
+        return f"a {kind} record without its attempt number and detail"
+    return None
+
+
+def damaged_tail(path: Path) -> str | None:
+    """Why the unterminated last line of the JSON-lines file `path` is damage, or None.
+
+    Readers leave a last line without its newline for later (`read_jsonl`): every record is appended whole by one
+    write, so a reader that races a writer sees a prefix of a record, which starts with `{` and holds no NUL byte.
+    Anything else there can never become a record (NUL bytes left by a crash in a file that had grown but was never
+    written, a cut-off line of garbage): it is said like a damaged whole line instead of being dropped silently."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            position, start, nul = size, 0, False
+            while position > 0:  # backwards, in chunks: the tail is short, the file may be long
+                n = min(1 << 16, position)
+                position -= n
+                f.seek(position)
+                chunk = f.read(n)
+                newline = chunk.rfind(b"\n")
+                nul = nul or b"\0" in chunk[newline + 1 :]
+                if newline >= 0:
+                    start = position + newline + 1
+                    break
+            if start >= size:
+                return None
+            f.seek(start)
+            first = f.read(1)
+    except OSError:  # missing, or a directory: the reader itself says so, or has nothing to read
+        return None
+    if first == b"{" and not nul:
+        return None
+    held = "NUL bytes" if nul else "no JSON record"
+    return f"{path}: the last {size - start} bytes, from byte {start}, have no newline and hold {held}, not a record being written"
+
+
+def read_run_events(run_dir: RunDir, *, skipped: list[str]) -> list[dict[str, Any]]:
+    """events.jsonl as `cona status` and `cona report` read it: `read_events` less the records `event_problem`
+    rejects, with a description in `skipped` for each of those and for a damaged unterminated tail
+    (`damaged_tail`), for `warn_skipped`."""
+    events = []
+    for record in read_events(run_dir, skipped=skipped):
+        problem = event_problem(record)
+        if problem is None:
+            events.append(record)
+        else:
+            skipped.append(f"{run_dir.events}: {problem}, at time {record['time']}")
+    tail = damaged_tail(run_dir.events)
+    if tail is not None:
+        skipped.append(tail)
+    return events
+
+
+def notice_line(run_dir: RunDir, event: dict[str, Any]) -> str:
+    """A `checkpoint-skipped` or `checkpoint-restored` event (the trainer passed over a damaged checkpoint, or put
+    back an interrupted re-save) in one line, with the step its attempt then resumed from: that it trains on from an
+    older checkpoint than the newest is what a person must see (`startup.json`, written before these are sent)."""
+    attempt = event["attempt"]
+    line = f"{event['event']} (attempt {attempt}): {event['detail']}"
+    try:
+        startup = read_json(run_dir.attempt_dir(attempt) / "startup.json")
+    except (OSError, ValueError):
+        startup = None
+    if isinstance(startup, dict) and "resumed_step" in startup:
+        step = startup["resumed_step"]
+        line += f"; attempt {attempt} resumed from step {step}" if _is_int(step) else f"; attempt {attempt} started from step 0"
+    return line
+
+
+_STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
+_STATE_NUMBERS = ("lr", "time", "elapsed_s")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a resume would pass over the checkpoint `path`, or None: the checks of the trainer's `verify_checkpoint`
+    (trainer/checkpoint.py) that need no torch, which the orchestrator never imports — the COMPLETE marker's
+    content, the size of every file it lists, trainer_state.json's counters. Not the CRC-32s: they read every shard,
+    which the trainer does at load and `cona status` must not (tests/test_run_readers.py compares the two)."""
+    marker = path / COMPLETE_MARKER
+    if not marker.exists():
+        return "no COMPLETE marker (it was being written when the trainer stopped)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its COMPLETE marker is unreadable"
+    if not isinstance(files, dict) or not all(isinstance(n, str) and type(v) is int for n, v in files.items()):
+        return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
+    crc32 = manifest.get("crc32")
+    if crc32 is not None and (not isinstance(crc32, dict) or crc32.keys() != files.keys()
+                              or not all(type(v) is int for v in crc32.values())):  # fmt: skip
+        return "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
+    if ".metadata" not in files or TRAINER_STATE not in files:
+        return "it lacks .metadata or trainer_state.json"
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{TRAINER_STATE} is corrupt"
+    for key, kinds in [*((k, int) for k in _STATE_INTS), *((k, (int, float)) for k in _STATE_NUMBERS)]:
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"{TRAINER_STATE} is corrupt ({key} is {value!r}, not a number)"
+    return None
+
+
+def newest_intact_checkpoint(run_dir: RunDir) -> tuple[Path | None, list[dict[str, str]]]:
+    """The checkpoint a resume would load (`checkpoint_problem`), and each newer complete one it would pass over
+    ({"path", "problem"}, newest first). Directories without their marker are left out: a save in progress has none."""
+    passed: list[dict[str, str]] = []
+    for path in reversed(run_dir.complete_checkpoints()):
+        try:
+            problem = checkpoint_problem(path)
+        except OSError as e:  # no permission to look: as unusable for a resume
+            problem = f"unreadable ({e.strerror})"
+        if problem is None:
+            return path, passed
+        passed.append({"path": str(path), "problem": problem})
+    return None, passed
+
+
+@dataclasses.dataclass(frozen=True)
+class Orphaned:
+    """A run that has not ended, whose orchestrator is gone (`orphaned`)."""
+
+    pid: str
+    """The process id orchestrator.lock names: the orchestrator that held it last, as written."""
+    attempt: int | None
+    """The current attempt."""
+    trainer_seen_s: float | None
+    """Seconds since the current attempt's trainer last wrote, when that is recent enough that it may still train:
+    an orchestrator that dies leaves its trainer training, and a resume adopts it. None: no sign of it."""
+
+    def status(self, run_dir: RunDir) -> tuple[str, str]:
+        """(status, reason) for `cona status`."""
+        resume = f"`cona run --resume {run_dir.root}`"
+        if self.trainer_seen_s is None:
+            return "not running", f"its orchestrator (pid {self.pid}) is gone; resume with {resume}"
+        return "running", (f"its orchestrator (pid {self.pid}) is gone, but attempt {self.attempt}'s trainer wrote "
+                           f"{_duration(self.trainer_seen_s)} ago and may train on unattended; {resume} adopts it, "
+                           f"`cona stop {run_dir.root}` stops it")  # fmt: skip
+
+
+def _unheld_lock(path: Path) -> str | None:
+    """The pid written in the lock file `path` when no process holds its flock; None when one does, when there is
+    no such file (no orchestrator ever ran here), or when it cannot be told (no locking on that filesystem)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            # A shared lock for an instant is refused while an orchestrator holds its exclusive one. An orchestrator
+            # starting in that very instant is refused too (its one line, "another cona orchestrator"); run it again.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: held; anything else (ENOLCK on some network filesystems): cannot tell
+            return None
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+
+
+def _uses_run_lock(profile: ClusterProfile) -> bool:
+    """Whether the profile's backend keeps orchestrators apart with the flock on orchestrator.lock (the default
+    `Backend.exclusion`: local, Slurm), so that an unheld lock means no orchestrator; Kubernetes uses a Lease."""
+    from cona.orchestrator.backends import backend_class
+    from cona.orchestrator.backends.base import Backend
+
+    try:
+        return backend_class(profile.backend).exclusion is Backend.exclusion
+    except (ImportError, ValueError):
+        return False
+
+
+def _trainer_seen(run_dir: RunDir, job: Job, state: RunState) -> float | None:
+    """Seconds since the current attempt's trainer last wrote its heartbeat file (before its first heartbeat: since
+    its launch record), when within the heartbeat (startup) timeout and it has written no exit record; else None."""
+    current = state.current
+    if current is None or run_dir.exit_file(current.number).exists():
+        return None
+    now = time.time()
+    for path, limit in ((run_dir.heartbeat_file(current.number), job.policy.heartbeat_timeout_s),
+                        (run_dir.launch_file(current.number), job.policy.startup_timeout_s)):  # fmt: skip
+        try:
+            age = now - path.stat().st_mtime
+        except OSError:
+            continue
+        return max(age, 0.0) if age < limit else None
+    return None
+
+
+def orphaned(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunState) -> Orphaned | None:
+    """The run has not ended, yet no orchestrator drives it: its backend uses the run lock (`_uses_run_lock`), the
+    lock file exists (an orchestrator ran here) and no process holds it — the kernel drops the flock when its holder
+    dies, even by SIGKILL. None otherwise, and whenever it cannot be told."""
+    if state.final or not _uses_run_lock(profile):
+        return None
+    pid = _unheld_lock(run_dir.lock)
+    if pid is None:
+        return None
+    current = state.current
+    return Orphaned(pid=pid, attempt=current.number if current else None, trainer_seen_s=_trainer_seen(run_dir, job, state))
+
+
 class LiveView:
     """Prints a status line at most every `interval_s` and every decision as it happens."""
 
@@ -76,10 +333,17 @@ class LiveView:
         _, self._events_offset = read_jsonl(self.run_dir.events)
 
     def _print_events(self) -> None:
-        events, self._events_offset = read_jsonl(self.run_dir.events, offset=self._events_offset)
+        skipped: list[str] = []
+        events, self._events_offset = read_jsonl(self.run_dir.events, offset=self._events_offset, damaged=skipped)
         for e in events:
             kind = e.get("event")
-            if kind == "launch":
+            problem = event_problem(e) if isinstance(kind, str) else "a record without an event name"
+            if problem is not None:
+                skipped.append(f"{self.run_dir.events}: {problem}")
+                continue
+            if kind in NOTICE_EVENTS:  # the run goes on from an older checkpoint than the newest: say so here too
+                print(f"cona: {notice_line(self.run_dir, e)}", flush=True)
+            elif kind == "launch":
                 print(f"cona: launch attempt {e['attempt']} with {_short(e['strategy'])} ({e.get('reason', '')})", flush=True)
             elif kind == "switch":
                 print(f"cona: {_switch_line(e['from'], e['to'], e.get('reason', ''))}", flush=True)
@@ -89,6 +353,7 @@ class LiveView:
                           "disruption", "pending", "pending-timeout"):
                 detail = {k: v for k, v in e.items() if k not in ("time", "event")}
                 print(f"cona: {kind}: {detail}", flush=True)
+        warn_skipped(skipped)
 
     def update(self, live: LiveStatus) -> None:
         self._print_events()
@@ -124,12 +389,13 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
     skipped: list[str] = []
-    events = read_events(run_dir, skipped=skipped)
+    events = read_run_events(run_dir, skipped=skipped)
     warn_skipped(skipped)
     switches = [e for e in events if e.get("event") == "switch"]
+    notices = [e for e in events if e["event"] in NOTICE_EVENTS]
     live = state.live
     current = state.current
-    latest = run_dir.latest_checkpoint()
+    latest, passed_over = newest_intact_checkpoint(run_dir)
     spell = state.pending
     pending = None
     if spell is not None:
@@ -140,6 +406,9 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     if not run_dir.state_json.exists() and any(e["event"] == "launch" for e in events):
         status = "unknown"
         reason = f"{run_dir.state_json.name} is missing; the last event in {run_dir.events.name} is {events[-1]['event']!r}"
+    orphan = orphaned(run_dir, profile=profile, job=job, state=state) if status == "running" else None
+    if orphan is not None:  # state.json says running, but the orchestrator that would say otherwise is dead
+        status, reason = orphan.status(run_dir)
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
@@ -166,6 +435,9 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "pending": pending,
         "restarts_in_row": state.restarts_in_row,
         "latest_checkpoint": str(latest) if latest else None,
+        "damaged_checkpoints": passed_over,
+        "checkpoint_notice": notice_line(run_dir, notices[-1]) if notices else None,
+        "orphaned": dataclasses.asdict(orphan) if orphan else None,
         "updated": state.updated,
         **_world(run_dir, profile, current.strategy if current else None),
     }
@@ -246,3 +518,7 @@ def print_status(summary: dict[str, Any]) -> None:
     if summary.get("last_decision"):
         print(f"decision   {summary['last_decision']['reason']}")
     print(f"checkpoint {summary.get('latest_checkpoint') or '-'}")
+    for damaged in summary.get("damaged_checkpoints") or []:
+        print(f"           passed over (a resume skips it): {damaged['path']}: {damaged['problem']}")
+    if summary.get("checkpoint_notice"):
+        print(f"notice     {summary['checkpoint_notice']}")

@@ -89,8 +89,10 @@ def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: in
 
     What can run at all is decided by `cona.protocol.feasibility`; the planner adds its own choices: the job's
     `parallel.max_tp`/`max_pp`, equal chunks under the interleaved schedule (which its cost assumes), and equal
-    pipeline stages unless `uneven` — which `enumerate_candidates` allows where the devices leave no feasible even
-    split (3 nodes of 8 for a 16-layer model: 6, 5 and 5 blocks, priced by the slowest stage)."""
+    pipeline stages unless `uneven` — which `enumerate_candidates` allows at the global batches that no even split
+    of the devices runs (`uneven_batches`; 3 nodes of 8 for a 16-layer model and power-of-two batches: 6, 5 and 5
+    blocks, priced by the slowest stage). Its message for `uneven` False is therefore kept only by the candidates
+    of a batch that an even split runs, and says so."""
     problem = layout_problem(job, tp=tp, pp=pp, gpus_per_node=profile.gpus_per_node)
     if problem:
         return problem
@@ -98,8 +100,9 @@ def layout_reason(*, job: Job, profile: ClusterProfile, dp: int, tp: int, pp: in
     if par.max_tp is not None and tp > par.max_tp:
         return f"tp={tp} exceeds parallel.max_tp={par.max_tp}"
     if model.num_layers % pp and not uneven:
-        return (f"pp={pp} does not divide model.num_layers={model.num_layers} (stages of unequal size are planned "
-                "only where no even split of the devices is feasible)")  # fmt: skip
+        return (f"pp={pp} does not divide model.num_layers={model.num_layers} and an even split of the devices runs "
+                f"this global batch (stages of unequal size are planned only at a batch that none runs); choose a "
+                f"pp that divides {model.num_layers}")  # fmt: skip
     if par.max_pp is not None and pp > par.max_pp:
         return f"pp={pp} exceeds parallel.max_pp={par.max_pp}"
     chunks = pp * virtual_stages(job, pp)
@@ -118,6 +121,42 @@ def batch_reason(*, job: Job, dp: int, pp: int, mbs: int, gbs: int) -> str:
     if not job.batch.min_gbs <= gbs <= job.batch.max_gbs:
         return f"gbs={gbs} outside batch bounds [{job.batch.min_gbs}, {job.batch.max_gbs}]"
     return ""
+
+
+def named_world_reason(world: int, profile: ClusterProfile) -> str:
+    """Why a `fixed` or `schedule` policy's strategy of dp·tp·pp = `world` devices cannot run on this profile, or ''.
+
+    Such a strategy uses all of the profile's devices or fills whole nodes: a run plans for those worlds only
+    (`scheduler.device_counts`, which asks this), and a backend launches them on fewer nodes (Slurm resubmits with
+    the smaller `--nodes`)."""
+    nodes, per_node = profile.nodes, profile.gpus_per_node
+    if world <= profile.num_gpus and world % per_node == 0:
+        return ""
+    if nodes == 1:
+        return (f"dp·tp·pp={world} but the profile's one node has {per_node} devices and a strategy uses them all; "
+                f"choose dp, tp and pp whose product is {per_node}")  # fmt: skip
+    return (f"dp·tp·pp={world}, but a fixed or schedule strategy uses all {profile.num_gpus} devices or fills whole "
+            f"nodes of {per_node}; choose dp, tp and pp whose product is a multiple of {per_node} up to "
+            f"{profile.num_gpus}")  # fmt: skip
+
+
+def strategy_reason(strategy: Strategy, *, profile: ClusterProfile, job: Job) -> str:
+    """Why the planner would not run `strategy`, a `fixed` or `schedule` policy's, on this profile, or '' if it
+    would: the rules of `enumerate_candidates` for the strategy's own world and global batch, in their words.
+
+    A named strategy may lie outside the job's `gbs_choices`/`mbs_choices` (not outside its batch bounds); whether
+    its pipeline stages may be unequal is decided at its global batch, as for every candidate (`uneven_batches`)."""
+    dp, tp, pp, mbs, gbs = strategy.dp, strategy.tp, strategy.pp, strategy.mbs, strategy.gbs
+    # What no world or batch changes first, then the world, then the rules at its world and batch.
+    problem = layout_reason(job=job, profile=profile, dp=dp, tp=tp, pp=pp, uneven=True)
+    problem = problem or named_world_reason(strategy.world_size, profile)
+    if problem:
+        return problem
+    even = _enumerate(profile=profile, job=job, devices=strategy.world_size, gbs_list=[gbs], feasible_only=True,
+                      uneven=False)  # fmt: skip
+    uneven = bool(uneven_batches(even, [gbs]))
+    problem = layout_reason(job=job, profile=profile, dp=dp, tp=tp, pp=pp, uneven=uneven)
+    return evaluate(profile=profile, job=job, dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs, layout_problem=problem).reason
 
 
 def _gb_apart(need: float, have: float) -> tuple[str, str]:
@@ -167,22 +206,45 @@ def enumerate_candidates(
     candidates of which a few thousand are feasible, and building all of them kept a run from starting for 22 s
     (1.1 s this way). `cona plan --all` lists the rejected ones with their reasons, so it enumerates them all.
 
-    Pipeline stages are equal where some even split of the layers is feasible on these devices; where none is,
-    the candidates are those with the layers split as evenly as they can be (`layout_reason`'s `uneven`)."""
+    Pipeline stages are equal at every global batch that some even split of the layers runs on these devices; at a
+    batch that none runs (`uneven_batches`), the layouts with the layers split as evenly as they can be are its
+    candidates too (`layout_reason`'s `uneven`)."""
     devices = num_devices or profile.num_gpus
     gbs_list = gbs_values if gbs_values is not None else job.batch.candidate_gbs()
     even = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
                       uneven=False)  # fmt: skip
-    if any(c.feasible for c in even):
+    uneven_gbs = uneven_batches(even, gbs_list)
+    if not uneven_gbs:
         return even
-    # No even split of the layers is feasible on these devices (the odd factor of 3 nodes of 8 GPUs, which a
-    # 16-layer model's stages and heads cannot take): split them as evenly as they can be, as the trainer does.
-    uneven = _enumerate(profile=profile, job=job, devices=devices, gbs_list=gbs_list, feasible_only=feasible_only,
+    # No even split of the layers runs these batches on these devices (the odd factor of 3 nodes of 8 GPUs, which
+    # a 16-layer model's stages and heads cannot take, nor a power-of-two batch's data parallelism): split them as
+    # evenly as they can be, as the trainer does.
+    uneven = _enumerate(profile=profile, job=job, devices=devices, gbs_list=uneven_gbs, feasible_only=feasible_only,
                         uneven=True)  # fmt: skip
-    # The layouts of the two passes are disjoint; a stable sort by (tp, pp) restores the enumeration's order. (Where
-    # neither pass finds anything, `cona plan --all` shows why each uneven layout failed, not only that it is one.)
-    merged = [c for c in even if job.model.num_layers % c.strategy.pp == 0] + uneven
-    return sorted(merged, key=lambda c: (c.strategy.tp, c.strategy.pp))
+    # The uneven pass's candidates replace the even pass's rejections of the same layouts at those batches (where
+    # neither pass finds anything, `cona plan --all` shows why each uneven layout failed, not only that it is one);
+    # a stable sort restores the enumeration's order.
+    layers, replaced = job.model.num_layers, set(uneven_gbs)
+    merged = [c for c in even if layers % c.strategy.pp == 0 or c.strategy.gbs not in replaced] + uneven
+    mbs_order = {m: i for i, m in enumerate(job.batch.mbs_choices)}
+    gbs_order = {g: i for i, g in enumerate(gbs_list)}
+    return sorted(merged, key=lambda c: (c.strategy.tp, c.strategy.pp, mbs_order[c.strategy.mbs],
+                                         gbs_order[c.strategy.gbs]))  # fmt: skip
+
+
+def uneven_batches(even: list[Candidate], gbs_list: list[int]) -> list[int]:
+    """The global batches of `gbs_list` at which the planner plans pipeline stages of unequal size: those at which
+    no candidate of the even pass (`_enumerate` with `uneven` False, on the same devices) is feasible.
+
+    Equal stages are preferred where they run: with unequal ones every stage but the largest waits for its extra
+    block at each micro-batch, their pricing rests on one published record (BLOOM's, docs/costmodel.md), and on
+    devices an even split suits the plans stay the even ones. The question is asked per global batch, never once
+    for all of them: candidates of one batch are the ones that compete (`ties_with_best`), so a batch added to the
+    choices never takes candidates away from another, and `cona plan --gbs N`, a `fixed` strategy and a run's
+    candidates agree at N. (Not per micro-batch: which layouts train a global batch is the choice, and the
+    micro-batch is then tuned within the layout.)"""
+    served = {c.strategy.gbs for c in even if c.feasible}
+    return [g for g in gbs_list if g not in served]
 
 
 def _enumerate(*, profile: ClusterProfile, job: Job, devices: int, gbs_list: list[int], feasible_only: bool,
@@ -211,11 +273,13 @@ def _enumerate(*, profile: ClusterProfile, job: Job, devices: int, gbs_list: lis
     return out
 
 
-def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
+def batch_hint(profile: ClusterProfile, job: Job, devices: int, gbs_values: list[int] | None) -> str:
     """When nothing is feasible and the device count has an odd factor that no candidate global batch is a multiple
     of (3 nodes of 8 GPUs and the default power-of-two batches), that is the usual cause: the data-parallel degree
     has to take part of the factor unless tensor and pipeline degrees take all of it. Say so, and which batches
-    would do ('' when that is not the cause; otherwise a clause ending in '; ' to go before the next one)."""
+    would do — but only when it is the cause: when some strategy the batch rule rejects at every one of the batches
+    would be feasible at those it names (not when tp and pp take the factor and memory rejects everything). ''
+    when that is not the cause; otherwise a clause ending in '; ' to go before the next one."""
     odd = devices
     while odd % 2 == 0:
         odd //= 2
@@ -233,11 +297,30 @@ def batch_hint(job: Job, devices: int, gbs_values: list[int] | None) -> str:
     # The four nearest the base batch (by ratio), the base among them: the first four of a wide range (96 … 768 for
     # a base of 1536) would name a base batch the choices do not hold.
     shown = sorted(sorted(fitting, key=lambda g: (abs(math.log(g / base)), g))[:4])
+    if not _batch_rule_is_the_cause(profile, job, devices, batches, shown):
+        return ""
     example = f" e.g. batch.gbs_choices={shown}" if fitting else f" a batch range that holds a multiple of {odd}"
     if fitting and job.batch.base_gbs % odd:
         example += f" with batch.base_gbs={base}"
     return (f"{devices} devices have the factor {odd}, and none of the global batches {batches} is a multiple of "
             f"it: give{example}, or use a power-of-two number of devices; ")  # fmt: skip
+
+
+def _batch_rule_is_the_cause(profile: ClusterProfile, job: Job, devices: int, batches: list[int],
+                             shown: list[int]) -> bool:  # fmt: skip
+    """`batch_hint`'s test: some strategy would be feasible at the batches it names (`shown`) and its micro-batches
+    split none of `batches` over its replicas. Without batches to name (none within the job's bounds splits), some
+    layout the planner allows leaves part of the odd factor to the data-parallel degree."""
+    if shown:
+        return any(all(batch_reason(job=job, dp=c.dp, pp=c.pp, mbs=c.mbs, gbs=g) for g in batches)
+                   for c in enumerate_candidates(profile=profile, job=job, num_devices=devices, gbs_values=shown,
+                                                 feasible_only=True))  # fmt: skip
+    for tp in _divisors(devices):
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if dp & (dp - 1) and not layout_reason(job=job, profile=profile, dp=dp, tp=tp, pp=pp, uneven=True):
+                return True
+    return False
 
 
 def memory_hint(profile: ClusterProfile, candidates: list[Candidate]) -> str:
@@ -260,8 +343,8 @@ def no_feasible_strategy(profile: ClusterProfile, job: Job) -> str:
     the run exists (`cli.first_strategy`) and its scheduler after (a resumed run, the Kubernetes orchestrator),
     in the same words, with the usual cause when it is that (`batch_hint`)."""
     memory = memory_hint(profile, enumerate_candidates(profile=profile, job=job))
-    return (f"no feasible strategy for {job.name} on {profile.name}; {batch_hint(job, profile.num_gpus, None)}"
-            f"{memory}run `cona plan --all` to see why")  # fmt: skip
+    return (f"no feasible strategy for {job.name} on {profile.name}; "
+            f"{batch_hint(profile, job, profile.num_gpus, None)}{memory}run `cona plan --all` to see why")  # fmt: skip
 
 
 def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:
@@ -292,6 +375,6 @@ def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None 
         devices = num_devices or profile.num_gpus
         raise ValueError(
             f"no feasible strategy at batch.base_gbs={job.batch.base_gbs} on {devices} devices; "
-            f"{batch_hint(job, devices, [job.batch.base_gbs])}reasons: {'; '.join(reasons[:3])}"
+            f"{batch_hint(profile, job, devices, [job.batch.base_gbs])}reasons: {'; '.join(reasons[:3])}"
         )
     return ranked[0]

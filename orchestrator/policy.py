@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cona.orchestrator.job import Job, PolicySpec
-from cona.orchestrator.planner import Candidate, evaluate, layout_reason, static_choice
+from cona.orchestrator.planner import Candidate, static_choice, strategy_reason
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.throughput import ThroughputModel
 from cona.protocol.lr import lr_scale_factor
@@ -175,27 +175,11 @@ def _devices(candidates: list[Candidate], profile: ClusterProfile) -> int:
 def strategy_problem(
     strategy: Strategy, *, job: Job, profile: ClusterProfile, candidates: list[Candidate]
 ) -> str:
-    """Why `strategy` cannot run with these candidates' devices, or '' if it can (the planner's own words)."""
+    """Why `strategy` cannot run, or '' if it is one of the candidates or the planner would run it (its own words:
+    `planner.strategy_reason`)."""
     if find_candidate(candidates, strategy) is not None:
         return ""
-    problem = layout_reason(job=job, profile=profile, dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
-    if problem:
-        return problem
-    devices = _devices(candidates, profile)
-    if strategy.world_size != devices:
-        return (
-            f"dp·tp·pp={strategy.world_size} but {devices} devices are present (every strategy uses them all)"
-        )
-    c = evaluate(
-        profile=profile,
-        job=job,
-        dp=strategy.dp,
-        tp=strategy.tp,
-        pp=strategy.pp,
-        mbs=strategy.mbs,
-        gbs=strategy.gbs,
-    )
-    return c.reason
+    return strategy_reason(strategy, profile=profile, job=job)
 
 
 def _validated(

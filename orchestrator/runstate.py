@@ -22,6 +22,7 @@ from cona.protocol.rundir import (
     append_jsonl,
     atomic_write_json,
     atomic_write_text,
+    drop_torn_tail,
     read_json,
     read_jsonl,
     restrict_umask,
@@ -48,27 +49,86 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job, measured: 
         run_dir.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--run-dir {run_dir.root}: cannot create it ({e.strerror}); pick a writable directory") from None
-    document = {
+    document: dict[str, Any] = {
+        "version": RUN_YAML_VERSION,
         "created": time.time(),
         "profile": profile.model_dump(mode="json"),
         "job": job_to_dict(job),
     }
     if measured:
         document["measured"] = measured
+    document["complete"] = True  # last: a file cut short anywhere lacks it (`run_yaml_damage`)
     atomic_write_text(run_dir.run_yaml, yaml.safe_dump(document, sort_keys=False))
 
 
-def load_run(run_dir: RunDir) -> tuple[ClusterProfile, Job]:
-    """The profile and job a run was created with."""
+RUN_YAML_VERSION = 2
+"""Version of run.yaml's layout. 1 (unversioned): `created`, `profile`, `job` and `measured`. 2: the same between
+`version` (first) and `complete: true` (last), so that a file cut short anywhere — even inside a value — is told from
+a whole one. Both are read."""
+
+_ALWAYS_WRITTEN = {
+    "profile": ("name", "backend", "nodes", "gpus_per_node", "accelerator", "network", "storage"),
+    "job": ("name", "model", "data", "optimizer", "batch", "parallel", "target", "eval", "checkpoint", "heartbeat",
+            "policy"),
+}  # fmt: skip
+"""The fields of run.yaml's profile and job that every cona has written (the resolved models dump every field):
+one missing means the file was cut short or damaged, not that the run meant the default."""
+
+
+def run_yaml_damage(document: dict[str, Any]) -> str | None:
+    """What makes run.yaml's parsed `document` not the whole file `create_run` wrote, or None. A YAML file cut short
+    often still parses; read as it is, its missing sections would take their defaults and the run would go on as
+    another job (a lost target, another checkpoint interval and LR horizon) without a word."""
+    version = document.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return f"its version {version!r} is not a layout of run.yaml"
+    if version > RUN_YAML_VERSION:
+        return (f"written by a newer cona (run.yaml version {version}; this cona reads up to {RUN_YAML_VERSION}); "
+                "use the cona that created the run, or upgrade cona")  # fmt: skip
+    missing = []
+    for section, fields in _ALWAYS_WRITTEN.items():
+        data = document.get(section)
+        if isinstance(data, dict):
+            missing += [f"{section}.{name}" for name in fields if name not in data]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        return f"cut short or damaged: {', '.join(missing[:4])}{more} missing, which cona always writes"
+    if version >= 2 and document.get("complete") is not True:
+        return "cut short: it does not end with the `complete: true` that cona writes last"
+    return None
+
+
+_warned: set[Path] = set()
+"""The damaged run.yaml files this process has warned about."""
+
+
+def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, Job]:
+    """The profile and job a run was created with. A run.yaml that is not whole (`run_yaml_damage`) is refused for
+    `resume` (the orchestrator would go on with defaults in place of the missing job); `cona status`, `stop` and
+    `report` go on with what is there, after a warning line naming it."""
     if not run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)")
     # `load_yaml` names the file for every way it can be unreadable (corrupt YAML, bytes that are no text, a directory).
     document = load_yaml(run_dir.run_yaml)
     if "profile" not in document or "job" not in document:
         raise ConfigError(f"{run_dir.run_yaml}: missing the profile or job section")
+    damage = run_yaml_damage(document)
+    if damage and resume:
+        raise ConfigError(f"{run_dir.run_yaml}: {damage}; restore it from a backup (cona writes it once, whole, when "
+                          "the run is created) or start a new run with --run-dir")  # fmt: skip
+    if damage and run_dir.run_yaml not in _warned:
+        _warned.add(run_dir.run_yaml)  # once per process: `cona report` loads the run twice
+        print(f"cona: warning: {run_dir.run_yaml}: {damage}; what it lacks is shown with its defaults", file=sys.stderr,
+              flush=True)  # fmt: skip
     profile = validate(ClusterProfile, document["profile"], source=f"{run_dir.run_yaml} (profile)")
     job = job_from_dict(document["job"], source=f"{run_dir.run_yaml} (job)")
     return profile, job
+
+
+def check_run_yaml(run_dir: RunDir) -> None:
+    """ConfigError, naming run.yaml, unless it is the whole file `create_run` wrote (for an orchestrator that goes
+    on with a run: `Scheduler.check_resumable`)."""
+    load_run(run_dir, resume=True)
 
 
 def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
@@ -98,6 +158,35 @@ def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:
     run_dir.write_control(ControlRecord(seq=seq, command="stop", reason=reason))
     log_event(run_dir, "stop-command", seq=seq, reason=reason)
     return seq
+
+
+def used_attempts(run_dir: RunDir, *, launched: bool = True) -> set[int]:
+    """The attempt numbers the run directory shows were handed out (1 on; 0 is a trainer run by hand): a heartbeat
+    or samples file, an exit record, a `launch` event, and with `launched` every `attempts/<n>/` directory (the
+    scheduler creates it only after it saved the number in state.json). Without `launched`, an attempt whose
+    directory holds only the launch record of an in-place switch offered but never taken does not count: only what
+    some process of it ran or the orchestrator logged."""
+    names = [p.stem for p in run_dir.heartbeats.glob("*.jsonl")] + [p.stem for p in run_dir.samples_log.glob("*.jsonl")]
+    names += [p.parent.name for p in run_dir.root.glob("attempts/*/exit.json")]
+    if launched:
+        names += [p.name for p in run_dir.root.glob("attempts/*") if p.is_dir()]
+    found = {int(name) for name in names if name.isdigit()}
+    for record in read_jsonl(run_dir.events)[0]:
+        number = record.get("attempt")
+        if record.get("event") == "launch" and isinstance(number, int) and not isinstance(number, bool):
+            found.add(number)
+    return {n for n in found if n >= 1}
+
+
+def end_torn_events(run_dir: RunDir) -> None:
+    """Cut a torn last line off events.jsonl (left by a writer that died mid-append) and log what was cut; for the
+    orchestrator that holds the run, before it appends: its first record would be glued onto the torn one and lost
+    with it, and every reader would warn of the damaged line for ever after."""
+    at, dropped = drop_torn_tail(run_dir.events)
+    if dropped:
+        text = dropped.decode("utf-8", errors="replace")
+        log_event(run_dir, "torn-tail", file=str(run_dir.events), at=at, bytes=len(dropped),
+                  dropped=text[:500] + ("…" if len(text) > 500 else ""))  # fmt: skip
 
 
 def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
@@ -286,12 +375,19 @@ class RunState:
             raise ConfigError(f"{source}: unreadable run state ({e}); the run cannot be resumed from it") from None
 
 
-def read_state(run_dir: RunDir) -> RunState:
-    """The run's state.json (a fresh RunState when there is none yet)."""
+def read_state(run_dir: RunDir, *, resume: bool = False) -> RunState:
+    """The run's state.json (a fresh RunState when there is none yet). For `resume` (an orchestrator that goes on
+    with the run) a missing state.json of a run that has attempts is refused: a fresh state would hand out attempt
+    numbers again, re-read the old attempts' heartbeats as new and overwrite their records."""
     try:
         data = read_json(run_dir.state_json)
     except (OSError, ValueError):
         raise ConfigError(f"{run_dir.state_json}: unreadable; the run cannot be resumed from it") from None
+    if data is None and resume and (used := sorted(used_attempts(run_dir))):
+        # The scheduler saves state.json before the first launch, so attempts without it mean it was lost.
+        which = f"attempt {used[0]} exists" if len(used) == 1 else f"attempts {used[0]}–{used[-1]} exist"
+        raise ConfigError(f"{run_dir.state_json} is missing but {which}; restore state.json from a backup, or start "
+                          "a new run with --run-dir")  # fmt: skip
     if data is None:
         return RunState()
     if not isinstance(data, dict):

@@ -25,9 +25,12 @@ from cona.orchestrator.runstate import (
     PendingSpell,
     RunState,
     SwitchRequest,
+    check_run_yaml,
+    end_torn_events,
     log_event,
     read_state,
     stored_measurements,
+    used_attempts,
     write_state,
 )
 from cona.orchestrator.switchcost import SwitchKind
@@ -111,8 +114,16 @@ class Scheduler:
         self.state.updated = time.time()
         write_state(self.run_dir, self.state)
 
+    def check_resumable(self) -> None:
+        """ConfigError, in one line naming the file, when the run directory cannot be gone on with as it is: a
+        run.yaml cut short (its missing sections would be run with their defaults), or a state.json lost while the
+        run has attempts (`read_state`). Reads only; `drive` calls it before the live view starts."""
+        check_run_yaml(self.run_dir)
+        read_state(self.run_dir, resume=True)
+
     def _restore(self) -> None:
-        self.state = read_state(self.run_dir)
+        check_run_yaml(self.run_dir)
+        self.state = read_state(self.run_dir, resume=True)
         self.model.restore(self.state.model)
 
     @property
@@ -128,6 +139,16 @@ class Scheduler:
         `plan`: an elastic (re)start, which the backend may begin on any node count of the planning table (at most
         `up_to`) with that count's strategy."""
         number = self.state.attempts_started + 1
+        if not in_place:
+            # Processes already went on as an in-place switch's attempt; any other launch starts from a checkpoint.
+            self._refuse_lost_progress()
+            # state.json from a backup, or older than the run: a number some attempt used would mix two attempts'
+            # heartbeats, samples and exit records in one file (the trainer appends to them).
+            used = max(used_attempts(self.run_dir, launched=False), default=0)
+            if used >= number:
+                log_event(self.run_dir, "attempt-numbers-skipped", first=number, last=used,
+                          reason="state.json is older than the attempts in the run directory")  # fmt: skip
+                number = used + 1
         # Saved before launching: an orchestrator that dies during the launch never hands out the number again.
         self.state.attempts_started = number
         self.state.status = "running"
@@ -153,6 +174,17 @@ class Scheduler:
         log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
                   backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
         return attempt
+
+    def _refuse_lost_progress(self) -> None:
+        """Fail the run, in one line naming the checkpoints, instead of launching a trainer that would find no
+        checkpoint and train from sample 0 again after the run had checkpointed progress
+        (`RunDir.progress_without_checkpoint`, the one place of that rule)."""
+        reason = self.run_dir.progress_without_checkpoint(samples_known=self.live.samples)
+        if reason is None:
+            return
+        self._finish("failed", reason=reason)
+        log_event(self.run_dir, "failed", reason=reason)
+        raise RunFailed(reason)
 
     def _next_seq(self) -> int:
         seq = self.state.control_seq + 1
@@ -341,6 +373,8 @@ class Scheduler:
 
     def start_or_resume(self) -> Attempt | None:
         self._restore()
+        # This orchestrator holds the run now (its lock or Lease): nobody else will finish a torn last event.
+        end_torn_events(self.run_dir)
         if self.state.status == "done":
             return None
         self._write_switch_points()
@@ -643,6 +677,8 @@ def device_counts(profile: ClusterProfile, job: Job) -> list[int]:
     smaller world sizes their strategies name when those fill whole nodes, so a schedule can move a run to fewer
     nodes (the Slurm backend resubmits with the smaller `--nodes`). Anything else is left to `make_policy`, which
     says why it cannot run."""
+    from cona.orchestrator.planner import named_world_reason
+
     counts = [profile.num_gpus]
     # An elastic run plans for every node count of its range (`cona.orchestrator.elastic`).
     counts += [n * profile.gpus_per_node for n in reversed(node_range(profile)) if n < profile.nodes]
@@ -653,7 +689,7 @@ def device_counts(profile: ClusterProfile, job: Job) -> list[int]:
             world = Strategy.parse(text).world_size
         except ValueError:
             continue
-        if world < profile.num_gpus and world % profile.gpus_per_node == 0 and world not in counts:
+        if world < profile.num_gpus and not named_world_reason(world, profile) and world not in counts:
             counts.append(world)
     return counts
 
@@ -682,6 +718,7 @@ def drive(
             scheduler = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, on_update=on_update)
         except RunFailed as e:  # nothing feasible for a stored run (a resume after the models changed): one line
             return read_state(run_dir), str(e)
+        scheduler.check_resumable()  # a damaged run directory is refused in its one line, before the live view
         view.begin(scheduler)
         try:
             state = scheduler.run()

@@ -1,10 +1,10 @@
 """Whether a strategy can run a job's model, and why not: the one place that decides it. Torch-free.
 
 The planner asks it for every candidate (and adds what is a choice rather than a constraint: the job's batch bounds,
-`parallel.max_tp`/`max_pp`, equal stages where the devices allow them and equal chunks under the interleaved
-schedule, the memory model); the trainer asks it before building a strategy it was given; the backends use
-`placement` to spread a world over nodes. Each answer is one line that names the value at fault and says what to
-change.
+`parallel.max_tp`/`max_pp`, equal stages at each global batch where the devices allow them and equal chunks under
+the interleaved schedule, the memory model); the trainer asks it before building a strategy it was given; the
+backends use `placement` to spread a world over nodes. Each answer is one line that names the value at fault and
+says what to change.
 
 What can run:
 - tensor parallelism splits attention heads, key/value heads and the MLP: tp divides each of them; on a cluster

@@ -319,7 +319,12 @@ class ParallelSpec(StrictModel):
     max_pp: int | None = Field(None, gt=0)
     """Upper bound on the pipeline-parallel degree."""
     sharded_dp: bool = True
-    """Shard parameters, gradients and optimizer state across data-parallel ranks (FSDP2)."""
+    """Whether FSDP2 frees a block's gathered parameters after its forward (`trainer.fsdp`). Parameters, gradients
+    and AdamW's state are sharded across data-parallel ranks either way; `false` is not replicated data
+    parallelism. `true` (ZeRO-3-like): with pp = 1 each block is gathered for its forward and again for its
+    backward (the least memory). `false` (ZeRO-2-like): the gathered parameters are kept from forward to backward,
+    one all-gather fewer per block and micro-batch, and each rank holds its stage's whole fp32 parameters at the
+    peak (about 4 bytes per parameter more). Under pp they are kept either way, and the flag changes nothing."""
     recompute: Literal["none", "selective", "full"] = "none"
     """What backward recomputes instead of keeping from forward (activation checkpointing):
 

@@ -111,6 +111,40 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def drop_torn_tail(path: Path) -> tuple[int, bytes]:
+    """Cut a torn last line off `path` (the bytes after its last newline): returns where it began and what was cut
+    (b"" when the file ends with a newline, is empty or does not exist).
+
+    Only for the file's owner before it appends, while no other writer of it can be running (the orchestrator under
+    the run lock): readers leave a torn tail for its writer to finish, but a writer that died never will, and the
+    next appended record would be glued onto it and lost with it. The caller says what was dropped (an event), so
+    it is cut rather than ended with a newline, which would leave a damaged line every reader warns about forever."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return 0, b""
+    try:
+        size = os.fstat(fd).st_size
+        end, chunk = size, 1 << 16
+        while end > 0:  # back from the end to the last newline: the file itself may be large
+            start = max(0, end - chunk)
+            found = os.pread(fd, end - start, start).rfind(b"\n")
+            if found >= 0:
+                end = start + found + 1
+                break
+            end = start
+        if end == size:
+            return size, b""
+        dropped = os.pread(fd, size - end, end)
+        if os.fstat(fd).st_size != size:  # an append landed meanwhile (`cona stop`): leave it whole, cut nothing
+            return size, b""
+        os.ftruncate(fd, end)
+        os.fsync(fd)
+        return end, dropped
+    finally:
+        os.close(fd)
+
+
 def read_jsonl(path: Path, *, offset: int = 0, damaged: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Records from byte `offset` on, and the offset after the last whole line.
 
@@ -366,6 +400,49 @@ class RunDir:
     def latest_checkpoint(self) -> Path | None:
         complete = self.complete_checkpoints()
         return complete[-1] if complete else None
+
+    def has_marked_checkpoint(self) -> bool:
+        """Whether a trainer could resume from anything here: a `step-*` directory with its COMPLETE marker, or the
+        staged or replaced copy of one whose re-save a crash interrupted (the trainer's `recover_resaves` puts it
+        back under its name before it lists the checkpoints)."""
+        if not self.checkpoints.is_dir():
+            return False
+        names = ("step-", ".resave-step-", ".replaced-step-")
+        return any(p.name.startswith(names) and (p / COMPLETE_MARKER).exists() for p in self.checkpoints.iterdir())
+
+    def recorded_progress(self) -> tuple[int, int]:
+        """From the heartbeats of every attempt: the most samples the run reached, and the most it ever had in a
+        checkpoint (a `checkpoint` record, an attempt that resumed from one, a trainer that exited after its
+        checkpoint: done, switched or stopped). 0 for none; damaged lines are left out."""
+        reached = checkpointed = 0
+        saved_on_exit = (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED)
+        for path in sorted(self.heartbeats.glob("*.jsonl")):
+            if not path.is_file():
+                continue
+            for record in read_jsonl(path)[0]:
+                samples, event = record.get("samples"), record.get("event")
+                if isinstance(samples, bool) or not isinstance(samples, int):
+                    continue
+                reached = max(reached, samples)
+                if event in ("checkpoint", "resume") or (event == "exit" and record.get("exit_code") in saved_on_exit):
+                    checkpointed = max(checkpointed, samples)
+        return reached, checkpointed
+
+    def progress_without_checkpoint(self, *, samples_known: int = 0) -> str | None:
+        """Why a new attempt must not start: the run has had progress in a checkpoint, and no checkpoint is left to
+        resume it from (deleted, or none has its COMPLETE marker); None when it may start. The one place of the
+        rule that a run never silently starts again from sample 0 after it had checkpointed progress. A run that
+        never wrote a checkpoint (a crash before the first one) does start again from 0: nothing saved is lost.
+        `samples_known`: what the caller knows the run reached (the orchestrator's state.json)."""
+        if self.has_marked_checkpoint():
+            return None
+        reached, checkpointed = self.recorded_progress()
+        if checkpointed <= 0:
+            return None
+        reached = max(reached, samples_known, checkpointed)
+        return (f"{self.root} reached {reached:,} samples (checkpointed up to {checkpointed:,}) but has no complete "
+                f"checkpoint in {self.checkpoints}; restore them from a backup and resume, or start over with a new "
+                "--run-dir")  # fmt: skip
 
     def latest_trainer_state(self) -> dict[str, Any] | None:
         latest = self.latest_checkpoint()

@@ -208,14 +208,16 @@ def test_the_table_render_and_the_start_strategy_agree_on_the_startable_counts(t
 
 def test_nothing_startable_is_the_clear_error_of_render(tmp_path):
     """gpt3-1.3b fits on no node count of 1 to 3 CPU "nodes" (4 GB each): nothing can start. render/submit say
-    so in one line (with the odd factor 6 devices have); the Slurm script then asks for the strategy's own nodes."""
+    so in one line, naming memory as the cause (not the odd factor 6 devices have: no batch that splits over it would
+    fit either); the Slurm script then asks for the strategy's own nodes."""
     from cona.orchestrator.cli import UserError, first_strategy
 
     profile = load_profile(PROFILE, ["nodes=3", "min_nodes=1"])
     job = load_job(REPO / "examples" / "gpt3-1.3b.yaml")
     assert list(startable_nodes(profile, job)) == [] == list(startable_nodes(profile, job, descending=True))
-    with pytest.raises(UserError, match=r"^no feasible strategy for gpt3-1.3b on local-slurm; 6 devices have the "
-                                        r"factor 3.*run `cona plan --all` to see why$"):  # fmt: skip
+    with pytest.raises(UserError, match=r"^no feasible strategy for gpt3-1.3b on local-slurm; every strategy the "
+                                        r"layout and batch rules allow needs more than accelerator.memory='4 GB'"
+                                        r".*run `cona plan --all` to see why$"):  # fmt: skip
         first_strategy(profile, job)
     backend = SlurmBackend(run_dir=RunDir(tmp_path / "run"), profile=profile, job=job)
     rendered = backend.render(strategy=Strategy.parse("dp=2,tp=1,pp=1,mbs=1,gbs=64"))
@@ -270,7 +272,7 @@ def test_a_2048_node_range_builds_the_schedulers_candidates_in_seconds(tmp_path)
     """`cona run` on 1 to 2,048 nodes plans every count's world (`device_counts`): about 7 million candidates, a
     few thousand of them feasible. The scheduler builds only those (`enumerate_candidates(feasible_only=True)`):
     1.1 CPU-seconds on a 2-core machine, where building every rejected candidate too took 22 s; 3.7-3.9 s since
-    the node counts that no even pipeline split fits plan uneven ones (14,522 feasible candidates, not 5,455). The same
+    the node counts that no even pipeline split fits plan uneven ones (14,523 feasible candidates, not 5,455). The same
     candidates as filtering the full enumeration, checked on a few worlds (the small ones, one with the odd factor
     3, all 16,384 devices)."""
     import time

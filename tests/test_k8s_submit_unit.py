@@ -133,6 +133,8 @@ def test_run_root_must_lie_under_the_mount():
         (["--profile", "slurm/profiles/local-cpu.yaml"], "backend is 'local'; cona submit needs a kubernetes profile"),
         (["--profile", str(K8S_PROFILE), "--set", "data.path=data/x.txt"], "data.path 'data/x.txt' is relative"),
         (["--profile", str(K8S_PROFILE), "--set", "data.path=/runs/x", "--name", "Bad_Name"], "--name 'Bad_Name'"),
+        (["--profile", str(K8S_PROFILE), "--set", "data.path=/runs/x", "-n", "other"],
+         "-n/--namespace is for --resume; a new run goes to the profile's kubernetes.namespace"),
         (["--profile", str(K8S_PROFILE), "--set", "data.path=/runs/x", "--policy", "fixed:dp=64,tp=1,pp=1,mbs=1,gbs=64"],
          "dp=64"),
     ],

@@ -100,9 +100,10 @@ def test_a_memory_rejection_tells_the_need_from_the_memory_and_nothing_fitting_s
     assert refused.returncode == 2 and "parallel.recompute=full" in refused.stderr, refused.stderr
     assert run_cona("plan", *cpus, "--set", "parallel.recompute=full", "--top", "1").returncode == 0
     odd = run_cona("plan", "--profile", str(profile), "--profile-set", "gpus_per_node=3", "--job", "examples/tiny-gpt.yaml")
-    # No batch splits over dp=3, and the one layout that takes the factor, 4 layers over 3 uneven stages, needs
-    # just over 1 GB too: both causes are named.
-    assert odd.returncode == 2 and "the factor 3" in odd.stderr, odd.stderr
+    # No batch splits over dp=3, but nothing would fit at a batch that does (1 GB is the CUDA context alone), and
+    # the one layout that takes the factor, 4 layers over 3 uneven stages, needs just over 1 GB too: memory is
+    # the cause named, not the factor (a batch hint here would send the user after batches that change nothing).
+    assert odd.returncode == 2 and "the factor 3" not in odd.stderr, odd.stderr
     assert re.search(r"accelerator.memory='1 GB' \(1\.0+ GB\) per device, the least 1\.0\d+ GB \(d1t1p3 ", odd.stderr)
 
 
@@ -311,3 +312,126 @@ def test_devices_no_even_pipeline_fits_plan_uneven_stages_priced_by_the_slowest(
 
     assert compute_s(12, 256) < compute_s(13, 256) < compute_s(15, 256) < 1.01 * compute_s(13, 256)
     assert compute_s(13, 128256) == compute_s(12, 128256) < compute_s(15, 128256)
+
+
+# Profiles whose device counts have an odd factor (and two that have none), for the per-batch pipeline rule.
+_ODD_PROFILES = [
+    ("a100-4x8.yaml", ["nodes=3"]), ("a100-4x8.yaml", ["nodes=5"]), ("a100-4x8.yaml", ["nodes=3", "gpus_per_node=6"]),
+    ("a100-4x8.yaml", ["nodes=7"]), ("a100-4x8.yaml", []), ("h100-2x8.yaml", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "overrides"), _ODD_PROFILES, ids=lambda v: v if isinstance(v, str) else ",".join(v))
+def test_a_batch_added_never_removes_candidates_at_other_batches(path, overrides):
+    """Whether pipeline stages may be unequal is decided per global batch: the candidates at a batch (rejections and
+    their reasons included) are the same whichever other batches are planned with it, so `cona plan --gbs N` lists
+    what `cona plan` lists at N, and a batch that is a multiple of the devices' odd factor (one an even split runs)
+    takes nothing from the others. It once removed every strategy at every other batch: llama-3.2-1b on 3 nodes of
+    8 with batch.base_gbs=768 planned 30 strategies, all at 768, instead of 162 + 30."""
+    profile = load_profile(PROFILES / path, overrides)
+    odd = profile.num_gpus
+    while odd % 2 == 0:
+        odd //= 2
+    mixed = 0  # batches an even split runs, planned beside batches only unequal stages run
+    for preset in ("llama-3.2-1b", "gpt3-1.3b", "tiny-gpt", "tiny-llama"):
+        job = load_job(EXAMPLES / f"{preset}.yaml")
+        layers, batches = job.model.num_layers, job.batch.candidate_gbs()
+        extras = [g for g in (3 * 2**k * odd for k in range(12)) if job.batch.min_gbs <= g <= job.batch.max_gbs][:3]
+        extras += [g for g in (odd * 2**k for k in range(12)) if job.batch.min_gbs <= g <= job.batch.max_gbs][-2:]
+        alone = {g: enumerate_candidates(profile=profile, job=job, gbs_values=[g]) for g in {*batches, *extras}}
+        for added in [None, *extras]:
+            planned = sorted({*batches, added} - {None})
+            together = enumerate_candidates(profile=profile, job=job, gbs_values=planned)
+            for g in planned:
+                assert [c for c in together if c.gbs == g] == alone[g], (preset, planned, g)
+            assert enumerate_candidates(profile=profile, job=job, gbs_values=planned, feasible_only=True) == [
+                c for c in together if c.feasible]  # fmt: skip
+            uneven_at = {c.gbs for c in together if c.feasible and layers % c.pp}
+            even_at = {c.gbs for c in together if c.feasible and not layers % c.pp}
+            assert not uneven_at & even_at, (preset, planned)  # equal stages wherever they run (the rule's intent)
+            mixed += bool(uneven_at and even_at)
+    if odd > 1 and path == "a100-4x8.yaml" and overrides == ["nodes=3"]:
+        assert mixed  # the case the rule got wrong is exercised
+
+
+def test_plan_and_its_policies_agree_at_each_batch_on_an_odd_device_count(a100):
+    """llama-3.2-1b on 3 nodes of 8 with batch.gbs_choices=[96, 128, 256, 512, 1024]: an even split runs only 96.
+    `cona plan` and `cona plan --gbs 1024` list the same unequal-stage strategies at 1024; the static policy starts
+    on one of the run's candidates; a fixed strategy with unequal stages is accepted at 1024 (as without the
+    override) and refused at 96 in the rule's words; and the fixed-strategy check agrees with the candidates on every
+    strategy the rule decides."""
+    from cona.orchestrator.planner import strategy_reason
+    from cona.orchestrator.policy import make_policy
+    from cona.protocol.strategy import Strategy
+
+    three = a100.model_copy(update={"nodes": 3})
+    job = load_job(EXAMPLES / "llama-3.2-1b.yaml", ["batch.gbs_choices=[96,128,256,512,1024]"])
+    everything = enumerate_candidates(profile=three, job=job)
+    feasible = [c for c in everything if c.feasible]
+    assert {c.gbs for c in feasible} == {96, 128, 256, 512, 1024}
+    assert all(16 % c.pp == 0 for c in feasible if c.gbs == 96) and all(16 % c.pp for c in feasible if c.gbs != 96)
+    at_1024 = enumerate_candidates(profile=three, job=job, gbs_values=[1024], feasible_only=True)
+    assert [c for c in feasible if c.gbs == 1024] == at_1024 != []
+    static = static_choice(profile=three, job=job)
+    assert static.feasible and static in feasible
+    for text, accepted in (("dp=8,tp=1,pp=3,mbs=2,gbs=1024", True), ("dp=8,tp=1,pp=3,mbs=2,gbs=96", False)):
+        fixed = load_job(EXAMPLES / "llama-3.2-1b.yaml", ["batch.gbs_choices=[96,128,256,512,1024]",
+                                                          "policy.name=fixed", f"policy.strategy={text}"])  # fmt: skip
+        if accepted:
+            assert make_policy(fixed, profile=three, candidates=feasible).strategy == Strategy.parse(text)
+        else:
+            with pytest.raises(ValueError, match=r"pp=3 does not divide model.num_layers=16 and an even split of the "
+                                                 r"devices runs this global batch .*choose a pp that divides 16$"):
+                make_policy(fixed, profile=three, candidates=feasible)
+    decided = [c for c in everything if c.feasible or "even split" in c.reason]
+    assert len(decided) > len(feasible)
+    for c in decided:
+        assert strategy_reason(c.strategy, profile=three, job=job) == c.reason, c.strategy
+
+
+def test_a_fixed_strategy_on_fewer_devices_must_fill_whole_nodes_and_says_so(a100, gpt3):
+    """On 3 nodes of 8, a fixed or schedule strategy may use 8, 16 or 24 devices (`scheduler.device_counts` plans
+    for them): 12 is refused naming what is allowed (not "every strategy uses them all", which 8 and 16 belie), and
+    a whole-node world that does not fit is refused for its own reason, not its size."""
+    from cona.orchestrator.planner import named_world_reason, strategy_reason
+    from cona.orchestrator.scheduler import device_counts
+    from cona.protocol.strategy import Strategy
+
+    three = a100.model_copy(update={"nodes": 3})
+    for world in range(1, 40):
+        job = gpt3.model_copy(update={"policy": gpt3.policy.model_copy(
+            update={"name": "fixed", "strategy": f"dp={world},tp=1,pp=1,mbs=1,gbs={world}"})})  # fmt: skip
+        assert (world in device_counts(three, job)) == (not named_world_reason(world, three)), world
+        assert (not named_world_reason(world, three)) == (world in (8, 16, 24)), world
+    assert strategy_reason(Strategy.parse("dp=2,tp=2,pp=3,mbs=1,gbs=64"), profile=three, job=gpt3) == (
+        "dp·tp·pp=12, but a fixed or schedule strategy uses all 24 devices or fills whole nodes of 8; choose dp, tp "
+        "and pp whose product is a multiple of 8 up to 24")
+    assert strategy_reason(Strategy.parse("dp=8,tp=1,pp=1,mbs=8,gbs=64"), profile=three, job=gpt3) == ""
+    long = gpt3.model_copy(update={"model": gpt3.model.model_copy(update={"seq_len": 16384})})
+    assert "GB per device" in strategy_reason(Strategy.parse("dp=8,tp=1,pp=1,mbs=8,gbs=64"), profile=three, job=long)
+
+
+def test_the_odd_factor_is_named_only_when_a_batch_that_splits_would_run():
+    """24 devices have the factor 3. When every strategy needs more memory than the devices have (gpt3-1.3b with a
+    million-token sequence; on 3 CPU processes of 4 GB) tp and pp can take the factor and batches that split over it
+    would not fit either: memory is named, not the factor. When the batch is the cause (tiny-gpt on 5 nodes of 8:
+    no layout leaves the factor 5 to anything but dp) the factor and the batches that split are named."""
+    from cona.orchestrator.planner import no_feasible_strategy
+
+    gpt3 = load_job(EXAMPLES / "gpt3-1.3b.yaml", ["model.seq_len=1000000"])
+    message = no_feasible_strategy(load_profile(PROFILES / "a100-4x8.yaml", ["nodes=3"]), gpt3)
+    assert "the factor" not in message and "the least 1083.3 GB (d1t8p3 m1 g64)" in message, message
+    cpus = load_profile(PROFILES / "local-cpu.yaml", ["nodes=3", "gpus_per_node=1", "accelerator.memory=4 GB"])
+    message = no_feasible_strategy(cpus, load_job(EXAMPLES / "gpt3-1.3b.yaml"))
+    assert "the factor" not in message and "needs more than accelerator.memory='4 GB'" in message, message
+    message = no_feasible_strategy(load_profile(PROFILES / "a100-4x8.yaml", ["nodes=5"]), load_job(EXAMPLES / "tiny-gpt.yaml"))
+    assert "40 devices have the factor 5" in message and "batch.gbs_choices=[10, 20, 40, 80]" in message, message
+
+
+def test_plan_at_a_batch_outside_the_bounds_says_the_bounds():
+    result = run_cona("plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/gpt3-1.3b.yaml",
+                      "--gbs", "32")  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.strip() == (
+        "cona: error: no feasible strategy for gpt3-1.3b on a100-4x8 at --gbs 32: it is outside the job's batch "
+        "bounds [64, 1024]; give a --gbs within them, or widen them with --set batch.min_gbs=32")

@@ -444,7 +444,8 @@ def test_fixed_keeps_its_strategy(setup):
             "dp=1,tp=3,pp=1,mbs=2,gbs=16",
             "policy.strategy dp=1,tp=3,pp=1,mbs=2,gbs=16: tp=3 does not divide model.num_heads=4",
         ),
-        ("dp=2,tp=1,pp=1,mbs=2,gbs=16", "dp·tp·pp=2 but 4 devices are present"),
+        ("dp=2,tp=1,pp=1,mbs=2,gbs=16", "dp·tp·pp=2 but the profile's one node has 4 devices and a strategy uses "
+                                        "them all; choose dp, tp and pp whose product is 4"),
         ("dp=4,tp=1,pp=1,mbs=2,gbs=4096", "gbs=4096 outside batch bounds"),
         (
             "dp=4,tp=1,pp=1,mbs=3,gbs=16",

@@ -110,3 +110,133 @@ def test_unusable_run_yaml_is_one_line_naming_it(tmp_path, content, message):
     with pytest.raises(ConfigError) as err:
         load_run(run)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# --- a damaged run directory met by an orchestrator that goes on with the run -------------------------------------
+
+
+def _created_run(tmp_path) -> RunDir:
+    """A real run directory as `cona run` creates it (run.yaml only)."""
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.runstate import create_run
+
+    from tests.conftest import EXAMPLES, PROFILES
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILES / "local-cpu.yaml"), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    return run
+
+
+def test_a_run_yaml_cut_short_anywhere_is_refused_for_resume_in_one_line(tmp_path):
+    """`head -c 1500 run.yaml` still parsed: the missing sections took their defaults (max_samples 30,000 became
+    200,000, the perplexity target was lost) and the resume ran another job without a word."""
+    run = _created_run(tmp_path)
+    whole = run.run_yaml.read_bytes()
+    assert whole.startswith(b"version: 2\n") and whole.endswith(b"complete: true\n")
+    assert load_run(run, resume=True)[1].target.val_perplexity is not None
+    # Only the last newline may go: then nothing is lost (`complete: true` is whole).
+    for cut in [*range(40, len(whole), 61), len(whole) - 3, len(whole) - 2]:
+        run.run_yaml.write_bytes(whole[:cut])
+        with pytest.raises(ConfigError) as err:
+            load_run(run, resume=True)
+        message = str(err.value)
+        assert message.startswith(f"{run.run_yaml}:") and "\n" not in message, (cut, message)
+
+
+def test_a_run_yaml_cut_inside_the_job_names_what_is_missing_and_status_goes_on_with_a_warning(tmp_path, capsys):
+    run = _created_run(tmp_path)
+    text = run.run_yaml.read_text()
+    run.run_yaml.write_text(text[: text.index("  target:")])  # inside the job, as `head -c 1500` of a real run
+    with pytest.raises(ConfigError) as err:
+        load_run(run, resume=True)
+    assert str(err.value) == (
+        f"{run.run_yaml}: cut short or damaged: job.target, job.eval, job.checkpoint, job.heartbeat and 1 more "
+        "missing, which cona always writes; restore it from a backup (cona writes it once, whole, when the run is "
+        "created) or start a new run with --run-dir"
+    )
+    capsys.readouterr()
+    for _ in range(2):  # `cona report` loads the run twice: one warning
+        profile, job = load_run(run)
+    assert job.name == "tiny-gpt" and profile.name == "local-cpu"
+    err_lines = capsys.readouterr().err.splitlines()
+    assert len(err_lines) == 1 and err_lines[0].startswith(f"cona: warning: {run.run_yaml}: cut short or damaged")
+
+
+def test_an_unversioned_run_yaml_of_an_earlier_cona_still_resumes_and_a_cut_one_is_refused(tmp_path):
+    """Run directories created before run.yaml had `version` and `complete`: whole, they resume as before; cut
+    short, the sections every cona wrote tell it."""
+    import yaml
+
+    run = _created_run(tmp_path)
+    document = yaml.safe_load(run.run_yaml.read_text())
+    del document["version"], document["complete"], document["job"]["metrics"]  # `metrics` came later
+    old = yaml.safe_dump(document, sort_keys=False)
+    run.run_yaml.write_text(old)
+    assert load_run(run, resume=True)[1].name == "tiny-gpt"
+    run.run_yaml.write_text(old[: old.index("    mbs_choices:")])  # inside job.batch
+    with pytest.raises(ConfigError, match=r"run\.yaml: cut short or damaged: job\.parallel, job\.target, job\.eval, "
+                                          r"job\.checkpoint and 2 more missing"):  # fmt: skip
+        load_run(run, resume=True)
+
+
+def _beat(attempt: int, samples: int, **fields) -> dict:
+    return {"time": 10.0 + samples, "attempt": attempt, "strategy": A.to_dict(), "step": samples // 16,
+            "samples": samples, "tokens": 64 * samples, "train_loss": 3.0, "lr": 1e-3, "step_time_s": 0.1,
+            "samples_per_s": 160.0, **fields}  # fmt: skip
+
+
+@pytest.mark.parametrize("evidence", ["attempt directory", "heartbeats", "samples log", "launch event"])
+def test_a_missing_state_json_of_a_run_with_attempts_is_refused_for_resume(tmp_path, evidence):
+    """Without state.json a resume started again at attempt 1: it re-read attempt 1's heartbeats as new, invented
+    a switch from its old exit record, and overwrote attempts/1 and appended to its logs."""
+    from cona.orchestrator.runstate import log_event
+    from cona.protocol.rundir import append_jsonl
+
+    run = _created_run(tmp_path)
+    assert read_state(run, resume=True).attempts_started == 0  # a new run: nothing launched yet
+    run.attempt_dir(0).mkdir(parents=True)  # a trainer run by hand (attempt 0) is no attempt of the orchestrator's
+    assert read_state(run, resume=True).attempts_started == 0
+    if evidence == "attempt directory":
+        run.attempt_dir(1).mkdir(parents=True)
+        run.attempt_dir(2).mkdir(parents=True)
+    elif evidence == "heartbeats":
+        append_jsonl(run.heartbeat_file(1), _beat(1, 16))
+        append_jsonl(run.heartbeat_file(2), _beat(2, 32))
+    elif evidence == "samples log":
+        append_jsonl(run.samples_log / "1.jsonl", {"step": 1, "start": 0, "end": 16})
+        append_jsonl(run.samples_log / "2.jsonl", {"step": 2, "start": 16, "end": 32})
+    else:
+        log_event(run, "launch", attempt=1, strategy=A.to_dict())
+        log_event(run, "launch", attempt=2, strategy=B.to_dict())
+    with pytest.raises(ConfigError) as err:
+        read_state(run, resume=True)
+    assert str(err.value) == (f"{run.state_json} is missing but attempts 1–2 exist; restore state.json from a backup, "
+                              "or start a new run with --run-dir")  # fmt: skip
+    assert read_state(run).status == "created"  # `cona status` and `cona report` still read the rest
+    assert not run.state_json.exists()
+
+
+def test_a_torn_last_event_is_cut_and_logged_before_the_next_one(tmp_path):
+    """A torn tail (a writer killed mid-append) had the next record glued onto it: that record was lost, and every
+    reader warned about the damaged line from then on."""
+    from cona.orchestrator.runstate import end_torn_events, log_event, read_events
+
+    run = _created_run(tmp_path)
+    end_torn_events(run)  # no events.jsonl yet: nothing to do
+    assert not run.events.exists()
+    log_event(run, "start", strategy=A.to_dict())
+    end_torn_events(run)  # whole lines only: nothing to do
+    assert len(read_events(run)) == 1
+    whole = run.events.read_bytes()
+    torn = b'{"attempt": 2, "event": "heartbeat-gap", "ti'
+    run.events.write_bytes(whole + torn)
+    end_torn_events(run)
+    log_event(run, "resume", attempt=2)
+    skipped: list[str] = []
+    events = read_events(run, skipped=skipped)
+    assert skipped == [] and [e["event"] for e in events] == ["start", "torn-tail", "resume"]
+    assert events[1]["dropped"] == torn.decode() and (events[1]["at"], events[1]["bytes"]) == (len(whole), len(torn))
+    run.events.write_bytes(whole + b"\0" * 100)  # zeros a crash left behind: no line at all
+    end_torn_events(run)
+    assert run.events.read_bytes().startswith(whole) and read_events(run)[-1]["bytes"] == 100

@@ -226,10 +226,14 @@ def test_a_disruption_does_not_forgive_a_crash(tmp_path):
 def test_an_attempt_that_refused_its_input_fails_the_run_at_once_with_its_line(tmp_path):
     """The trainer's exit 2 (a damaged model.init_from, no loadable checkpoint) was taken for a crash: relaunched
     max_restarts times with backoff, each refusing alike, then failed as `torchrun exited 2` without the reason."""
-    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3")
     reason = "model.init_from: /hf/config.json: n_embd is '64', not an integer; fix config.json (model.hidden_size)"
-    sched.run_dir.write_exit(1, ExitRecord(exit_code=ExitCode.CONFIG, name="CONFIG", reason=reason, step=None, time=1.0))
-    backend.exit_codes = {1: ExitCode.CONFIG}
+
+    def trainer_refuses(live) -> None:  # once attempt 1 runs (an exit record before it would be a run's leftover)
+        sched.run_dir.write_exit(1, ExitRecord(exit_code=ExitCode.CONFIG, name="CONFIG", reason=reason, step=None,
+                                               time=1.0))  # fmt: skip
+        backend.exit_codes = {1: ExitCode.CONFIG}
+
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3", on_update=trainer_refuses)
     with pytest.raises(RunFailed) as info:
         sched.run()
     assert str(info.value).startswith(f"attempt 1 refused its input: {reason}; fix it and resume with `cona run "

@@ -232,9 +232,12 @@ class Trainer:
                 ckpt.warn(message)
                 self._notices.append((HeartbeatEvent.CHECKPOINT_SKIPPED, message))
         if had_marked:
+            # Not "remove them to start over": the orchestrator refuses a run with checkpointed progress and no
+            # checkpoint (`RunDir.progress_without_checkpoint`), and training from 0 would throw that progress away.
             raise ConfigError(
-                f"{self.run_dir.checkpoints}: no checkpoint can be loaded (see the warnings above); "
-                "remove the corrupt step-* directories to start over, or restore them"
+                f"{self.run_dir.checkpoints}: no checkpoint can be loaded (the warnings before this line in the "
+                "attempt's log name each and why); restore them from a backup and resume, or start over with a new "
+                "--run-dir"
             )
 
     # The loop -------------------------------------------------------------------------------------------------

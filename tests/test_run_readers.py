@@ -1,0 +1,302 @@
+"""The programs that read a run directory — `cona status`, `cona report`, `cona stop` and `cona run`'s console —
+on damaged or unusual run directories, built by hand (no training needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+
+import pytest
+from cona.orchestrator import cli
+from cona.orchestrator.backends.base import Attempt
+from cona.orchestrator.job import load_job
+from cona.orchestrator.live import LiveView, print_status, status_summary
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.report import write_report
+from cona.orchestrator.runstate import RunLock, RunState, create_run, log_event, write_state
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
+
+from tests.conftest import EXAMPLES, PROFILES, REPO
+
+A = Strategy.parse("dp=1,tp=1,pp=4,mbs=4,gbs=16")
+B = Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16")
+
+
+def make_run(tmp_path, profile=PROFILES / "local-cpu.yaml") -> RunDir:
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(profile), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    return run
+
+
+def beat(**fields) -> dict:
+    return {"attempt": 1, "time": 10.0, "step": 1, "samples": 16, "train_loss": 5.0, "strategy": A.to_dict(),
+            "samples_per_s": 100.0, "tokens": 1024, "lr": 1e-3, "step_time_s": 0.16, **fields}  # fmt: skip
+
+
+def write_beats(run: RunDir, attempt: int, records: list[dict]) -> None:
+    run.heartbeats.mkdir(parents=True, exist_ok=True)
+    run.heartbeat_file(attempt).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def cona(argv: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------------------------------------- #6: divergence
+
+
+def test_a_diverged_run_gets_its_report_with_the_perplexity_clipped(tmp_path, capsys):
+    """A validation loss of 1e6 (lr far too high) or 1000 made `math.exp` overflow in the report: `cona run` of a
+    finished run and `cona report` ended in a traceback. The perplexity is clipped at e^50, as the trainer and the
+    run model clip theirs."""
+    run = make_run(tmp_path)
+    log_event(run, "start", strategy=A.to_dict())
+    write_beats(run, 1, [beat(time=10.0, samples=320, val_loss=1.35e6), beat(time=11.0, samples=640, val_loss=1000.0)])
+    write_state(run, RunState(status="done", final=True))
+    code, _, err = cona(["report", str(run.root)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    text = (run.root / "report.md").read_text()
+    assert "best validation loss 1000.0000 (perplexity 5184705528587072" in text
+    assert "target perplexity 5.5: not reached" in text
+
+
+# ------------------------------------------------------------------------------------ #10: records of wrong shape
+
+
+def test_event_records_of_the_wrong_shape_are_skipped_and_said_by_every_reader(tmp_path, capsys):
+    """Valid JSON of the wrong shape (a launch without its strategy, a switch-complete without its cost, a switch
+    whose reason is a number, a checkpoint notice without its detail) crashed status, report and the console with a
+    traceback. Each reader skips them and says so in its one warning line; the good records are still used."""
+    run = make_run(tmp_path)
+    log_event(run, "start", strategy=A.to_dict())
+    log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
+    log_event(run, "switch", attempt=1, **{"from": A.to_dict()}, to=B.to_dict(), reason="R 1.2× current")
+    log_event(run, "launch")
+    log_event(run, "switch-complete", attempt=2, kind="in_place")
+    log_event(run, "switch", attempt=1, **{"from": A.to_dict()}, to=B.to_dict(), reason=5)
+    log_event(run, "checkpoint-skipped", attempt=2)
+    log_event(run, "launch", attempt=2, strategy={"dp": "two"}, reason="switch in place")
+    write_state(run, RunState(status="done", final=True))
+
+    capsys.readouterr()
+    summary = status_summary(run)
+    print_status(summary)
+    out, err = capsys.readouterr()
+    assert [s["reason"] for s in summary["switches"]] == ["R 1.2× current"] and summary["checkpoint_notice"] is None
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "a launch record without an attempt number" in lines[0] and "(and 4 more)" in lines[0]
+
+    _, md = write_report(run)
+    assert "| 1 |" in md.read_text() and "`d1t1p4 m4 g16` → `d4t1p1 m4 g16`" in md.read_text()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "(and 4 more)" in lines[0]
+
+    view = LiveView(run_dir=run, job=load_job(EXAMPLES / "tiny-gpt.yaml"), quiet=True)
+    view._print_events()  # `cona run`'s console, from the start of the file
+    out, err = capsys.readouterr()
+    assert "cona: launch attempt 1 with d1t1p4 m4 g16" in out and out.count("cona: launch") == 1
+    assert len(err.strip().splitlines()) == 1 and "(and 4 more)" in err
+
+
+# ---------------------------------------------------------------------------------- #9: an unterminated tail
+
+
+def test_an_unterminated_tail_that_is_no_record_is_said_but_a_torn_record_is_left_alone(tmp_path, capsys):
+    """A file whose last bytes have no newline is left for its writer to finish; but bytes that no writer ever
+    finishes into a record (NUL bytes a crash left in a grown file, a line that does not start with `{`) were
+    dropped without a word: status showed `switches 0`, the report no loss curve, and neither warned."""
+    run = make_run(tmp_path)
+    log_event(run, "start", strategy=A.to_dict())
+    log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
+    write_beats(run, 1, [beat(val_loss=5.1)])
+    write_state(run, RunState(status="done", final=True))
+    capsys.readouterr()
+
+    with open(run.events, "ab") as f:
+        f.write(b'{"attempt": 1, "event": "heartbeat-gap", "ti')  # a record being written: no warning
+    status_summary(run)
+    write_report(run)
+    assert capsys.readouterr().err == ""
+
+    size = run.events.stat().st_size
+    run.events.write_bytes(b"\0" * size)  # the whole file, as a crash can leave it
+    assert status_summary(run)["switches"] == []
+    err = capsys.readouterr().err
+    assert f"{run.events}: the last {size} bytes, from byte 0, have no newline and hold NUL bytes" in err
+
+    run.events.write_text(json.dumps({"time": 1.0, "event": "start"}) + "\nnot json and no newline")
+    status_summary(run)
+    assert "from byte 32, have no newline and hold no JSON record" in capsys.readouterr().err
+
+    run.events.write_text(json.dumps({"time": 1.0, "event": "start"}) + "\n")
+    beats = run.heartbeat_file(1).read_bytes()
+    run.heartbeat_file(1).write_bytes(b"\0" * len(beats))
+    write_report(run)
+    assert f"{run.heartbeat_file(1)}: the last {len(beats)} bytes" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- #3: resuming from an older checkpoint is shown
+
+
+def test_the_console_and_status_show_a_checkpoint_the_resume_passed_over(tmp_path, capsys):
+    """A trainer that skips a damaged checkpoint resumes from an older one: `cona run`'s console and `cona status`
+    say which and why, and the step it resumed from (from the attempt's startup.json)."""
+    run = make_run(tmp_path)
+    log_event(run, "launch", attempt=3, strategy=A.to_dict(), reason="relaunch after crashed")
+    skipped = f"skipping checkpoint {run.checkpoint_dir(180)}: __1_0.distcp has 5000 bytes, expected 2104025"
+    log_event(run, "checkpoint-skipped", attempt=3, detail=skipped)
+    run.attempt_dir(3).mkdir(parents=True)
+    (run.attempt_dir(3) / "startup.json").write_text(json.dumps({"load_end": 1.0, "resumed_step": 160}))
+    write_state(run, RunState(status="done", final=True))
+    line = f"checkpoint-skipped (attempt 3): {skipped}; attempt 3 resumed from step 160"
+
+    view = LiveView(run_dir=run, job=load_job(EXAMPLES / "tiny-gpt.yaml"), quiet=True)
+    capsys.readouterr()
+    view._print_events()
+    assert f"cona: {line}\n" in capsys.readouterr().out
+
+    summary = status_summary(run)
+    assert summary["checkpoint_notice"] == line
+    print_status(summary)
+    assert f"notice     {line}\n" in capsys.readouterr().out
+
+    log_event(run, "checkpoint-restored", attempt=4, detail="restored step-00000200 from its interrupted re-save")
+    run.attempt_dir(4).mkdir(parents=True)
+    (run.attempt_dir(4) / "startup.json").write_text(json.dumps({"resumed_step": None}))  # started afresh
+    assert status_summary(run)["checkpoint_notice"].endswith("re-save; attempt 4 started from step 0")
+
+
+# ---------------------------------------------------------------------- #11: the latest checkpoint status names
+
+
+def make_checkpoint(run: RunDir, step: int, *, shard: bytes = b"x" * 100) -> dict[str, bytes]:
+    """A checkpoint directory as the trainer writes one (its files, sizes and CRC-32s in COMPLETE)."""
+    files = {".metadata": b"m" * 10, "__0_0.distcp": shard,
+             "trainer_state.json": json.dumps({"step": step, "samples": step * 16}).ljust(64).encode()}  # fmt: skip
+    path = run.checkpoint_dir(step)
+    path.mkdir(parents=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    (path / "COMPLETE").write_text(json.dumps({"step": step, "time": 1.0, "files": {n: len(d) for n, d in files.items()},
+                                               "crc32": {n: zlib.crc32(d) for n, d in files.items()}}))  # fmt: skip
+    return files
+
+
+def test_status_names_the_checkpoint_a_resume_would_load_not_a_damaged_newer_one(tmp_path, capsys):
+    run = make_run(tmp_path)
+    make_checkpoint(run, 120)
+    make_checkpoint(run, 125)
+    make_checkpoint(run, 130)
+    assert status_summary(run)["latest_checkpoint"] == str(run.checkpoint_dir(130))
+    os.truncate(run.checkpoint_dir(130) / "__0_0.distcp", 7)
+    (run.checkpoint_dir(125) / "COMPLETE").write_text("")
+    summary = status_summary(run)
+    assert summary["latest_checkpoint"] == str(run.checkpoint_dir(120))
+    assert summary["damaged_checkpoints"] == [
+        {"path": str(run.checkpoint_dir(130)), "problem": "__0_0.distcp has 7 bytes, expected 100 (truncated or overwritten)"},
+        {"path": str(run.checkpoint_dir(125)), "problem": "its COMPLETE marker is unreadable"},
+    ]
+    capsys.readouterr()
+    print_status(summary)
+    out = capsys.readouterr().out
+    assert f"checkpoint {run.checkpoint_dir(120)}\n" in out
+    assert f"passed over (a resume skips it): {run.checkpoint_dir(130)}: __0_0.distcp has 7 bytes" in out
+
+
+def test_the_torch_free_checkpoint_check_agrees_with_the_trainers(tmp_path):
+    """`cona status` judges checkpoints without torch, by the same rules as the trainer's `verify_checkpoint`."""
+    pytest.importorskip("torch")
+    from cona.orchestrator.live import checkpoint_problem
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    run = make_run(tmp_path)
+
+    def rewrite(path, text: str) -> None:  # at the same size, so that the size check passes
+        path.write_text(text.ljust(path.stat().st_size))
+
+    def marker(path, **changes) -> None:
+        data = json.loads((path / "COMPLETE").read_text())
+        (path / "COMPLETE").write_text(json.dumps({**data, **changes}))
+
+    damage = [
+        lambda p: None,
+        lambda p: os.truncate(p / "__0_0.distcp", 3),
+        lambda p: (p / "__0_0.distcp").unlink(),
+        lambda p: (p / "COMPLETE").write_text(""),
+        lambda p: (p / "COMPLETE").unlink(),
+        lambda p: marker(p, files=["__0_0.distcp"]),
+        lambda p: marker(p, files={"__0_0.distcp": "100"}),
+        lambda p: marker(p, crc32={"__0_0.distcp": 1}),
+        lambda p: marker(p, files={"__0_0.distcp": 100}, crc32=None),
+        lambda p: rewrite(p / "trainer_state.json", json.dumps({"step": 1, "samples": "many"})),
+        lambda p: rewrite(p / "trainer_state.json", json.dumps({"samples": 1})),
+        lambda p: rewrite(p / "trainer_state.json", "{"),
+    ]
+    for step, hurt in enumerate(damage, start=1):
+        make_checkpoint(run, step)
+        path = run.checkpoint_dir(step)
+        hurt(path)
+        assert checkpoint_problem(path) == verify_checkpoint(path), step
+    assert checkpoint_problem(run.checkpoint_dir(1)) is None and checkpoint_problem(run.checkpoint_dir(2)) is not None
+
+
+# ------------------------------------------------------------------------ #7: a run whose orchestrator is gone
+
+
+def test_status_and_stop_of_a_run_whose_orchestrator_is_gone(tmp_path, capsys):
+    """state.json says running, but no process holds the run lock (the orchestrator was SIGKILLed): status says
+    it is not running and how to resume; stop writes nothing — a stop nobody acts on now would stop the next resume
+    after one step. While an orchestrator holds the lock, or a trainer still writes, both work as before."""
+    run = make_run(tmp_path)
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(number=1, strategy=A)]))
+    run.lock.write_text("4345")  # what the dead orchestrator's RunLock wrote
+    write_beats(run, 1, [beat()])
+    old = time.time() - 3600
+    os.utime(run.heartbeat_file(1), (old, old))
+
+    summary = status_summary(run)
+    resume = f"`cona run --resume {run.root}`"
+    assert summary["status"] == "not running", summary
+    assert summary["reason"] == f"its orchestrator (pid 4345) is gone; resume with {resume}"
+    code, out, _ = cona(["status", str(run.root)], capsys)
+    assert code == 0 and f"status     not running (its orchestrator (pid 4345) is gone; resume with {resume})" in out
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "is not running" in out and "nothing to stop (no stop command written)" in out, out
+    assert resume in out and run.read_control() is None
+
+    with RunLock(run.lock):  # an orchestrator drives it
+        assert status_summary(run)["status"] == "running" and status_summary(run)["orphaned"] is None
+        code, out, _ = cona(["stop", str(run.root)], capsys)
+        assert code == 0 and out.startswith(f"asked {run.root} to stop: the trainer checkpoints")
+        assert run.read_control().command == "stop"
+    run.control_json.unlink()
+    run.lock.write_text("4345")  # RunLock wrote this process's pid
+
+    os.utime(run.heartbeat_file(1))  # the orchestrator is gone but its trainer trains on (a resume adopts it)
+    summary = status_summary(run)
+    assert summary["status"] == "running" and "is gone, but attempt 1's trainer wrote" in summary["reason"]
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "its orchestrator (pid 4345) is gone, but attempt 1's trainer is still writing" in out
+    assert run.read_control().command == "stop"  # the trainer reads control.json itself
+
+
+def test_a_run_without_a_lock_file_or_on_kubernetes_is_not_judged_by_the_lock(tmp_path, capsys):
+    """No orchestrator.lock: none ever ran here, or it cannot be told; a Kubernetes run is kept apart by a Lease in
+    the API, not by this file. Both are shown and stopped as before."""
+    run = make_run(tmp_path)
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(number=1, strategy=A)]))
+    assert status_summary(run)["status"] == "running"
+
+    k8s = make_run(tmp_path / "k8s", profile=REPO / "manifests" / "profiles" / "h100-k8s.yaml")
+    write_state(k8s, RunState(status="running", attempts_started=1, attempts=[Attempt(number=1, strategy=A)]))
+    k8s.lock.write_text("4345")
+    assert status_summary(k8s)["status"] == "running"
+    code, out, _ = cona(["stop", str(k8s.root)], capsys)
+    assert code == 0 and out.startswith(f"asked {k8s.root} to stop: the trainer checkpoints")
+    assert k8s.read_control().command == "stop"
