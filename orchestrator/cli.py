@@ -150,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "drop --profile/--profile-set/--job/--set/--policy/--run-dir/--measured"
             )
         profile, job = load_run(run_dir, resume=True)  # a run.yaml cut short is refused, not run with defaults
+        _check_backend_clients(profile)
     else:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
@@ -162,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             measured = load_compatible(args.measured, profile, job)[0].measured
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / f"{job.name}-{stamp}")
-        profile, job = _create_or_same(run_dir, profile, job, measured=measured)
+        profile, job = _create_or_same(run_dir, profile, job, measured=measured, source=args.job)
     from cona.orchestrator.scheduler import drive
 
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
@@ -177,19 +178,52 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _create_or_same(
-    run_dir: RunDir, profile: ClusterProfile, job: Job, *, measured: list[dict[str, Any]] | None = None
-) -> tuple[ClusterProfile, Job]:
-    """Create the run (its policy checked first), or, when `run_dir` holds this very run (the same command again),
-    its stored profile and job: resume, never overwrite."""
+    run_dir: RunDir, profile: ClusterProfile, job: Job, *, measured: list[dict[str, Any]] | None = None,
+    source: str | None = None,
+) -> tuple[ClusterProfile, Job]:  # fmt: skip
+    """Create the run (its directory, policy, input files and backend clients checked first), or, when `run_dir`
+    holds this very run (the same command again), its stored profile and job: resume, never overwrite. `source`:
+    the job file, named in a refusal of its input."""
     from cona.orchestrator.runstate import create_run
+    from cona.protocol.inputs import check_inputs
 
     if run_dir.run_yaml.exists():
+        _check_backend_clients(profile)
         return _same_run(run_dir, profile, job)
-    # The policy is checked before the run exists: a run directory created from a bad schedule would be resumed,
-    # bad schedule and all, by the corrected command.
+    _refuse_foreign_directory(run_dir)
+    # Checked before the run exists, as a run's job is fixed once it does: a run directory created from a bad
+    # schedule, or for data the trainer will refuse, would be resumed, bad input and all, by the corrected command.
     first_strategy(profile, job)
+    check_inputs(job, source=source)  # the trainer's own checks of its files, on their names and sizes
+    _check_backend_clients(profile)
     create_run(run_dir=run_dir, profile=profile, job=job, measured=measured)
     return profile, job
+
+
+def _refuse_foreign_directory(run_dir: RunDir) -> None:
+    """UserError for a `--run-dir` that exists, holds files and is no run (no run.yaml): a run would scatter its
+    files among the user's (`--run-dir .`, `--run-dir data`). An empty directory is used; a run's is resumed."""
+    root = run_dir.root
+    if not root.is_dir() or run_dir.run_yaml.exists():
+        return
+    try:
+        # A temporary file of a run.yaml whose writer died is a run's start, not the user's file.
+        entries = [p.name for p in root.iterdir() if not p.name.startswith(f".{run_dir.run_yaml.name}.")]
+    except OSError as e:
+        raise UserError(f"--run-dir {root}: cannot list it ({e.strerror}); pick a readable directory") from None
+    if entries:
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(f"--run-dir {root}: not a cona run directory (no run.yaml) and not empty ({shown}); pick a "
+                        "new path, or an empty directory")  # fmt: skip
+
+
+def _check_backend_clients(profile: ClusterProfile) -> None:
+    """The backend's command-line clients, before a run directory is created or an attempt launched: a Slurm
+    profile without `sbatch` on PATH left a run directory behind whose status said running."""
+    if profile.backend == "slurm":
+        from cona.orchestrator.backends.slurm.backend import check_clients
+
+        check_clients()
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -207,7 +241,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"{job.name}-profile-{stamp}"
     run_dir = RunDir(Path(args.run_dir) if args.run_dir else Path(profile.storage.run_root) / name)
-    profile, job = _create_or_same(run_dir, profile, job)
+    profile, job = _create_or_same(run_dir, profile, job, source=args.job)
     print(f"cona profile: {len(strategies)} strategies, {steps} steps each ({', '.join(s.short() for s in strategies)}),"
           f" in {run_dir.root}")  # fmt: skip
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=args.quiet)
@@ -460,7 +494,10 @@ def _namespace(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from cona.protocol.cliargs import OptionParser
+
+    # A misspelled option is answered with the close one and the command's valid ones (`OptionParser`).
+    parser = OptionParser(
         prog="cona",
         description="Train LLMs while chaining parallelism strategies online (Slurm, Kubernetes or one machine).",
     )
@@ -623,25 +660,6 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in message)
 
 
-def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
-    """Exit 2 as argparse would for arguments no option takes, but name the close option for a misspelled one and
-    list the command's valid options (argparse says only `unrecognized arguments: --tpo 3`)."""
-    command = parser
-    for action in parser._actions:  # the subcommand's own parser holds its options
-        if isinstance(action, argparse._SubParsersAction):
-            command = action.choices.get(args.command, parser)
-    valid = sorted({s for action in command._actions for s in action.option_strings if s.startswith("--")})
-    message = f"unrecognized arguments: {' '.join(unknown)}"
-    options = [u.partition("=")[0] for u in unknown if u.startswith("-")]
-    if options:
-        import difflib
-
-        close = difflib.get_close_matches(options[0], valid, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        message += f"{hint}; valid options: {', '.join(valid)}"
-    command.error(message)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from cona.protocol.rundir import restrict_umask
 
@@ -653,10 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("cona: interrupted", file=sys.stderr)
             return 130
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        _unrecognized(parser, args, unknown)
+    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UserError, ValueError) as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import json
 import math
 import os
 import sys
@@ -13,14 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.job import Job
-from cona.orchestrator.runstate import RunState, read_events, read_state, warn_skipped
+from cona.orchestrator.runstate import RunState, read_events, read_new_events, read_state, warn_skipped
+from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import NOTICE_EVENTS
-from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, read_json, read_jsonl
-from cona.protocol.strategy import Strategy
+from cona.protocol.rundir import RunDir, read_json, read_jsonl
 
 if TYPE_CHECKING:
     from cona.orchestrator.profile import ClusterProfile
     from cona.orchestrator.scheduler import LiveStatus, Scheduler
+    from cona.protocol.strategy import Strategy
 
 
 def _duration(seconds: float | None) -> str:
@@ -68,92 +68,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_strategy(value: Any) -> bool:
-    try:
-        Strategy.from_dict(value)
-    except (KeyError, TypeError, ValueError):
-        return False
-    return True
-
-
-def event_problem(record: dict[str, Any]) -> str | None:
-    """What an events.jsonl record that `read_events` let through (a numeric time, an event name, a switch's two
-    strategies) lacks of the fields that `cona run`'s console, `cona status` and `cona report` take from a record of
-    its kind; None: usable. The one place these shapes are judged: a record edited by hand, or bytes flipped into
-    valid JSON, is skipped and said, as a damaged line is, instead of ending the reader in a traceback."""
-    kind = record["event"]
-    if kind == "launch":
-        if not _is_int(record.get("attempt")):
-            return f"a launch record without an attempt number ({record.get('attempt')!r})"
-        if not _is_strategy(record.get("strategy")):
-            return "a launch record without a strategy"
-    elif kind == "switch":
-        if not _is_strategy(record.get("from")) or not _is_strategy(record.get("to")):
-            return "a switch record without its two strategies"
-        if not isinstance(record.get("reason", ""), str):
-            return f"a switch record whose reason is not text ({record.get('reason')!r})"
-    elif kind == "switch-complete":
-        if not _is_number(record.get("switch_cost_s")):
-            return f"a switch-complete record without a numeric switch_cost_s ({record.get('switch_cost_s')!r})"
-    elif kind in NOTICE_EVENTS and not (_is_int(record.get("attempt")) and isinstance(record.get("detail"), str)):
-        return f"a {kind} record without its attempt number and detail"
-    return None
-
-
-def damaged_tail(path: Path) -> str | None:
-    """Why the unterminated last line of the JSON-lines file `path` is damage, or None.
-
-    Readers leave a last line without its newline for later (`read_jsonl`): every record is appended whole by one
-    write, so a reader that races a writer sees a prefix of a record, which starts with `{` and holds no NUL byte.
-    Anything else there can never become a record (NUL bytes left by a crash in a file that had grown but was never
-    written, a cut-off line of garbage): it is said like a damaged whole line instead of being dropped silently."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            position, start, nul = size, 0, False
-            while position > 0:  # backwards, in chunks: the tail is short, the file may be long
-                n = min(1 << 16, position)
-                position -= n
-                f.seek(position)
-                chunk = f.read(n)
-                newline = chunk.rfind(b"\n")
-                nul = nul or b"\0" in chunk[newline + 1 :]
-                if newline >= 0:
-                    start = position + newline + 1
-                    break
-            if start >= size:
-                return None
-            f.seek(start)
-            first = f.read(1)
-    except OSError:  # missing, or a directory: the reader itself says so, or has nothing to read
-        return None
-    if first == b"{" and not nul:
-        return None
-    held = "NUL bytes" if nul else "no JSON record"
-    return f"{path}: the last {size - start} bytes, from byte {start}, have no newline and hold {held}, not a record being written"
-
-
-def read_run_events(run_dir: RunDir, *, skipped: list[str]) -> list[dict[str, Any]]:
-    """events.jsonl as `cona status` and `cona report` read it: `read_events` less the records `event_problem`
-    rejects, with a description in `skipped` for each of those and for a damaged unterminated tail
-    (`damaged_tail`), for `warn_skipped`."""
-    events = []
-    for record in read_events(run_dir, skipped=skipped):
-        problem = event_problem(record)
-        if problem is None:
-            events.append(record)
-        else:
-            skipped.append(f"{run_dir.events}: {problem}, at time {record['time']}")
-    tail = damaged_tail(run_dir.events)
-    if tail is not None:
-        skipped.append(tail)
-    return events
-
-
 def notice_line(run_dir: RunDir, event: dict[str, Any]) -> str:
     """A `checkpoint-skipped` or `checkpoint-restored` event (the trainer passed over a damaged checkpoint, or put
     back an interrupted re-save) in one line, with the step its attempt then resumed from: that it trains on from an
@@ -170,53 +84,11 @@ def notice_line(run_dir: RunDir, event: dict[str, Any]) -> str:
     return line
 
 
-_STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
-_STATE_NUMBERS = ("lr", "time", "elapsed_s")
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume would pass over the checkpoint `path`, or None: the checks of the trainer's `verify_checkpoint`
-    (trainer/checkpoint.py) that need no torch, which the orchestrator never imports — the COMPLETE marker's
-    content, the size of every file it lists, trainer_state.json's counters. Not the CRC-32s: they read every shard,
-    which the trainer does at load and `cona status` must not (tests/test_run_readers.py compares the two)."""
-    marker = path / COMPLETE_MARKER
-    if not marker.exists():
-        return "no COMPLETE marker (it was being written when the trainer stopped)"
-    try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its COMPLETE marker is unreadable"
-    if not isinstance(files, dict) or not all(isinstance(n, str) and type(v) is int for n, v in files.items()):
-        return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
-    for name, size in files.items():
-        try:
-            actual = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
-    crc32 = manifest.get("crc32")
-    if crc32 is not None and (not isinstance(crc32, dict) or crc32.keys() != files.keys()
-                              or not all(type(v) is int for v in crc32.values())):  # fmt: skip
-        return "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
-    if ".metadata" not in files or TRAINER_STATE not in files:
-        return "it lacks .metadata or trainer_state.json"
-    try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-        int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{TRAINER_STATE} is corrupt"
-    for key, kinds in [*((k, int) for k in _STATE_INTS), *((k, (int, float)) for k in _STATE_NUMBERS)]:
-        value = state.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            return f"{TRAINER_STATE} is corrupt ({key} is {value!r}, not a number)"
-    return None
-
-
 def newest_intact_checkpoint(run_dir: RunDir) -> tuple[Path | None, list[dict[str, str]]]:
-    """The checkpoint a resume would load (`checkpoint_problem`), and each newer complete one it would pass over
-    ({"path", "problem"}, newest first). Directories without their marker are left out: a save in progress has none."""
+    """The checkpoint a resume would load, and each newer complete one it would pass over ({"path", "problem"},
+    newest first), by the trainer's checks that need no torch (`checkpoint_problem`: the marker's content, every
+    file's size, trainer_state.json). Not the CRC-32s: they read every shard, which the trainer does at load and
+    `cona status` must not. Directories without their marker are left out: a save in progress has none."""
     passed: list[dict[str, str]] = []
     for path in reversed(run_dir.complete_checkpoints()):
         try:
@@ -334,13 +206,9 @@ class LiveView:
 
     def _print_events(self) -> None:
         skipped: list[str] = []
-        events, self._events_offset = read_jsonl(self.run_dir.events, offset=self._events_offset, damaged=skipped)
+        events, self._events_offset = read_new_events(self.run_dir, self._events_offset, skipped=skipped)
         for e in events:
-            kind = e.get("event")
-            problem = event_problem(e) if isinstance(kind, str) else "a record without an event name"
-            if problem is not None:
-                skipped.append(f"{self.run_dir.events}: {problem}")
-                continue
+            kind = e["event"]
             if kind in NOTICE_EVENTS:  # the run goes on from an older checkpoint than the newest: say so here too
                 print(f"cona: {notice_line(self.run_dir, e)}", flush=True)
             elif kind == "launch":
@@ -389,7 +257,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
     skipped: list[str] = []
-    events = read_run_events(run_dir, skipped=skipped)
+    events = read_events(run_dir, skipped=skipped)
     warn_skipped(skipped)
     switches = [e for e in events if e.get("event") == "switch"]
     notices = [e for e in events if e["event"] in NOTICE_EVENTS]

@@ -8,9 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from cona.orchestrator.live import damaged_tail, read_run_events
-from cona.orchestrator.runstate import load_run, read_state, warn_skipped
-from cona.protocol.heartbeat_record import Heartbeat
+from cona.orchestrator.runstate import load_run, read_events, read_state, warn_skipped
+from cona.protocol.heartbeat_record import Heartbeat, perplexity
 from cona.protocol.rundir import RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
@@ -22,9 +21,6 @@ def _heartbeats(run_dir: RunDir, skipped: list[str]) -> list[dict[str, Any]]:
             records = read_jsonl(path, damaged=skipped)[0]
             usable = [b for b in records if _usable(b)]
             skipped.extend([f"{path}: a heartbeat the typed record does not accept"] * (len(records) - len(usable)))
-            tail = damaged_tail(path)
-            if tail is not None:
-                skipped.append(tail)
             beats.extend(usable)
     return sorted(beats, key=lambda b: b.get("time", 0))
 
@@ -37,17 +33,6 @@ def _usable(record: dict[str, Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-MAX_LOSS_FOR_PERPLEXITY = 50.0
-"""Losses above this are shown as this one's perplexity (e^50), as the trainer and the run model clip theirs:
-math.exp overflows past about 709, and a diverged run (a loss of 1e6) must still get its report."""
-
-
-def perplexity(val_loss: float) -> float:
-    """e^val_loss, clipped as the trainer (train.py) and the run model (runmodel.py) clip their `val_perplexity`
-    (`MAX_LOSS_FOR_PERPLEXITY`); a helper the three share would belong in cona.protocol."""
-    return math.exp(min(val_loss, MAX_LOSS_FOR_PERPLEXITY))
 
 
 def _short(s: dict[str, int]) -> str:
@@ -64,7 +49,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
     skipped: list[str] = []
-    events = read_run_events(run_dir, skipped=skipped)
+    events = read_events(run_dir, skipped=skipped)
     beats = _heartbeats(run_dir, skipped)
     warn_skipped(skipped)
     out_dir = out_dir or run_dir.root

@@ -22,7 +22,7 @@ from cona.orchestrator.policy import ConaPolicy, Decision, DecisionContext, Poli
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent
+from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent, perplexity
 from cona.protocol.strategy import Strategy
 
 
@@ -140,7 +140,7 @@ class RunModel:
         return completed
 
     def record_evaluation(self, *, time: float, samples: int, val_loss: float) -> None:
-        self.live.val_loss, self.live.val_perplexity = val_loss, math.exp(min(val_loss, 50))
+        self.live.val_loss, self.live.val_perplexity = val_loss, perplexity(val_loss)
         self.val_history.append({"time": time, "samples": samples, "val_loss": val_loss})
 
     def switch_started(self, *, requested_at: float, to_attempt: int, kind: SwitchKind, predicted_s: float | None) -> None:

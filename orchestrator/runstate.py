@@ -17,6 +17,7 @@ from cona.orchestrator.job import Job, job_from_dict, job_to_dict
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
 from cona.orchestrator.throughput import checked_measurement
+from cona.protocol.heartbeat_record import NOTICE_EVENTS
 from cona.protocol.rundir import (
     RunDir,
     append_jsonl,
@@ -39,10 +40,9 @@ def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job, measured: 
     job = job.model_copy(deep=True)
     data_path = Path(job.data.path)
     if not data_path.exists():
-        raise ConfigError(
-            f"data.path {job.data.path!r} does not exist; for the Shakespeare corpus run "
-            "`python scripts/fetch_shakespeare.py data/shakespeare.txt`"
-        )
+        from cona.protocol.inputs import missing_data_hint  # the same advice as the trainer's
+
+        raise ConfigError(f"data.path {job.data.path!r} does not exist; {missing_data_hint(job.data.path)}")
     job.data.path = str(data_path.resolve())  # workers may start in another directory
     restrict_umask()
     try:
@@ -171,10 +171,10 @@ def used_attempts(run_dir: RunDir, *, launched: bool = True) -> set[int]:
     if launched:
         names += [p.name for p in run_dir.root.glob("attempts/*") if p.is_dir()]
     found = {int(name) for name in names if name.isdigit()}
+    # Every launch record's number, also of one `event_problem` rejects for another field: evidence, not a reader.
     for record in read_jsonl(run_dir.events)[0]:
-        number = record.get("attempt")
-        if record.get("event") == "launch" and isinstance(number, int) and not isinstance(number, bool):
-            found.add(number)
+        if record.get("event") == "launch" and _is_int(record.get("attempt")):
+            found.add(record["attempt"])
     return {n for n in found if n >= 1}
 
 
@@ -196,30 +196,81 @@ def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
     return record
 
 
-def _usable_event(record: dict[str, Any]) -> bool:
-    """Whether a record has what readers of events.jsonl rely on: a numeric `time`, a string `event`, and for a
-    switch two strategies. A line damaged by hand (or by a disk) that still parses as JSON is skipped like a torn one."""
-    time_ = record.get("time")
-    if not isinstance(record.get("event"), str) or isinstance(time_, bool) or not isinstance(time_, int | float):
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_strategy(value: Any) -> bool:
+    try:
+        Strategy.from_dict(value)
+    except (KeyError, TypeError, ValueError):
         return False
-    if record["event"] == "switch":
-        try:
-            Strategy.from_dict(record["from"])
-            Strategy.from_dict(record["to"])
-        except (KeyError, TypeError, ValueError):
-            return False
     return True
 
 
-def read_events(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
-    """The records of events.jsonl that readers can use (see `_usable_event`); the lines left out are described in
-    `skipped` when it is given."""
-    records = read_jsonl(run_dir.events, damaged=skipped)[0]
-    usable = [e for e in records if _usable_event(e)]
-    if skipped is not None:
-        unusable = len(records) - len(usable)
-        skipped.extend([f"{run_dir.events}: a record without a numeric time, an event name or its strategies"] * unusable)
+def event_problem(record: dict[str, Any]) -> str | None:
+    """What an events.jsonl record lacks of what its readers take from a record of its kind, or None: usable. The
+    one place these shapes are judged, for every reader (`read_events`, `read_new_events`: `cona status`, `cona
+    report`, `cona run`'s console, the orchestrator's own reads): a numeric `time` and an event name for all; a
+    launch's attempt number and strategy, a switch's two strategies and text reason, a switch-complete's cost, a
+    checkpoint notice's attempt and detail. A record edited by hand, or bytes flipped into valid JSON, is skipped
+    and said, as a damaged line is, instead of ending its reader in a KeyError or TypeError."""
+    kind = record.get("event")
+    if not isinstance(kind, str):
+        return "a record without an event name"
+    if not _is_number(record.get("time")):
+        return f"a {kind} record without a numeric time"
+    if kind == "launch":
+        if not _is_int(record.get("attempt")):
+            return f"a launch record without an attempt number ({record.get('attempt')!r})"
+        if not _is_strategy(record.get("strategy")):
+            return "a launch record without a strategy"
+    elif kind == "switch":
+        if not _is_strategy(record.get("from")) or not _is_strategy(record.get("to")):
+            return "a switch record without its two strategies"
+        if not isinstance(record.get("reason", ""), str):
+            return f"a switch record whose reason is not text ({record.get('reason')!r})"
+    elif kind == "switch-complete":
+        if not _is_number(record.get("switch_cost_s")):
+            return f"a switch-complete record without a numeric switch_cost_s ({record.get('switch_cost_s')!r})"
+    elif kind in NOTICE_EVENTS and not (_is_int(record.get("attempt")) and isinstance(record.get("detail"), str)):
+        return f"a {kind} record without its attempt number and detail"
+    return None
+
+
+def _usable_events(
+    run_dir: RunDir, records: list[dict[str, Any]], skipped: list[str] | None
+) -> list[dict[str, Any]]:
+    """`records` less those `event_problem` rejects, each of which is described in `skipped` when it is given."""
+    usable = []
+    for record in records:
+        problem = event_problem(record)
+        if problem is None:
+            usable.append(record)
+        elif skipped is not None:
+            when = f", at time {record['time']}" if _is_number(record.get("time")) else ""
+            skipped.append(f"{run_dir.events}: {problem}{when}")
     return usable
+
+
+def read_events(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The usable records of events.jsonl (`event_problem`), the whole file as it is now. When `skipped` is given,
+    each line left out is described in it: damaged lines, a tail that can never become a record (`read_jsonl`), and
+    records of the wrong shape."""
+    return _usable_events(run_dir, read_jsonl(run_dir.events, damaged=skipped)[0], skipped)
+
+
+def read_new_events(
+    run_dir: RunDir, offset: int, *, skipped: list[str] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """The usable records of events.jsonl from byte `offset` on, and where the next call starts: `read_events` for a
+    reader that follows the file as it grows (`cona run`'s console); a torn tail waits for the next call."""
+    records, offset = read_jsonl(run_dir.events, offset=offset, damaged=skipped)
+    return _usable_events(run_dir, records, skipped), offset
 
 
 def warn_skipped(skipped: list[str]) -> None:

@@ -35,12 +35,14 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat
+from cona.protocol.inputs import FIX_FILES, FIX_JOB
 from cona.protocol.rundir import (
     HOLD_TIMEOUT_REASON,
     ControlRecord,
     ExitCode,
     RunDir,
     SwitchPoints,
+    read_json,
     read_jsonl,
 )
 from cona.protocol.strategy import Strategy
@@ -49,6 +51,10 @@ if TYPE_CHECKING:
     from cona.orchestrator.tensorboard import TensorBoardWriter
 
 __all__ = ["LiveStatus", "RunFailed", "Scheduler", "device_counts", "drive"]
+
+
+_PROTOCOL_EXITS = frozenset({ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED})
+"""Exit codes whose record's reason is no cause of a crash (a hung attempt cancelled by SIGTERM says `STOPPED`)."""
 
 
 class RunFailed(Exception):
@@ -151,17 +157,29 @@ class Scheduler:
                 number = used + 1
         # Saved before launching: an orchestrator that dies during the launch never hands out the number again.
         self.state.attempts_started = number
-        self.state.status = "running"
+        self.state.status, self.state.reason = "running", None  # a failed launch's reason is history now
         self._save()
         self.run_dir.attempt_dir(number).mkdir(parents=True, exist_ok=True)
-        if in_place:
-            assert previous is not None
-            attempt = self.backend.continued(previous, number=number, strategy=strategy)
-        elif plan is not None:
-            attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous,
-                                          elastic=plan.by_nodes(up_to=up_to))  # fmt: skip
-        else:
-            attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
+        try:
+            if in_place:
+                assert previous is not None
+                attempt = self.backend.continued(previous, number=number, strategy=strategy)
+            elif plan is not None:
+                attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous,
+                                              elastic=plan.by_nodes(up_to=up_to))  # fmt: skip
+            else:
+                attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
+        except BackendError as e:
+            # Nothing of this attempt runs (`sbatch` missing or refused, an API that does not answer) and the error
+            # ends this orchestrator: state.json says so and why (`cona status`: failed, not a run still running).
+            # Not final: the same command, `cona run --resume` or a restarted orchestrator pod goes on from here.
+            reason = f"attempt {number} could not be launched: {e}; fix that and resume with `cona run --resume " \
+                     f"{self.run_dir.root}`"  # fmt: skip
+            self.state.status, self.state.reason = "failed", reason
+            self.live.status = "failed"
+            self._save()
+            log_event(self.run_dir, "launch-failed", attempt=number, detail=str(e))
+            raise
         self.state.attempts.append(attempt)
         # Cleared only now: an orchestrator that died during the launch still knows which switch it followed.
         self.state.switch_requested = None
@@ -615,23 +633,27 @@ class Scheduler:
         if status is AttemptStatus.UNSTARTABLE:
             # Relaunching would wait for the same thing again: the user fixes it (the image, a Secret) and resumes.
             self._fail(attempt, f"attempt {attempt.number} could not start: {detail}")
-        refused = self.run_dir.read_exit(attempt.number) if status is AttemptStatus.CRASHED else None
-        if refused is not None and refused.exit_code == ExitCode.CONFIG:
+        recorded = self.run_dir.read_exit(attempt.number) if status is AttemptStatus.CRASHED else None
+        if recorded is not None and recorded.exit_code == ExitCode.CONFIG:
             # The trainer refused its input (model.init_from, the data, no loadable checkpoint): every relaunch would
             # refuse it alike, so fail now with the trainer's own line, not after max_restarts backoffs as `exited 2`.
-            self._fail(attempt, f"attempt {attempt.number} refused its input: {refused.reason}; fix it and resume "
-                                f"with `cona run --resume {self.run_dir.root}`")  # fmt: skip
+            self._fail(attempt, f"attempt {attempt.number} refused its input: {recorded.reason}; "
+                                f"{self._refusal_advice(attempt.number)}")  # fmt: skip
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
         restarts = self.state.restarts_in_row + 1
         self.state.restarts_in_row = restarts
         self.state.switch_requested = None
         limit = self.job.policy.max_restarts
         what = "hang" if self.state.hang_cancelled == attempt.number else status.value
+        # What the trainer said of its crash (`step 7: loss nan ...; lower optimizer.lr`), when it wrote it down.
+        reason = recorded.reason if recorded is not None and recorded.exit_code not in _PROTOCOL_EXITS else ""
         if restarts > limit:
-            self._fail(attempt, f"attempt {attempt.number} {what} ({detail or f'exit {code}'}); gave up after {limit} restarts")
+            said = f": {reason}" if reason else ""
+            self._fail(attempt, f"attempt {attempt.number} {what} ({detail or f'exit {code}'}){said}; gave up after "
+                                f"{limit} restarts")  # fmt: skip
         backoff = min(30.0, 2.0 ** (restarts - 1))
         log_event(self.run_dir, "failure", attempt=attempt.number, kind=what, detail=detail, exit_code=code,
-                  restart=restarts, backoff_s=backoff)  # fmt: skip
+                  restart=restarts, backoff_s=backoff, **({"reason": reason} if reason else {}))  # fmt: skip
         self._save()
         time.sleep(backoff)
         return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"relaunch after {what}")
@@ -663,6 +685,23 @@ class Scheduler:
                   without_progress=count, restarts=self.state.restarts_in_row)  # fmt: skip
         self._save()
         return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="relaunch after a disruption")
+
+    def _refusal_advice(self, number: int) -> str:
+        """What to do about attempt `number`'s refused input, by where its exit record says the fix lies (`fix`,
+        `cona.protocol.inputs`): a run's job is fixed once it exists (`--resume` takes no --set, and the same
+        --run-dir with another job is refused), so a job field takes a new run; the files on disk, a resume."""
+        resume = f"`cona run --resume {self.run_dir.root}`"
+        new_run = "start a new run (another --run-dir) with the corrected job"
+        try:
+            record = read_json(self.run_dir.exit_file(number))
+        except (OSError, ValueError):
+            record = None
+        fix = record.get("fix") if isinstance(record, dict) else None
+        if fix == FIX_JOB:
+            return f"a run's job cannot change: {new_run}"
+        if fix == FIX_FILES:
+            return f"fix the files and resume with {resume}"
+        return f"fix files on disk and resume with {resume}, or, for a job field, {new_run}"
 
     def _fail(self, attempt: Attempt, reason: str) -> NoReturn:
         """End the run as failed with `reason` (one line), after `attempt`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 
@@ -30,6 +31,18 @@ class HeartbeatEvent(enum.StrEnum):
 
 NOTICE_EVENTS = frozenset({HeartbeatEvent.CHECKPOINT_SKIPPED, HeartbeatEvent.CHECKPOINT_RESTORED})
 """Heartbeat events the orchestrator copies to events.jsonl under the same name, with `reason` as the detail."""
+
+
+MAX_LOSS_FOR_PERPLEXITY = 50.0
+"""Losses above this have this one's perplexity (e^50, `perplexity`): math.exp overflows past about 709, and a
+diverged run (a validation loss of 1e6) must still be reported, not end its reader in an OverflowError."""
+
+
+def perplexity(val_loss: float) -> float:
+    """The perplexity of a validation loss, e^val_loss clipped at `MAX_LOSS_FOR_PERPLEXITY`: the one definition,
+    for the trainer's `val_perplexity` (in its heartbeats, and checked against the job's target), the run model's
+    live view and `cona report`."""
+    return math.exp(min(val_loss, MAX_LOSS_FOR_PERPLEXITY))
 
 
 @dataclasses.dataclass
@@ -65,6 +78,7 @@ class Heartbeat:
     val_loss: float | None = None
     """Validation loss, when measured at this step."""
     val_perplexity: float | None = None
+    """`perplexity(val_loss)`."""
     peak_memory_gb: float | None = None
     event: str | None = None
     """A `HeartbeatEvent` on special records, None on periodic ones."""

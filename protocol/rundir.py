@@ -111,28 +111,55 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+_TAIL_CHUNK = 1 << 16
+
+
+def _tail_start(fd: int, size: int, floor: int = 0) -> int:
+    """Where the unterminated last line of the open file `fd` (`size` bytes long) begins: just after its last
+    newline at or after byte `floor`, else at `floor`; `size` when the file ends with a newline.
+
+    The one definition of a JSON-lines file's torn tail, for its readers (`read_jsonl` leaves it unread) and its
+    owner (`drop_torn_tail` cuts it): whatever follows the last newline. Looked for backwards, in chunks, because the
+    file may be long and the tail is short."""
+    end = size
+    while end > floor:
+        start = max(floor, end - _TAIL_CHUNK)
+        found = os.pread(fd, end - start, start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        end = start
+    return floor
+
+
+def _tail_damage(tail: bytes) -> str | None:
+    """What the unterminated last line `tail` holds when it can never become a record, or None when it may be one
+    being written: `append_jsonl` writes every record whole in one write, so a reader that races its writer sees a
+    prefix of a record, which starts with `{` and holds no NUL byte. Anything else — the NUL bytes a crash leaves in
+    a file that had grown but was never written, a cut-off line of garbage — is damage."""
+    if b"\0" in tail:
+        return "NUL bytes"
+    if not tail.startswith(b"{"):
+        return "no JSON record"
+    return None
+
+
 def drop_torn_tail(path: Path) -> tuple[int, bytes]:
-    """Cut a torn last line off `path` (the bytes after its last newline): returns where it began and what was cut
-    (b"" when the file ends with a newline, is empty or does not exist).
+    """Cut the torn tail off `path` (the bytes after its last newline, `_tail_start`): returns where it began and
+    what was cut (b"" when the file ends with a newline, is empty or does not exist).
 
     Only for the file's owner before it appends, while no other writer of it can be running (the orchestrator under
     the run lock): readers leave a torn tail for its writer to finish, but a writer that died never will, and the
-    next appended record would be glued onto it and lost with it. The caller says what was dropped (an event), so
-    it is cut rather than ended with a newline, which would leave a damaged line every reader warns about forever."""
+    next appended record would be glued onto it and lost with it. So it is cut whatever it holds, a record cut short
+    or damage (`_tail_damage`). The caller says what was dropped (an event), so it is cut rather than ended with a
+    newline, which would leave a damaged line every reader warns about forever. Readers' offsets stay valid: they
+    never read past the last newline (`read_jsonl`)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return 0, b""
     try:
         size = os.fstat(fd).st_size
-        end, chunk = size, 1 << 16
-        while end > 0:  # back from the end to the last newline: the file itself may be large
-            start = max(0, end - chunk)
-            found = os.pread(fd, end - start, start).rfind(b"\n")
-            if found >= 0:
-                end = start + found + 1
-                break
-            end = start
+        end = _tail_start(fd, size)
         if end == size:
             return size, b""
         dropped = os.pread(fd, size - end, end)
@@ -145,23 +172,38 @@ def drop_torn_tail(path: Path) -> tuple[int, bytes]:
         os.close(fd)
 
 
-def read_jsonl(path: Path, *, offset: int = 0, damaged: list[str] | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Records from byte `offset` on, and the offset after the last whole line.
+def read_jsonl(
+    path: Path, *, offset: int | None = None, damaged: list[str] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """Records from byte `offset` on, and the offset after the last whole line (where the next call starts).
 
-    A torn last line (no newline yet) is left for the next call. A whole line that is not a JSON object (a disk or a
-    hand edit damaged it) is skipped; when `damaged` is given, one description per such line is appended to it, so
-    the caller can say so instead of losing it silently.
+    A whole line that is not a JSON object (a disk or a hand edit damaged it) is skipped; when `damaged` is given,
+    one description per such line is appended to it, so the caller can say so instead of losing it silently.
+
+    The torn tail (`_tail_start`: no newline yet) is never read as a record. A reader that follows the file as it
+    grows passes `offset` (where its last call ended: the scheduler's heartbeats, `cona run`'s console) and comes
+    back to the tail on its next call, so it is left alone: its writer may still finish it, and saying it on every
+    call would repeat. A reader of the whole file as it is now (no `offset`: `cona status`, `cona report`) is told
+    through `damaged` of a tail that can never become a record (`_tail_damage`), which would otherwise be dropped
+    without a word.
     """
+    start = offset or 0
     try:
         with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            end = _tail_start(f.fileno(), size, start)
+            f.seek(start)
+            data = f.read(end - start) if end > start else b""
+            data = data[: data.rfind(b"\n") + 1]  # whole lines only, also when the file was cut meanwhile
+            tail = b""
+            if offset is None and damaged is not None and size > end:
+                f.seek(end)
+                tail = f.read(size - end)
     except FileNotFoundError:
-        return [], offset
+        return [], start
     records = []
-    end = data.rfind(b"\n") + 1
-    position = offset
-    for line in data[:end].split(b"\n"):
+    position = start
+    for line in data.split(b"\n"):
         at, position = position, position + len(line) + 1
         if not line.strip():
             continue
@@ -173,7 +215,11 @@ def read_jsonl(path: Path, *, offset: int = 0, damaged: list[str] | None = None)
             records.append(record)
         elif damaged is not None:
             damaged.append(f"{path}: the line at byte {at} is not a JSON object")
-    return records, offset + end
+    held = _tail_damage(tail) if tail else None
+    if held is not None and damaged is not None:
+        damaged.append(f"{path}: the last {len(tail)} bytes, from byte {end}, have no newline and hold {held}, "
+                       "not a record being written")  # fmt: skip
+    return records, start + len(data)
 
 
 @dataclasses.dataclass(frozen=True)

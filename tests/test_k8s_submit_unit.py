@@ -13,7 +13,7 @@ import time
 
 import pytest
 import yaml
-from cona.orchestrator.backends.base import BackendError
+from cona.orchestrator.backends.base import Attempt, BackendError
 from cona.orchestrator.backends.kubernetes import incluster
 from cona.orchestrator.backends.kubernetes.api import KubeApi
 from cona.orchestrator.backends.kubernetes.incluster import StatusMirror, orchestrate
@@ -32,8 +32,9 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     run_name,
 )
 from cona.orchestrator.job import load_job
-from cona.orchestrator.runstate import create_run, read_events
+from cona.orchestrator.runstate import RunState, create_run, read_events, write_state
 from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 from kubernetes import client
 
@@ -324,6 +325,38 @@ def test_orchestrate_a_run_that_cannot_start_records_why_and_exits_0(k8s, tmp_pa
     assert orchestrate("r9", namespace=NS, api_client=k8s.api_client(), quiet=True) == 0
     status = remote_status("r9", namespace=NS, api_client=k8s.api_client())
     assert status["status"] == "failed" and "no-such-data.txt' does not exist" in status["reason"], status
+
+
+@pytest.mark.parametrize("damage", ["run.yaml cut short", "state.json corrupt"])
+def test_orchestrate_a_run_whose_directory_is_damaged_records_why_and_exits_0(k8s, tmp_path, monkeypatch, damage):
+    """A restarted orchestrator pod that finds run.yaml cut short (refused by `drive`) or state.json unreadable
+    exited 2 with a ConfigError, and `restartPolicy: OnFailure` restarted it into the same refusal for ever, the
+    run shown as running. It is failed, with the reason, where `cona status` looks, and the run directory is left
+    as it was for its owner to restore (then `cona submit --resume`)."""
+    from cona.orchestrator.backends.kubernetes import api as kube_api
+
+    # The scheduler's backend takes the run's Lease through the default client: the emulator's, not a kubeconfig.
+    monkeypatch.setattr(kube_api, "default_client", k8s.api_client)
+    profile = _profile(mount_path=str(tmp_path / "runs"))
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path / "runs")})})
+    job = load_job(JOB)
+    run_dir = RunDir(tmp_path / "runs" / "r8")
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    submit(render_submission(profile=profile, job=job, run="r8", submitted=SUBMITTED), api_client=k8s.api_client())
+    if damage == "run.yaml cut short":
+        text = run_dir.run_yaml.read_text()
+        run_dir.run_yaml.write_text(text[: text.index("    mbs_choices:")])  # inside job.batch
+        write_state(run_dir, RunState(status="running", run_started=1.0, attempts_started=1,
+                                      attempts=[Attempt(number=1, strategy=Strategy.parse("dp=1,tp=1,pp=1,mbs=4,gbs=16"))]))  # fmt: skip
+        expected = f"{run_dir.run_yaml}: cut short or damaged"
+    else:
+        run_dir.state_json.write_text('{"status": "runn')
+        expected = f"{run_dir.state_json}: unreadable"
+    before = {p: p.read_bytes() for p in run_dir.root.rglob("*") if p.is_file()}
+    assert orchestrate("r8", namespace=NS, api_client=k8s.api_client(), quiet=True) == 0
+    status = remote_status("r8", namespace=NS, api_client=k8s.api_client())
+    assert status["status"] == "failed" and status["reason"].startswith(expected), status
+    assert {p: p.read_bytes() for p in run_dir.root.rglob("*") if p.is_file()} == before
 
 
 # ---- the Lease --------------------------------------------------------------------------------------------------------

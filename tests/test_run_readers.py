@@ -209,11 +209,10 @@ def test_status_names_the_checkpoint_a_resume_would_load_not_a_damaged_newer_one
     assert f"passed over (a resume skips it): {run.checkpoint_dir(130)}: __0_0.distcp has 7 bytes" in out
 
 
-def test_the_torch_free_checkpoint_check_agrees_with_the_trainers(tmp_path):
-    """`cona status` judges checkpoints without torch, by the same rules as the trainer's `verify_checkpoint`."""
-    pytest.importorskip("torch")
-    from cona.orchestrator.live import checkpoint_problem
-    from cona.trainer.checkpoint import verify_checkpoint
+def test_the_torch_free_checkpoint_check_names_each_damage(tmp_path):
+    """`cona status` judges checkpoints without torch, by the trainer's own check (`verify_checkpoint`, below): one
+    torch-free function, `cona.protocol.checkpoint_record.checkpoint_problem`, which says why for each damage."""
+    from cona.protocol.checkpoint_record import checkpoint_problem
 
     run = make_run(tmp_path)
 
@@ -224,26 +223,35 @@ def test_the_torch_free_checkpoint_check_agrees_with_the_trainers(tmp_path):
         data = json.loads((path / "COMPLETE").read_text())
         (path / "COMPLETE").write_text(json.dumps({**data, **changes}))
 
+    unreadable = "its COMPLETE marker is unreadable"
     damage = [
-        lambda p: None,
-        lambda p: os.truncate(p / "__0_0.distcp", 3),
-        lambda p: (p / "__0_0.distcp").unlink(),
-        lambda p: (p / "COMPLETE").write_text(""),
-        lambda p: (p / "COMPLETE").unlink(),
-        lambda p: marker(p, files=["__0_0.distcp"]),
-        lambda p: marker(p, files={"__0_0.distcp": "100"}),
-        lambda p: marker(p, crc32={"__0_0.distcp": 1}),
-        lambda p: marker(p, files={"__0_0.distcp": 100}, crc32=None),
-        lambda p: rewrite(p / "trainer_state.json", json.dumps({"step": 1, "samples": "many"})),
-        lambda p: rewrite(p / "trainer_state.json", json.dumps({"samples": 1})),
-        lambda p: rewrite(p / "trainer_state.json", "{"),
-    ]
-    for step, hurt in enumerate(damage, start=1):
+        (lambda p: None, None),
+        (lambda p: os.truncate(p / "__0_0.distcp", 3), "__0_0.distcp has 3 bytes, expected 100 (truncated or overwritten)"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+        (lambda p: (p / "COMPLETE").write_text(""), unreadable),
+        (lambda p: (p / "COMPLETE").unlink(), "no COMPLETE marker (it was being written when the trainer stopped)"),
+        (lambda p: marker(p, files=["__0_0.distcp"]), f"{unreadable} (its files are not a mapping of names to sizes)"),
+        (lambda p: marker(p, files={"__0_0.distcp": "100"}), f"{unreadable} (its files are not a mapping of names to sizes)"),
+        (lambda p: marker(p, crc32={"__0_0.distcp": 1}), f"{unreadable} (its crc32 is not a mapping of its files to checksums)"),
+        (lambda p: marker(p, files={"__0_0.distcp": 100}, crc32=None), "it lacks .metadata or trainer_state.json"),
+        (lambda p: rewrite(p / "trainer_state.json", json.dumps({"step": 1, "samples": "many"})),
+         "trainer_state.json is corrupt (samples is 'many', not a number)"),
+        (lambda p: rewrite(p / "trainer_state.json", json.dumps({"samples": 1})), "trainer_state.json is corrupt"),
+        (lambda p: rewrite(p / "trainer_state.json", "{"), "trainer_state.json is corrupt"),
+    ]  # fmt: skip
+    for step, (hurt, problem) in enumerate(damage, start=1):
         make_checkpoint(run, step)
         path = run.checkpoint_dir(step)
         hurt(path)
-        assert checkpoint_problem(path) == verify_checkpoint(path), step
-    assert checkpoint_problem(run.checkpoint_dir(1)) is None and checkpoint_problem(run.checkpoint_dir(2)) is not None
+        assert checkpoint_problem(path) == problem, step
+
+
+def test_the_trainer_checks_a_checkpoint_as_status_does():
+    pytest.importorskip("torch")
+    from cona.protocol.checkpoint_record import checkpoint_problem
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint is checkpoint_problem
 
 
 # ------------------------------------------------------------------------ #7: a run whose orchestrator is gone

@@ -236,8 +236,10 @@ def test_an_attempt_that_refused_its_input_fails_the_run_at_once_with_its_line(t
     sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3", on_update=trainer_refuses)
     with pytest.raises(RunFailed) as info:
         sched.run()
-    assert str(info.value).startswith(f"attempt 1 refused its input: {reason}; fix it and resume with `cona run "
-                                      f"--resume {sched.run_dir.root}`; logs: ")  # fmt: skip
+    # The record says not where the fix lies (`fix`, `cona.protocol.inputs`): both ways are offered.
+    assert str(info.value).startswith(f"attempt 1 refused its input: {reason}; fix files on disk and resume with "
+                                      f"`cona run --resume {sched.run_dir.root}`, or, for a job field, start a new "
+                                      "run (another --run-dir) with the corrected job; logs: ")  # fmt: skip
     assert [n for n, _ in backend.launched] == [1] and not _events(sched, "failure")
     assert read_state(sched.run_dir).status == "failed"
 

@@ -81,7 +81,9 @@ def test_resume_position_continues_the_same_stream():
 def test_validation_split_is_held_out(tmp_path):
     text = tmp_path / "c.txt"
     text.write_bytes(bytes(range(32, 127)) * 200)
-    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(text), "val_fraction": 0.1}})
+    # 1,900 held-out bytes hold 29 windows of 65 (`eval.num_windows` may not ask for more)
+    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(text), "val_fraction": 0.1},
+                         "eval": {"num_windows": 16}})  # fmt: skip
     corpus = load_corpus(job)
     assert len(corpus.train) + len(corpus.val) == 95 * 200
     assert len(corpus.val) == int(95 * 200 * 0.1)
@@ -94,7 +96,8 @@ def test_token_files_and_directories(tmp_path):
     tokens.tofile(tmp_path / "a.bin")
     np.save(tmp_path / "b.npy", tokens.astype(np.uint32))
     for name in ("a.bin", "b.npy"):
-        job = job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": 1000}, "data": {"path": str(tmp_path / name)}})
+        job = job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": 1000}, "data": {"path": str(tmp_path / name)},
+                             "eval": {"num_windows": 8}})  # fmt: skip
         corpus = load_corpus(job)
         assert len(corpus.train) + len(corpus.val) == 20_000
         batch = Batcher(job, corpus).samples(0, 4)
@@ -103,7 +106,7 @@ def test_token_files_and_directories(tmp_path):
     texts.mkdir()
     (texts / "one.txt").write_text("a" * 5000)
     (texts / "two.txt").write_text("b" * 5000)
-    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(texts)}})
+    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(texts)}, "eval": {"num_windows": 4}})
     corpus = load_corpus(job)
     assert len(corpus.train) + len(corpus.val) == 10_000
     assert corpus.train.slice(4990, 5010).tolist() == [97] * 10 + [98] * 10
@@ -113,7 +116,8 @@ def test_bad_token_files_are_config_errors_naming_the_file(tmp_path):
     from cona.protocol.yamlconfig import ConfigError
 
     def job(name: str, vocab: int = 1000):
-        return job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": vocab}, "data": {"path": str(tmp_path / name)}})
+        return job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": vocab}, "data": {"path": str(tmp_path / name)},
+                              "eval": {"num_windows": 8}})  # fmt: skip
 
     (tmp_path / "empty.bin").write_bytes(b"")
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))

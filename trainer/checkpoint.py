@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import HeartbeatEvent
 from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
@@ -345,49 +346,10 @@ def prune_checkpoints(run_dir: RunDir, *, keep: int, newest: Path) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """None if `path` is a complete, intact checkpoint; else why not (one line)."""
-    marker = path / COMPLETE_MARKER
-    if not marker.exists():
-        return "no COMPLETE marker (it was being written when the trainer stopped)"
-    try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its COMPLETE marker is unreadable"
-    # Valid JSON of the wrong shape is as damaged as a torn marker: judged here, not left to crash the size checks.
-    if not isinstance(files, dict) or not all(isinstance(n, str) and type(v) is int for n, v in files.items()):
-        return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
-    for name, size in files.items():
-        try:
-            actual = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
-    crc32 = manifest.get("crc32")
-    if crc32 is not None and (not isinstance(crc32, dict) or crc32.keys() != files.keys()
-                              or not all(type(v) is int for v in crc32.values())):  # fmt: skip
-        return "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
-    if ".metadata" not in files or TRAINER_STATE not in files:
-        return "it lacks .metadata or trainer_state.json"
-    try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-        int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{TRAINER_STATE} is corrupt"
-    # Valid JSON of the wrong types (`"samples": "many"`) would pass and crash every rank at its first step on
-    # resume, attempt after attempt: the counters the trainer resumes from are judged here, like the sizes.
-    for key, kinds in [*((k, int) for k in _STATE_INTS), *((k, (int, float)) for k in _STATE_NUMBERS)]:
-        value = state.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            return f"{TRAINER_STATE} is corrupt ({key} is {value!r}, not a number)"
-    return None
-
-
-_STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
-_STATE_NUMBERS = ("lr", "time", "elapsed_s")
-"""trainer_state.json's counters (`trainer.train.TrainerState`), checked by `verify_checkpoint`."""
+verify_checkpoint = checkpoint_problem
+"""None if a checkpoint is complete and its records intact, else why not (one line), before a resume and a re-save:
+the torch-free check that `cona status` makes too (`cona.protocol.checkpoint_record`). The CRC-32s, which read every
+shard, are checked at load (`load_checkpoint`: each rank the shards its rank number wrote)."""
 
 
 TRAINER_STATE_VERSION = 1

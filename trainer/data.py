@@ -32,19 +32,25 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+from cona.protocol.inputs import (
+    FIX_JOB,
+    TEXT_SUFFIXES,
+    TOKENS_FILE,
+    TOKENS_META,
+    InputRefused,
+    check_split,
+    data_files,
+    read_token_metadata,
+)
 from cona.protocol.job import JobSpec
 from cona.protocol.yamlconfig import ConfigError
+
+__all__ = ["TEXT_SUFFIXES", "TOKENS_FILE", "TOKENS_META", "Batcher", "Corpus", "load_corpus", "read_token_metadata"]
 
 IGNORE_INDEX = -100
 """Label of positions that carry no loss (unmasked BERT tokens, padding)."""
 _MASK_STREAM = 0x6D61736B  # "mask": separates the masking streams from the order streams
 _EVAL_STREAM = 0x6576616C  # "eval"
-_TOKEN_SUFFIXES = (".bin", ".npy")
-TEXT_SUFFIXES = (".txt", ".md", "")
-"""The files of a directory that are read as text (the byte-level reader, `cona data prepare`)."""
-TOKENS_FILE = "tokens.bin"
-TOKENS_META = "tokens.json"
-"""What `cona data prepare` writes (`trainer.prepare`): the token file and its metadata, side by side."""
 
 
 class TokenSequence:
@@ -81,96 +87,40 @@ class Corpus:
 
 
 def _read_tokens(path: Path, token_dtype: str) -> np.ndarray:
+    """The ids of one token file (`data_files` checked that a raw one is a whole number of ids)."""
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:  # not a .npy file, or one holding pickled objects (never loaded)
-            raise ConfigError(f"{path}: not a NumPy array of token ids ({e}); check data.path") from None
+            raise InputRefused(f"{path}: not a NumPy array of token ids ({e}); check data.path") from None
         if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
-            raise ConfigError(f"{path}: expected a 1-D array of token ids (uint16/uint32), got {array.dtype}{array.shape}")
+            raise InputRefused(f"{path}: expected a 1-D array of token ids (uint16/uint32), got {array.dtype}{array.shape}")
         return array
     dtype = np.dtype(token_dtype)
     if path.stat().st_size == 0:  # numpy cannot map an empty file; the token count check names the problem
         return np.zeros(0, dtype)
-    if path.stat().st_size % dtype.itemsize:
-        raise ConfigError(
-            f"{path}: size {path.stat().st_size} is not a multiple of {dtype.itemsize} bytes; "
-            f"check data.token_dtype (now {token_dtype})"
-        )
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def read_token_metadata(path: Path, job: JobSpec) -> dict | None:
-    """The metadata `cona data prepare` wrote for `path` (its directory, or its tokens.bin), checked against the
-    model: None when there is none; ConfigError when the model's vocabulary cannot hold the tokenizer's ids."""
-    meta_path = (path if path.is_dir() else path.parent) / TOKENS_META
-    if not meta_path.exists() or (path.is_file() and path.name != TOKENS_FILE):
-        return None
-    import json
-
-    try:
-        meta = json.loads(meta_path.read_text())
-        vocab, dtype = int(meta["vocab_size"]), str(meta["token_dtype"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{meta_path}: unreadable ({e}); run cona data prepare again") from None
-    if dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; run cona data prepare again")
-    if vocab > job.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of {vocab} that {meta_path.parent} "
-            f"was tokenized with (tokenizer {str(meta.get('tokenizer_sha256', '?'))[:12]}); set model.vocab_size: {vocab}"
-        )
-    return meta
-
-
 def load_corpus(job: JobSpec) -> Corpus:
-    """Open `job.data.path` and split off the validation tail; raises ConfigError with what to fix."""
-    spec = job.data
-    path = Path(spec.path)
-    if not path.exists():
-        raise ConfigError(
-            f"data.path {spec.path!r}: no such file or directory; set data.path "
-            "(for the Shakespeare corpus run: python scripts/fetch_shakespeare.py data/shakespeare.txt)"
-        )
-    meta = read_token_metadata(path, job)
-    if meta is not None:  # a `cona data prepare` output: its tokens, in its dtype
-        tokens = path / TOKENS_FILE if path.is_dir() else path
-        if not tokens.exists():
-            raise ConfigError(f"data.path {spec.path!r}: {TOKENS_META} but no {TOKENS_FILE}; run cona data prepare again")
-        spec = spec.model_copy(update={"token_dtype": meta["token_dtype"], "format": "tokens"})
-        path = tokens
-    fmt = spec.format
-    if fmt == "auto":
-        fmt = "tokens" if path.is_file() and path.suffix in _TOKEN_SUFFIXES else "bytes"
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        if fmt == "tokens":
-            files = [p for p in files if p.suffix in _TOKEN_SUFFIXES]
-        else:
-            files = [p for p in files if p.suffix in TEXT_SUFFIXES]
-        if not files:
-            raise ConfigError(f"data.path {spec.path!r}: the directory holds no {'token' if fmt == 'tokens' else 'text'} files")
-    else:
-        files = [path]
-    if fmt == "tokens":
-        parts = [_read_tokens(p, spec.token_dtype) for p in files]
+    """Open `job.data.path` and split off the validation tail; raises `InputRefused` (a ConfigError) with what to fix.
+
+    What the files' names and sizes tell is checked where `cona run` checks it before a run exists
+    (`cona.protocol.inputs`: `data_files`, `check_split`); here on the token count read."""
+    files = data_files(job)
+    if files.fmt == "tokens":
+        parts = [_read_tokens(p, files.token_dtype) for p in files.files]
         vocab = job.model.vocab_size
     else:
-        parts = [np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in files]
+        parts = [np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8) for p in files.files]
         vocab = 256
-        if job.model.vocab_size < 256:
-            raise ConfigError(f"model.vocab_size={job.model.vocab_size}: a byte-level corpus needs at least 256")
     whole = TokenSequence(parts)
     n = len(whole)
-    n_val = int(n * spec.val_fraction)
-    window = job.model.seq_len + 1
-    if n - n_val < 2 * window or n_val < window:
-        raise ConfigError(
-            f"data.path {spec.path!r}: {n} tokens are too few for seq_len={job.model.seq_len} with "
-            f"val_fraction={spec.val_fraction}; use a larger corpus or a shorter model.seq_len"
-        )
+    check_split(job, n, source=files.source)
+    n_val = int(n * job.data.val_fraction)
     train_parts, val_parts = _split_parts(parts, n - n_val)
-    return Corpus(train=TokenSequence(train_parts), val=TokenSequence(val_parts), vocab_size=vocab, source=str(path))
+    return Corpus(train=TokenSequence(train_parts), val=TokenSequence(val_parts), vocab_size=vocab,
+                  source=str(files.path))  # fmt: skip
 
 
 def _split_parts(parts: list[np.ndarray], at: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -251,9 +201,10 @@ class Batcher:
         self.seq_len = job.model.seq_len
         self.window_len = self.seq_len if self.mlm else self.seq_len + 1
         if corpus.vocab_size > job.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={job.model.vocab_size} is smaller than the corpus's {corpus.vocab_size} token ids"
-            )
+            raise InputRefused(
+                f"model.vocab_size={job.model.vocab_size} is smaller than the corpus's {corpus.vocab_size} token ids; "
+                f"set model.vocab_size: {corpus.vocab_size}", fix=FIX_JOB,
+            )  # fmt: skip
         self.order = SampleOrder(
             num_tokens=len(corpus.train), seq_len=self.seq_len, window_len=self.window_len, seed=job.seed
         )
@@ -263,10 +214,10 @@ class Batcher:
         # vocabulary would otherwise end in an index error deep inside the embedding.
         top = max((int(w.max()) for w in windows if len(w)), default=-1)
         if top >= self.corpus.vocab_size:
-            raise ConfigError(
+            raise InputRefused(
                 f"data.path {self.corpus.source!r} holds token id {top}, beyond model.vocab_size="
-                f"{self.corpus.vocab_size}; set model.vocab_size above it or check data.token_dtype"
-            )
+                f"{self.corpus.vocab_size}; set model.vocab_size above it or check data.token_dtype", fix=FIX_JOB,
+            )  # fmt: skip
         if not self.mlm:
             stacked = np.stack(windows) if windows else np.zeros((0, self.window_len), np.int64)
             return Batch(inputs=stacked[:, :-1], labels=stacked[:, 1:])

@@ -22,14 +22,15 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from cona.protocol.cliargs import OptionParser
 from cona.protocol.job import DataSpec, JobSpec, ModelSpec, job_from_dict, load_job
 from cona.protocol.rundir import TRAINER_STATE, RunDir
 from cona.protocol.yamlconfig import ConfigError, load_yaml, parse_bytes, validate
 from cona.trainer.data import TOKENS_FILE, TOKENS_META
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
+class _Parser(OptionParser):
+    def fail(self, message: str) -> NoReturn:  # one line, exit 2, as the rest of cona
         print(f"cona: error: {message} (see cona export --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -131,7 +132,7 @@ def eos_of(data: DataSpec) -> tuple[int | None, str | None]:
     are read back to back); a raw token file says nothing."""
     path = Path(data.path)
     meta_path = (path if path.is_dir() else path.parent) / TOKENS_META
-    # Where the trainer applies a tokens.json (`trainer.data.read_token_metadata`): a directory, or its tokens.bin.
+    # Where the trainer applies a tokens.json (`cona.protocol.inputs.read_token_metadata`): a directory, or its tokens.bin.
     if (path.is_dir() or path.name == TOKENS_FILE) and meta_path.exists():
         try:
             eos = json.loads(meta_path.read_text())["eos_id"]

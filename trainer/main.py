@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from cona.protocol.cliargs import OptionParser
 from cona.protocol.rundir import ExitCode, RunDir, process_exit_status, restrict_umask
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -32,8 +33,8 @@ from cona.protocol.yamlconfig import ConfigError
 FLAGS = ("--run-dir", "--job", "--strategy", "--max-steps", "--attempt", "--set", "--dump-loaded-state")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit CONFIG, no usage dump
+class _Parser(OptionParser):
+    def fail(self, message: str) -> NoReturn:  # one line, exit CONFIG, no usage dump
         _fail(f"{message} (see python -m cona.trainer --help)")
 
 
@@ -85,6 +86,20 @@ def load_inputs(args: argparse.Namespace):
     if args.max_steps is not None and args.max_steps < 0:
         raise ConfigError(f"--max-steps {args.max_steps}: must be >= 0")
     return run_dir, job, strategy, attempt
+
+
+def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError) -> None:
+    """The exit record of an attempt that refused its input (exit CONFIG, the error's line as the reason), with
+    `fix`: where the fix lies (`cona.protocol.inputs.InputRefused.fix`: `job`, `files` or `either`). A run's job is
+    fixed once it exists, so the orchestrator advises a new run for a job field and a resume for the files."""
+    import time
+
+    from cona.protocol.inputs import fix_of
+    from cona.protocol.rundir import ExitRecord, atomic_write_json
+
+    record = ExitRecord(exit_code=int(ExitCode.CONFIG), name=ExitCode.CONFIG.name, reason=str(error), step=None,
+                        time=time.time())  # fmt: skip
+    atomic_write_json(run_dir.exit_file(attempt), {**record.to_dict(), "fix": fix_of(error)})
 
 
 def _process_start_time() -> float | None:
@@ -152,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         corpus = load_corpus(job)
         Batcher(job, corpus)
         if job.model.init_from is not None and not run_dir.complete_checkpoints():
+            from cona.protocol.inputs import check_init_from
             from cona.trainer.hf import check_directory
 
+            check_init_from(job)  # a directory with a config.json: what `cona run` checks before the run exists
             try:
                 check_directory(job.model, job.model.init_from)
             except ValueError as e:
@@ -165,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e), code)
     except ConfigError as e:
         if rank == 0 and run_dir.root.is_dir():
-            write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
+            write_refusal(run_dir, attempt, e)
         _fail(str(e))
 
     import torch.distributed as dist
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         status = process_exit_status(code, reason=trainer.exit_reason)
     except ConfigError as e:
         if env.rank == 0:
-            write_exit(run_dir, attempt, code=ExitCode.CONFIG, reason=str(e), step=None)
+            write_refusal(run_dir, attempt, e)
         _fail(str(e))
     except CheckpointSaveError as e:  # the storage, not the input: exit 1 (relaunched), and say why in one line
         if env.rank == 0:

@@ -8,7 +8,7 @@ tool, and needs Hugging Face `tokenizers` (`pip install cona[data]`), not torch.
                       one; raw uint16 when the vocabulary fits (≤ 65,536 ids), else uint32
     DIR/tokens.json   {"tokenizer_sha256", "vocab_size", "eos_id", "token_dtype", "num_tokens", "documents",
                       "tokenizer", "inputs"}: the trainer reads the dtype from it and refuses a model whose
-                      vocabulary is smaller than the tokenizer's (`trainer.data.read_token_metadata`)
+                      vocabulary is smaller than the tokenizer's (`cona.protocol.inputs.read_token_metadata`)
 
 and `data.path: DIR` trains on it. A document is one input file (a directory's `.txt`/`.md` files and files without
 a suffix, sorted, as the byte-level reader takes them). Files are cut into chunks of about `--chunk-mb` and the
@@ -39,14 +39,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
+from cona.protocol.cliargs import OptionParser
 from cona.trainer.data import TEXT_SUFFIXES, TOKENS_FILE, TOKENS_META
 
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 """Tokens tried, in order, as the end-of-document token when --eos is not given."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
+class _Parser(OptionParser):
+    def fail(self, message: str) -> NoReturn:  # one line, exit 2, as the rest of cona
         print(f"cona: error: {message} (see cona data prepare --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -56,7 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     prepare = sub.add_parser("prepare", help="tokenize text files into DIR/tokens.bin and DIR/tokens.json",
                              description=__doc__.split("\n\n")[0], allow_abbrev=False)  # fmt: skip
-    prepare.error = parser.error  # type: ignore[method-assign]  # one line, exit 2, as the rest of cona
     prepare.add_argument("--tokenizer", required=True, type=Path, metavar="tokenizer.json",
                          help="a Hugging Face tokenizers file (what tokenizer.save() or save_pretrained writes)")  # fmt: skip
     prepare.add_argument("--input", required=True, type=Path, metavar="TEXT_FILE_OR_DIR", help="a text file or a directory of them")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, HeartbeatEvent
+from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, HeartbeatEvent, perplexity
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.rundir import (
@@ -58,6 +58,21 @@ HOLD_HEARTBEAT_S = 5.0
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
+
+
+def diverged_reason(*, step: int, loss: float, grad_sqnorm: float, first_val: dict[str, float] | None) -> str:
+    """Why step `step` (1-based) is not finite, and what to do. Before any update (the run's first step), or when
+    the validation at step 0 was already not finite, the model's output is not finite at its initial weights: no
+    learning rate is to blame, so the advice is the model's settings; later it is the learning rate."""
+    what = f"step {step}: loss {loss}, gradient norm² {grad_sqnorm}"
+    untrained = first_val if first_val is not None and first_val.get("step") == 0 else None
+    if untrained is not None and not math.isfinite(untrained["val_loss"]):
+        what += f" (validation was already {untrained['val_loss']} at step 0)"
+    elif step > 1:
+        return f"{what}; lower optimizer.lr"
+    return (f"{what}: not finite at the initial weights, before any update, so the learning rate is not the "
+            "cause; check the model settings (model.norm_eps, model.rope_theta, the initialisation) or "
+            "model.init_from's weights")
 
 
 @dataclasses.dataclass
@@ -450,7 +465,8 @@ class Trainer:
         self._note_signals(sigterm, sigusr1)
         clip_sq = global_sq_v + tied_fix
         if not (math.isfinite(loss) and math.isfinite(clip_sq)):
-            raise TrainingDiverged(f"step {s.step + 1}: loss {loss}, gradient norm² {clip_sq}; lower optimizer.lr")
+            raise TrainingDiverged(diverged_reason(step=s.step + 1, loss=loss, grad_sqnorm=clip_sq,
+                                                   first_val=s.val_history[0] if s.val_history else None))  # fmt: skip
         with record_function("cona.optimizer"):
             model.clip_and_step(grad_sqnorm=clip_sq, max_norm=self.job.optimizer.grad_clip, lr=lr)
         step_time = time.perf_counter() - started
@@ -494,7 +510,7 @@ class Trainer:
             "step": self.state.step,
             "samples": self.state.samples,
             "val_loss": val_loss,
-            "val_perplexity": math.exp(min(val_loss, 50.0)),
+            "val_perplexity": perplexity(val_loss),
         }
         self.state.val_history.append(result)
         if self.is_rank0 and self.state.step == 0:

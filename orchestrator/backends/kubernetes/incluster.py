@@ -9,8 +9,10 @@ rendered on a thread of its own: drawing it takes seconds (tens on a loaded node
 go on watching the run, acting on a stop and deciding switches meanwhile.
 
 Exit codes: 0 once the run has ended (done, stopped or failed: its status is in the ConfigMap, and restarting the
-pod would not change it); non-zero when the orchestrator itself failed (a lost Lease, an API outage, a bug), so
-that Kubernetes restarts it (`restartPolicy: OnFailure`) and it adopts the running attempt.
+pod would not change it), also when it cannot start or go on for a reason a restart would meet again (a bad
+profile, missing data, a damaged run directory: failed, with the reason in the ConfigMap); non-zero when the
+orchestrator itself failed (a lost Lease, an API outage, a bug), so that Kubernetes restarts it
+(`restartPolicy: OnFailure`) and it adopts the running attempt.
 """
 
 from __future__ import annotations
@@ -199,6 +201,16 @@ def _resume_pending(run_dir: RunDir, token: str, finished_at: float | None) -> b
     return not started or (finished_at is not None and finished_at < max(started))
 
 
+def _cannot_go_on(mirror: StatusMirror, error: Exception) -> int:
+    """Fail the run where `cona status` looks, with `error` as the reason, and return the exit code 0: a restarted
+    pod would fail the same way (`restartPolicy: OnFailure` would restart it for ever), and the reason is in the
+    ConfigMap. The run directory is left as it is: once its owner fixed it, `cona submit --resume` goes on."""
+    reason = one_line(str(error))
+    mirror.fail(reason)
+    print(f"cona: error: {reason}", flush=True)
+    return 0
+
+
 def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quiet: bool = False) -> int:
     """Drive submitted run `run` (see the module docstring); returns the process's exit code."""
     from cona.orchestrator.job import job_from_dict
@@ -217,18 +229,17 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
     mirror = StatusMirror(api, run, run_dir)
     try:
         if run_dir.run_yaml.exists():
-            profile, job = load_run(run_dir)  # a restarted orchestrator: resume (and adopt) the run
+            # A restarted orchestrator: resume (and adopt) the run. Read as `cona status` reads it, so that a run
+            # that has ended is still reported; `drive` refuses to go on with a damaged one (below).
+            profile, job = load_run(run_dir)
         else:
             where = f"ConfigMap {namespace}/{run}"
             profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"), source=f"{where} {PROFILE_KEY}")
             job = job_from_dict(yaml.safe_load(data.get(JOB_KEY) or "{}"), source=f"{where} {JOB_KEY}")
             create_run(run_dir=run_dir, profile=profile, job=job)
+        state = read_state(run_dir)  # a corrupt state.json: one line naming it
     except (ConfigError, OSError) as e:
-        reason = one_line(str(e))
-        mirror.fail(reason)
-        print(f"cona: error: {reason}", flush=True)
-        return 0  # a restart would fail the same way; the reason is in the ConfigMap
-    state = read_state(run_dir)
+        return _cannot_go_on(mirror, e)
     token = data.get(RESUME_KEY)
     if state.final and not (token and _resume_pending(run_dir, token, state.finished_at)):
         # The run had ended before this process started (it died after the end, before exiting): just report.
@@ -237,8 +248,15 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
         return 0
     if state.final:
         log_event(run_dir, "resume-requested", token=token)  # `cona submit --resume`: the scheduler resumes it
-    state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet,
-                           also=lambda live: mirror.tick(live.status))  # fmt: skip
+    try:
+        state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet,
+                               also=lambda live: mirror.tick(live.status))  # fmt: skip
+    except ConfigError as e:
+        # Refused in one line, as `cona run` refuses it with exit 2: the run directory (`Scheduler.check_resumable`,
+        # before anything is launched or written: a run.yaml cut short, state.json lost while the run has attempts)
+        # or another input a restart would meet again. A lost Lease or an API outage is no ConfigError: restarted.
+        mirror.wait_report()
+        return _cannot_go_on(mirror, e)
     if failure is not None:
         print(f"cona: error: {failure}", flush=True)
     # The report first, then the final status: a laptop that sees the run ended finds its report stored.

@@ -96,6 +96,25 @@ class SlurmJobInfo:
         return int(status) if status.isdigit() else None
 
 
+REQUIRED_CLIENTS = ("sbatch", "scontrol", "scancel")
+"""The Slurm commands a run cannot do without: submit, watch and cancel its jobs (`sacct` and `sinfo` are asked
+when they answer)."""
+
+
+def _client_missing(name: str) -> str:
+    return f"{name} not found: is this a Slurm login node (are the Slurm clients on PATH)?"
+
+
+def check_clients() -> None:
+    """SlurmError, in one line, unless the Slurm clients a run needs (`REQUIRED_CLIENTS`) are on PATH: `cona run`
+    asks before it creates a run directory (or resumes one), not at its first submission."""
+    import shutil
+
+    missing = [name for name in REQUIRED_CLIENTS if shutil.which(name) is None]
+    if missing:
+        raise SlurmError(f"{_client_missing(missing[0])}; no run directory was created or changed")
+
+
 # --- parsers (pure; unit-tested on recorded outputs) ---------------------------------------------------------
 
 
@@ -258,9 +277,7 @@ class SlurmBackend(Backend):
         try:
             result = self._runner(argv, env=env)
         except FileNotFoundError:
-            raise SlurmError(
-                f"{argv[0]} not found: is this a Slurm login node (are the Slurm clients on PATH)?"
-            ) from None
+            raise SlurmError(_client_missing(argv[0])) from None
         except subprocess.TimeoutExpired:
             raise SlurmError(
                 f"{shlex.join(argv)} timed out after {COMMAND_TIMEOUT_S}s (is slurmctld up?)"

@@ -1,0 +1,62 @@
+"""What makes a checkpoint directory whole, judged from its records alone: the `COMPLETE` marker (every file's size
+and CRC-32) and `trainer_state.json` (the counters a resume starts from). Torch-free.
+
+The trainer writes both (trainer/checkpoint.py documents the directory) and checks a checkpoint with
+`checkpoint_problem` before it resumes from it or keeps it on a re-save; `cona status` makes the same check to name
+the checkpoint a resume would load, without importing torch. What needs the shards' bytes — their CRC-32s, which
+`checkpoint_problem` only checks the shape of, and DCP's own reading — stays with the trainer, which checks them at
+load: it reads every shard, which `cona status` must not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE
+
+_STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
+_STATE_NUMBERS = ("lr", "time", "elapsed_s")
+"""trainer_state.json's counters (`cona.trainer.train.TrainerState`), checked by `checkpoint_problem`."""
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint whose records are intact; else why a resume passes over it (one
+    line): no or an unreadable COMPLETE marker, a file it lists missing or of another size, trainer_state.json
+    unreadable or its counters not numbers."""
+    marker = path / COMPLETE_MARKER
+    if not marker.exists():
+        return "no COMPLETE marker (it was being written when the trainer stopped)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its COMPLETE marker is unreadable"
+    # Valid JSON of the wrong shape is as damaged as a torn marker: judged here, not left to crash the size checks.
+    if not isinstance(files, dict) or not all(isinstance(n, str) and type(v) is int for n, v in files.items()):
+        return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
+    crc32 = manifest.get("crc32")
+    if crc32 is not None and (not isinstance(crc32, dict) or crc32.keys() != files.keys()
+                              or not all(type(v) is int for v in crc32.values())):  # fmt: skip
+        return "its COMPLETE marker is unreadable (its crc32 is not a mapping of its files to checksums)"
+    if ".metadata" not in files or TRAINER_STATE not in files:
+        return "it lacks .metadata or trainer_state.json"
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{TRAINER_STATE} is corrupt"
+    # Valid JSON of the wrong types (`"samples": "many"`) would pass and crash every rank at its first step on
+    # resume, attempt after attempt: the counters the trainer resumes from are judged here, like the sizes.
+    for key, kinds in [*((k, int) for k in _STATE_INTS), *((k, (int, float)) for k in _STATE_NUMBERS)]:
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"{TRAINER_STATE} is corrupt ({key} is {value!r}, not a number)"
+    return None

@@ -1,0 +1,219 @@
+"""What the trainer reads besides the job — the corpus at `data.path` and the model directory of `model.init_from`
+— checked without torch or numpy, in one place for both planes.
+
+The trainer opens its corpus through `data_files` and `check_split` (`cona.trainer.data.load_corpus`) and checks
+`model.init_from` with `check_init_from` before it starts its process group (`cona.trainer.main`); `cona run` and
+`cona profile` call `check_inputs` — the same functions, on the files' sizes — before they create a run directory,
+so an empty data file, a directory without text files, a `.bin` cut mid-token, an evaluation set larger than the
+held-out split or a model directory without config.json is refused before a run exists (a run's job is fixed once
+it does).
+
+Every refusal is an `InputRefused`: one line naming the field or file, and in `fix` where the fix lies — a job
+field (`FIX_JOB`: the run's job cannot change, so the fix is a new run with the corrected job), the files on disk
+(`FIX_FILES`: fix them and resume the run), or either (`FIX_EITHER`). The trainer writes it into the exit record of
+an attempt that refused its input (`fix`), and the orchestrator's advice follows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cona.protocol.yamlconfig import ConfigError
+
+if TYPE_CHECKING:
+    from cona.protocol.job import JobSpec
+
+TOKEN_SUFFIXES = (".bin", ".npy")
+"""Token files: raw `data.token_dtype` ids (`.bin`) or a NumPy array (`.npy`)."""
+TEXT_SUFFIXES = (".txt", ".md", "")
+"""The files of a directory that are read as text (the byte-level reader, `cona data prepare`)."""
+TOKENS_FILE = "tokens.bin"
+TOKENS_META = "tokens.json"
+"""What `cona data prepare` writes (`trainer.prepare`): the token file and its metadata, side by side."""
+MODEL_CONFIG = "config.json"
+"""A Hugging Face model directory's configuration (`trainer.hf`)."""
+DEFAULT_TEXT_PATH = "data/shakespeare.txt"
+"""`data.path`'s default: the Shakespeare corpus that `scripts/fetch_shakespeare.py` fetches."""
+
+FIX_JOB = "job"
+"""The fix is a job field: a run's job is fixed once it exists, so it takes a new run with the corrected job."""
+FIX_FILES = "files"
+"""The fix is on disk (the data, a model directory): fix the files and resume the run."""
+FIX_EITHER = "either"
+"""Either a job field or the files on disk (or it is not known which)."""
+FIXES = (FIX_JOB, FIX_FILES, FIX_EITHER)
+_ITEMSIZE = {"uint16": 2, "uint32": 4}
+
+
+class InputRefused(ConfigError):
+    """The trainer's input cannot be used: one line naming the field or file; `fix` says where the fix lies
+    (`FIX_JOB`, `FIX_FILES` or `FIX_EITHER`)."""
+
+    def __init__(self, message: str, *, fix: str = FIX_EITHER) -> None:
+        super().__init__(message)
+        self.fix = fix if fix in FIXES else FIX_EITHER
+
+
+def fix_of(error: BaseException) -> str:
+    """Where the fix of a refusal lies: an `InputRefused`'s `fix`, `FIX_EITHER` for any other error."""
+    return error.fix if isinstance(error, InputRefused) else FIX_EITHER
+
+
+def missing_data_hint(path: str) -> str:
+    """What to do about a `data.path` that does not exist, by what it names: the default text corpus (fetch it),
+    token data (a `.bin`/`.npy` file or a directory: tokenize a corpus with `cona data prepare`), another text file.
+    Always also: point the job at data that exists."""
+    other = "or give existing data with --set data.path=PATH"
+    given = Path(path)
+    if given.name == Path(DEFAULT_TEXT_PATH).name:
+        return f"for the Shakespeare corpus run `python scripts/fetch_shakespeare.py {path}`, {other}"
+    if given.suffix in TOKEN_SUFFIXES:
+        return (f"tokenize a corpus with `cona data prepare --tokenizer TOKENIZER.json --input TEXT --out DIR` "
+                f"(it writes DIR/{TOKENS_FILE}) and set data.path to DIR, {other}")  # fmt: skip
+    if given.suffix == "":  # a directory (what `cona data prepare` writes), or a text file without a suffix
+        return (f"tokenize a corpus into it with `cona data prepare --tokenizer TOKENIZER.json --input TEXT --out "
+                f"{path}`, {other}")  # fmt: skip
+    return f"give an existing text file, directory of text files or token file: {other}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFiles:
+    """The files `data.path` names, as the trainer reads them (`data_files`)."""
+
+    source: str
+    """`data.path` as the job gives it (for messages)."""
+    path: Path
+    """The file or directory read: `data.path`, or the tokens.bin of a `cona data prepare` directory."""
+    fmt: str
+    """`tokens` or `bytes` (`data.format` with `auto` decided)."""
+    token_dtype: str
+    """The dtype of raw `.bin` ids: `data.token_dtype`, or tokens.json's."""
+    files: tuple[Path, ...]
+    """The files read, in order."""
+    meta: dict[str, Any] | None
+    """tokens.json of a `cona data prepare` output (`read_token_metadata`), or None."""
+
+    def num_tokens(self) -> int | None:
+        """The token count from the files' sizes; None when a `.npy` is among them (its header says, not its
+        size)."""
+        if self.fmt == "bytes":
+            return sum(p.stat().st_size for p in self.files)
+        if any(p.suffix == ".npy" for p in self.files):
+            return None
+        return sum(p.stat().st_size // _ITEMSIZE[self.token_dtype] for p in self.files)
+
+
+def read_token_metadata(path: Path, job: JobSpec) -> dict[str, Any] | None:
+    """The metadata `cona data prepare` wrote for `path` (its directory, or its tokens.bin), checked against the
+    model: None when there is none; `InputRefused` when it is unreadable or the model's vocabulary cannot hold the
+    tokenizer's ids."""
+    meta_path = (path if path.is_dir() else path.parent) / TOKENS_META
+    if not meta_path.exists() or (path.is_file() and path.name != TOKENS_FILE):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab, dtype = int(meta["vocab_size"]), str(meta["token_dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputRefused(f"{meta_path}: unreadable ({e}); run cona data prepare again", fix=FIX_FILES) from None
+    if dtype not in _ITEMSIZE:
+        raise InputRefused(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; run cona data prepare "
+                           "again", fix=FIX_FILES)  # fmt: skip
+    if vocab > job.model.vocab_size:
+        raise InputRefused(
+            f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of {vocab} that {meta_path.parent} "
+            f"was tokenized with (tokenizer {str(meta.get('tokenizer_sha256', '?'))[:12]}); set model.vocab_size: "
+            f"{vocab}", fix=FIX_JOB,
+        )  # fmt: skip
+    return meta
+
+
+def data_files(job: JobSpec) -> DataFiles:
+    """The files `job.data.path` names, checked as far as their names and sizes tell: the path exists, a `cona
+    data prepare` directory is whole, a directory holds files of the format, a raw `.bin` is a whole number of
+    `data.token_dtype` ids, a byte-level corpus has a vocabulary of 256. Raises `InputRefused`."""
+    spec = job.data
+    path = Path(spec.path)
+    if not path.exists():
+        raise InputRefused(f"data.path {spec.path!r} does not exist; {missing_data_hint(spec.path)}")
+    fmt, dtype = spec.format, spec.token_dtype
+    meta = read_token_metadata(path, job)
+    if meta is not None:  # a `cona data prepare` output: its tokens, in its dtype
+        tokens = path / TOKENS_FILE if path.is_dir() else path
+        if not tokens.exists():
+            raise InputRefused(f"data.path {spec.path!r}: {TOKENS_META} but no {TOKENS_FILE}; run cona data prepare "
+                               "again", fix=FIX_FILES)  # fmt: skip
+        fmt, dtype, path = "tokens", str(meta["token_dtype"]), tokens
+    if fmt == "auto":
+        fmt = "tokens" if path.is_file() and path.suffix in TOKEN_SUFFIXES else "bytes"
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = [p for p in found if p.suffix in (TOKEN_SUFFIXES if fmt == "tokens" else TEXT_SUFFIXES)]
+        if not files:
+            kind = f"token files ({', '.join(TOKEN_SUFFIXES)})" if fmt == "tokens" else "text files (.txt, .md, no suffix)"
+            raise InputRefused(f"data.path {spec.path!r}: the directory holds no {kind}; put the corpus there, or "
+                               "set data.path to a file or directory that holds it")  # fmt: skip
+    else:
+        files = [path]
+    if fmt == "bytes" and job.model.vocab_size < 256:
+        raise InputRefused(f"model.vocab_size={job.model.vocab_size}: a byte-level corpus needs at least 256; set "
+                           "model.vocab_size: 256", fix=FIX_JOB)  # fmt: skip
+    if fmt == "tokens":
+        for file in files:
+            size = file.stat().st_size
+            if file.suffix != ".npy" and size % _ITEMSIZE[dtype]:
+                raise InputRefused(f"{file}: size {size} is not a multiple of {_ITEMSIZE[dtype]} bytes; check "
+                                   f"data.token_dtype (now {dtype}), or whether the file was cut short")  # fmt: skip
+    return DataFiles(source=spec.path, path=path, fmt=fmt, token_dtype=dtype, files=tuple(files), meta=meta)
+
+
+def check_split(job: JobSpec, num_tokens: int, *, source: str) -> None:
+    """`InputRefused` unless a corpus of `num_tokens` tokens splits into a training part of two sample windows and
+    a held-out part of at least one, and the held-out part holds `eval.num_windows` windows side by side (more
+    only overlap, and made the first evaluation run for hours)."""
+    spec = job.data
+    n_val = int(num_tokens * spec.val_fraction)
+    window = job.model.seq_len + 1
+    if num_tokens - n_val < 2 * window or n_val < window:
+        raise InputRefused(f"data.path {source!r}: {num_tokens} tokens are too few for seq_len={job.model.seq_len} "
+                           f"with val_fraction={spec.val_fraction}; use a larger corpus or a shorter model.seq_len")  # fmt: skip
+    eval_window = job.model.seq_len if job.model.family == "bert" else window
+    most = n_val // eval_window
+    if job.eval.num_windows > most:
+        raise InputRefused(
+            f"eval.num_windows={job.eval.num_windows}: the held-out split of data.path {source!r} ({n_val} tokens, "
+            f"data.val_fraction={spec.val_fraction}) holds {most} windows of {eval_window} tokens; set "
+            f"eval.num_windows to at most {most}", fix=FIX_JOB,
+        )  # fmt: skip
+
+
+def check_init_from(job: JobSpec) -> None:
+    """`InputRefused` unless `model.init_from` (when set) is a directory with a config.json; what config.json
+    says and the tensors are the trainer's to check (`trainer.hf.check_directory`)."""
+    if job.model.init_from is None:
+        return
+    directory = Path(job.model.init_from)
+    if not directory.is_dir():
+        raise InputRefused(f"model.init_from {job.model.init_from!r}: no such directory; give a Hugging Face model "
+                           f"directory ({MODEL_CONFIG} + model.safetensors)")  # fmt: skip
+    if not (directory / MODEL_CONFIG).is_file():
+        raise InputRefused(f"model.init_from {job.model.init_from!r}: no {MODEL_CONFIG} in it; give a Hugging Face "
+                           f"model directory ({MODEL_CONFIG} + model.safetensors, as save_pretrained writes)")  # fmt: skip
+
+
+def check_inputs(job: JobSpec, *, source: str | None = None) -> None:
+    """What can be checked of the trainer's input without reading it (`data_files`, `check_split` on the files'
+    sizes, `check_init_from`), for a run before it is created; `source` (the job file) heads the message.
+    Raises `InputRefused`."""
+    try:
+        files = data_files(job)
+        count = files.num_tokens()
+        if count is not None:
+            check_split(job, count, source=files.source)
+        check_init_from(job)
+    except InputRefused as e:
+        if source is None:
+            raise
+        raise InputRefused(f"{source}: {e}", fix=e.fix) from None

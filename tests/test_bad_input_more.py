@@ -1,0 +1,315 @@
+"""Bad input found by a bug hunt (docs/reliability.md): a crash's recorded reason in the final line, advice that can
+be followed after the trainer refuses its input, the trainer's input checked before a run directory exists, an
+evaluation set larger than the held-out split, a `--run-dir` full of the user's files, misspelled options of the
+data plane's programs, the missing-data hint, and a backend without its clients. Fast: no trainer process but one
+in-process refusal."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+from cona.orchestrator import cli
+from cona.orchestrator.backends.base import Attempt, BackendError
+from cona.orchestrator.job import load_job
+from cona.orchestrator.profile import load_profile
+from cona.orchestrator.runstate import create_run, read_events, read_state
+from cona.orchestrator.scheduler import RunFailed, Scheduler
+from cona.protocol.inputs import FIX_EITHER, FIX_FILES, FIX_JOB, InputRefused, check_inputs
+from cona.protocol.job import job_from_dict
+from cona.protocol.rundir import ExitCode, ExitRecord, RunDir
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
+
+from tests.conftest import EXAMPLES, PROFILES
+from tests.test_scheduler import ScriptedBackend, make_scheduler
+from tests.trainer_helpers import corpus_path
+
+PROFILE = PROFILES / "local-cpu.yaml"
+JOB = EXAMPLES / "tiny-gpt.yaml"
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+    return code, err.getvalue()
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# H2: a crash's recorded reason reaches the final line and the failure event ---------------------------------
+
+
+def test_the_final_line_of_a_crashing_run_says_what_the_trainer_recorded(tmp_path):
+    reason = "step 1: loss nan, gradient norm² nan; lower optimizer.lr"
+
+    def trainer_crashes(live) -> None:
+        for number, _ in backend.launched:
+            if number not in backend.exit_codes:
+                sched.run_dir.write_exit(number, ExitRecord(exit_code=1, name="CRASH", reason=reason, step=None,
+                                                            time=1.0))  # fmt: skip
+                backend.exit_codes[number] = 1
+
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1", on_update=trainer_crashes)
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    assert str(info.value).startswith(f"attempt 2 crashed (exit 1): {reason}; gave up after 1 restarts; logs: ")
+    assert [e.get("reason") for e in read_events(sched.run_dir) if e["event"] == "failure"] == [reason]
+    assert read_state(sched.run_dir).reason.startswith(f"attempt 2 crashed (exit 1): {reason}")
+
+
+def test_a_hung_attempt_s_stop_record_is_not_given_as_the_crash_s_reason(tmp_path):
+    """A hang is cancelled with SIGTERM, and the trainer records `STOPPED`: that is no cause of the failure."""
+    def stopped_then_cancelled(live) -> None:
+        for number, _ in backend.launched:
+            if number not in backend.exit_codes:
+                sched.run_dir.write_exit(number, ExitRecord(exit_code=int(ExitCode.STOPPED), name="STOPPED",
+                                                            reason="signal SIGTERM (1 rank)", step=None, time=1.0))  # fmt: skip
+                backend.exit_codes[number] = 1
+
+    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=0", on_update=stopped_then_cancelled)
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    assert "SIGTERM" not in str(info.value) and str(info.value).startswith("attempt 1 crashed (exit 1); gave up")
+
+
+def test_the_trainer_blames_the_model_not_the_lr_when_nothing_was_updated_yet():
+    from cona.trainer.train import diverged_reason
+
+    nan = float("nan")
+    first = diverged_reason(step=1, loss=nan, grad_sqnorm=nan, first_val={"step": 0, "val_loss": 5.5})
+    assert "lower optimizer.lr" not in first and "before any update" in first and "model.norm_eps" in first
+    late = diverged_reason(step=9, loss=nan, grad_sqnorm=nan, first_val={"step": 0, "val_loss": nan})
+    assert "validation was already nan at step 0" in late and "lower optimizer.lr" not in late
+    assert diverged_reason(step=9, loss=nan, grad_sqnorm=nan, first_val={"step": 0, "val_loss": 5.5}).endswith(
+        "; lower optimizer.lr")
+    assert diverged_reason(step=9, loss=nan, grad_sqnorm=1.0, first_val=None).endswith("; lower optimizer.lr")
+
+
+# M1: advice that can be followed, from where the refusal record says the fix lies ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fix", "advice"),
+    [
+        (FIX_JOB, "a run's job cannot change: start a new run (another --run-dir) with the corrected job; logs: "),
+        (FIX_FILES, "fix the files and resume with `cona run --resume {root}`; logs: "),
+        (FIX_EITHER, "fix files on disk and resume with `cona run --resume {root}`, or, for a job field, start a new "
+                     "run (another --run-dir) with the corrected job; logs: "),
+    ],
+)  # fmt: skip
+def test_a_refusal_is_answered_by_where_its_fix_lies(tmp_path, fix, advice):
+    reason = "model.vocab_size=100: a byte-level corpus needs at least 256; set model.vocab_size: 256"
+
+    def trainer_refuses(live) -> None:
+        record = ExitRecord(exit_code=int(ExitCode.CONFIG), name="CONFIG", reason=reason, step=None, time=1.0)
+        sched.run_dir.exit_file(1).write_text(json.dumps({**record.to_dict(), "fix": fix}))
+        backend.exit_codes = {1: ExitCode.CONFIG}
+
+    sched, backend = make_scheduler(tmp_path, on_update=trainer_refuses)
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    assert str(info.value).startswith(f"attempt 1 refused its input: {reason}; {advice.format(root=sched.run_dir.root)}")
+
+
+def test_the_trainer_s_refusal_record_says_where_the_fix_lies(tmp_path, monkeypatch):
+    """In process, before any process group: `python -m cona.trainer` on a byte corpus with a vocabulary of 100."""
+    from cona.trainer.main import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["--run-dir", str(run.root), "--job", str(JOB), "--set", "model.vocab_size=100", "--set",
+              f"data.path={corpus_path()}", "--strategy", "dp=1,tp=1,pp=1,mbs=8,gbs=8"])  # fmt: skip
+    assert info.value.code == ExitCode.CONFIG
+    record = json.loads(run.exit_file(0).read_text())
+    assert record["fix"] == FIX_JOB and record["reason"].startswith("model.vocab_size=100: a byte-level corpus")
+    assert run.read_exit(0).exit_code == ExitCode.CONFIG  # still an exit record as every reader knows it
+
+
+# M1, M4: the trainer's input checked before the run directory exists ---------------------------------------------
+
+
+def test_the_cheap_refusals_and_where_their_fix_lies(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "no-text").mkdir()
+    (tmp_path / "no-text" / "a.bin").write_bytes(bytes(4))
+    (tmp_path / "odd.bin").write_bytes(bytes(1001))
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "tokens.json").write_text('{"vocab_size": 50, "token_dtype": "uint16"}')
+    (tmp_path / "init").mkdir()
+    cases = [
+        ({"path": str(tmp_path / "empty.txt")}, {}, "0 tokens are too few for seq_len=64", FIX_EITHER),
+        ({"path": str(tmp_path / "no-text")}, {}, "the directory holds no text files", FIX_EITHER),
+        ({"path": str(tmp_path / "odd.bin")}, {}, "odd.bin: size 1001 is not a multiple of 2 bytes; check "
+                                                  "data.token_dtype (now uint16)", FIX_EITHER),
+        ({"path": str(tmp_path / "prepared")}, {}, "tokens.json but no tokens.bin; run cona data prepare again", FIX_FILES),
+        ({"path": str(corpus_path())}, {"init_from": str(tmp_path / "init")}, "model.init_from", FIX_EITHER),
+        ({"path": str(corpus_path())}, {"vocab_size": 100}, "model.vocab_size=100: a byte-level corpus needs at "
+                                                            "least 256", FIX_JOB),
+    ]  # fmt: skip
+    for data, model, expected, fix in cases:
+        job = job_from_dict({"model": {"preset": "tiny-gpt", **model}, "data": data})
+        with pytest.raises(InputRefused) as info:
+            check_inputs(job, source="job.yaml")
+        assert str(info.value).startswith("job.yaml: ") and expected in str(info.value), (data, str(info.value))
+        assert info.value.fix == fix, (data, info.value.fix)
+    init = job_from_dict({"model": {"preset": "tiny-gpt", "init_from": str(tmp_path / "init")},
+                          "data": {"path": str(corpus_path())}})  # fmt: skip
+    assert "no config.json in it" in _refusal(init)
+
+
+def _refusal(job) -> str:
+    with pytest.raises(InputRefused) as info:
+        check_inputs(job)
+    return str(info.value)
+
+
+def test_an_evaluation_set_larger_than_the_held_out_split_is_refused_before_and_in_the_trainer(tmp_path):
+    """`eval.num_windows=1000000` made the first evaluation run for hours: one line naming it and the maximum,
+    from `cona run` (file sizes) and from the trainer (the tokens read), the same check."""
+    from cona.trainer.data import load_corpus
+
+    (np.arange(20_000) % 1000).astype(np.uint16).tofile(tmp_path / "a.bin")  # 1,000 held out: 15 windows of 65
+    np.save(tmp_path / "b.npy", (np.arange(20_000) % 1000).astype(np.uint32))  # its size says nothing: the trainer's
+    for name, before in (("a.bin", True), ("b.npy", False)):
+        job = job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": 1000}, "data": {"path": str(tmp_path / name)},
+                             "eval": {"num_windows": 16}})  # fmt: skip
+        expected = (f"eval.num_windows=16: the held-out split of data.path '{tmp_path / name}' (1000 tokens, "
+                    "data.val_fraction=0.05) holds 15 windows of 65 tokens; set eval.num_windows to at most 15")  # fmt: skip
+        if before:
+            assert _refusal(job) == expected
+        else:
+            check_inputs(job)
+        with pytest.raises(InputRefused) as info:
+            load_corpus(job)
+        assert str(info.value) == expected and info.value.fix == FIX_JOB
+        load_corpus(job.model_copy(update={"eval": job.eval.model_copy(update={"num_windows": 15})}))
+
+
+def test_cona_run_refuses_bad_input_files_before_the_run_directory_exists(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    run = tmp_path / "run"
+    for setting, expected in [
+        (f"data.path={tmp_path / 'empty.txt'}", "0 tokens are too few"),
+        ("eval.num_windows=1000000", "eval.num_windows=1000000: the held-out split"),
+    ]:  # fmt: skip
+        code, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", f"data.path={corpus_path()}",
+                             "--set", setting, "--run-dir", str(run)])  # fmt: skip
+        line = error_line(err)
+        assert code == 2 and f"{JOB}: " in line and expected in line, err
+        assert not run.exists()
+
+
+# L1: the missing-data hint fits the data ---------------------------------------------------------------------------
+
+
+def test_the_missing_data_hint_fits_what_the_job_names(tmp_path):
+    profile, job = load_profile(PROFILE), load_job(EXAMPLES / "gpt3-1.3b.yaml")
+    with pytest.raises(InputRefused) as info:
+        check_inputs(job, source="examples/gpt3-1.3b.yaml")
+    message = str(info.value)
+    assert message.startswith("examples/gpt3-1.3b.yaml: data.path 'data/openwebtext-gpt2.bin' does not exist; ")
+    assert "cona data prepare" in message and "--set data.path=" in message and "shakespeare" not in message.lower()
+    with pytest.raises(ConfigError, match="cona data prepare") as created:  # create_run's own check says the same
+        create_run(run_dir=RunDir(tmp_path / "r"), profile=profile, job=job)
+    assert "fetch_shakespeare" not in str(created.value)
+    default = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(tmp_path / "shakespeare.txt")}})
+    assert f"`python scripts/fetch_shakespeare.py {tmp_path / 'shakespeare.txt'}`" in _refusal(default)
+
+
+# M10: a --run-dir full of the user's files ---------------------------------------------------------------------
+
+
+def test_a_run_directory_of_someone_else_s_files_is_refused_and_an_empty_one_used(tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", str(mine)])
+    line = error_line(err)
+    assert code == 2 and f"--run-dir {mine}: not a cona run directory (no run.yaml) and not empty" in line
+    assert "pick a new path" in line and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    profile, job = load_profile(PROFILE), load_job(JOB)
+    cli._create_or_same(RunDir(empty), profile, job)
+    assert (empty / "run.yaml").exists()
+    cli._create_or_same(RunDir(empty), profile, job)  # the same run again: resumed, not refused
+
+
+# M11: misspelled options of the data plane's programs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "expected"),
+    [
+        ("export", ["run", "--format", "hf", "--out", "x", "--stpe", "30"],
+         "unrecognized arguments: --stpe 30; did you mean --step?; valid options: --format, --help, --job, "),
+        ("export", ["run", "--format", "hf", "--outt", "x"], "unrecognized arguments: --outt; did you mean --out?"),
+        ("export", ["run", "--format", "hf", "--out", "x", "--overwite"], "did you mean --overwrite?"),
+        ("export", ["run", "--format", "hf", "--out", "x", "--max-shard", "1GB"], "did you mean --max-shard-size?"),
+        ("prepare", ["prepare", "--tokenizer", "t", "--input", "i", "--out", "o", "--worker", "1"],
+         "unrecognized arguments: --worker 1; did you mean --workers?; valid options: --chunk-mb, --eos, --help, "),
+        ("prepare", ["prepare", "--tokenizer", "t", "--inptu", "i", "--out", "o"], "did you mean --input?"),
+        ("prepare", ["prepaer", "--tokenizer", "t"], "invalid choice: 'prepaer'"),
+    ],
+)  # fmt: skip
+def test_the_data_plane_answers_a_misspelled_option_with_the_close_one(capsys, module, argv, expected):
+    from cona.trainer import export, prepare
+
+    with pytest.raises(SystemExit) as info:
+        {"export": export, "prepare": prepare}[module].parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_a_misspelled_required_option_of_cona_is_named_not_reported_missing():
+    code, err = run_cli(["plan", "--profile", str(PROFILE), "--jbo", str(JOB)])
+    assert code == 2 and "unrecognized arguments: --jbo; did you mean --job?; valid options: " in error_line(err)
+
+
+# L4: a backend without its clients ----------------------------------------------------------------------------
+
+
+def test_a_slurm_run_without_sbatch_leaves_no_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    run = tmp_path / "run"
+    code, err = run_cli(["run", "--profile", str(PROFILES / "local-slurm.yaml"), "--job", str(JOB), "--run-dir", str(run)])
+    assert code == 1 and "sbatch not found" in error_line(err) and not run.exists()
+
+
+def test_a_launch_the_backend_refuses_leaves_the_run_failed_with_why_and_resumable(tmp_path):
+    class Refusing(ScriptedBackend):
+        def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None) -> Attempt:
+            raise BackendError("sbatch --parsable ... failed: sbatch: fatal: Could not establish a configuration source")
+
+    profile, job = load_profile(PROFILE), load_job(JOB, ["data.path=examples/tiny-gpt.yaml"])
+    run_dir = RunDir(tmp_path / "run")
+    create_run(run_dir=run_dir, profile=profile, job=job)
+
+    def scheduler(backend_class: type[ScriptedBackend]) -> Scheduler:
+        backend = backend_class(run_dir=run_dir, profile=profile, job=job)
+        return Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, poll_interval_s=0.01)
+
+    with pytest.raises(BackendError):
+        scheduler(Refusing).run()
+    state = read_state(run_dir)
+    assert state.status == "failed" and not state.final  # `cona status` says failed, and why
+    assert state.reason.startswith("attempt 1 could not be launched: sbatch --parsable ... failed: ")
+    assert state.reason.endswith(f"; fix that and resume with `cona run --resume {run_dir.root}`")
+    assert [e["event"] for e in read_events(run_dir)][-1] == "launch-failed"
+    attempt = scheduler(ScriptedBackend).start_or_resume()  # fixed: the same run goes on
+    assert attempt is not None and read_state(run_dir).status == "running" and read_state(run_dir).reason is None
