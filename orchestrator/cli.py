@@ -517,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="say where cona would start from the step times a `cona profile` run measured")  # fmt: skip
     plan.add_argument(
         "--json", action="store_true",
-        help="print a JSON list of {dp, tp, pp, mbs, gbs, feasible, reason, iter_time_s, samples_per_s, memory_gb}",
+        help="print a JSON list of {dp, tp, pp, mbs, gbs, feasible, reason, iter_time_s, samples_per_s, memory_gb, "
+             "within_model_error_of_best}, one per row shown (--top 0: every feasible one; --all: the rejected too)",
     )  # fmt: skip
     plan.set_defaults(func=cmd_plan)
 
@@ -625,8 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render", help="print what cona would run or submit (the Slurm batch script, the local "
                             "command, the Kubernetes manifests)",
                             description="Render the sbatch script `cona run` submits for a Slurm profile, with "
-                            "every profile value shell-quoted, the local command, or the Kubernetes objects (headless "
-                            "Service and Indexed Job) of a run's first attempt.")  # fmt: skip
+                            "every profile value shell-quoted, the local command, or the Kubernetes objects of a run's "
+                            "first attempt (kubernetes.workload: a headless Service and an Indexed Job, a JobSet or a "
+                            "TrainJob).")  # fmt: skip
     render.add_argument("target", choices=sorted(BACKENDS),
                         help="the backend (slurm: the batch script; local: the command; kubernetes: the manifests)")  # fmt: skip
     _add_config_args(render)
