@@ -97,7 +97,9 @@ class PolicySpec(StrictModel):
     it is predicted from the checkpoint's size, the profile's storage bandwidths and the backend's overhead
     (`cona.orchestrator.switchcost`); set it only to pin a cost you measured elsewhere."""
     max_restarts: int = Field(3, ge=0)
-    """Relaunches of a crashed or hung attempt before the run fails."""
+    """Relaunches of a crashed or hung attempt before the run fails. A crash the trainer explains in its exit record
+    (a diverged loss) that a relaunch replays in the same words under the same strategy fails the run at once: from
+    the same checkpoint with the same data order it would replay every time."""
     max_disruptions_without_progress: int = Field(10, ge=0)
     """Disruptions (a pod or node taken away by the cluster: eviction, preemption, drain) in a row that find no
     newer complete checkpoint than the one before, before the run fails. A disruption is relaunched without

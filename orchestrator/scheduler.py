@@ -28,6 +28,7 @@ from cona.orchestrator.runstate import (
     check_run_yaml,
     end_torn_events,
     log_event,
+    read_events,
     read_state,
     stored_measurements,
     used_attempts,
@@ -647,16 +648,39 @@ class Scheduler:
         what = "hang" if self.state.hang_cancelled == attempt.number else status.value
         # What the trainer said of its crash (`step 7: loss nan ...; lower optimizer.lr`), when it wrote it down.
         reason = recorded.reason if recorded is not None and recorded.exit_code not in _PROTOCOL_EXITS else ""
+        running = attempt.running.to_dict()
+        replayed = self._replayed_crash(reason, running) if restarts > 1 else None
+        if replayed is not None:
+            # A relaunch resumes from the same checkpoint under the same strategy with the same data order, so a
+            # crash the trainer explained (`step 7: loss nan ...`) replays bit for bit: on a cluster every further
+            # relaunch is one more allocation spent on the same line.
+            self._fail(attempt, f"attempt {attempt.number} {what} as attempt {replayed} did, under the same strategy: "
+                                f"{reason}; a relaunch would replay it, so the run stops here (not after {limit} "
+                                "restarts)")  # fmt: skip
         if restarts > limit:
             said = f": {reason}" if reason else ""
             self._fail(attempt, f"attempt {attempt.number} {what} ({detail or f'exit {code}'}){said}; gave up after "
                                 f"{limit} restarts")  # fmt: skip
         backoff = min(30.0, 2.0 ** (restarts - 1))
         log_event(self.run_dir, "failure", attempt=attempt.number, kind=what, detail=detail, exit_code=code,
-                  restart=restarts, backoff_s=backoff, **({"reason": reason} if reason else {}))  # fmt: skip
+                  restart=restarts, backoff_s=backoff, strategy=running,
+                  **({"reason": reason} if reason else {}))  # fmt: skip
         self._save()
         time.sleep(backoff)
         return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"relaunch after {what}")
+
+    def _replayed_crash(self, reason: str, strategy: dict[str, int]) -> int | None:
+        """The attempt whose crash, the one just before this (a relaunched crash in a row), the trainer explained in
+        the same words under the same strategy, or None. Only a recorded reason counts: an unexplained exit (a
+        killed process, a lost node) says nothing about the next try."""
+        if not reason:
+            return None
+        failures = [e for e in read_events(self.run_dir) if e.get("event") == "failure"]
+        last = failures[-1] if failures else None
+        if last is not None and last.get("reason") == reason and last.get("strategy") == strategy:
+            number = last.get("attempt")
+            return number if isinstance(number, int) else None
+        return None
 
     def _relaunch_disrupted(self, attempt: Attempt, detail: str) -> Attempt:
         """The cluster took a pod or node of `attempt` away: relaunch its strategy from the last complete checkpoint.

@@ -51,22 +51,47 @@ def error_line(err: str) -> str:
 # H2: a crash's recorded reason reaches the final line and the failure event ---------------------------------
 
 
-def test_the_final_line_of_a_crashing_run_says_what_the_trainer_recorded(tmp_path):
-    reason = "step 1: loss nan, gradient norm² nan; lower optimizer.lr"
+def _crashing(tmp_path, reasons, *overrides):
+    """A scheduler whose attempt n crashes with `reasons(n)` recorded by its trainer."""
 
     def trainer_crashes(live) -> None:
         for number, _ in backend.launched:
             if number not in backend.exit_codes:
-                sched.run_dir.write_exit(number, ExitRecord(exit_code=1, name="CRASH", reason=reason, step=None,
+                sched.run_dir.write_exit(number, ExitRecord(exit_code=1, name="CRASH", reason=reasons(number), step=None,
                                                             time=1.0))  # fmt: skip
                 backend.exit_codes[number] = 1
 
-    sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1", on_update=trainer_crashes)
+    sched, backend = make_scheduler(tmp_path, *overrides, on_update=trainer_crashes)
+    return sched, backend
+
+
+def test_the_final_line_of_a_crashing_run_says_what_the_trainer_recorded(tmp_path):
+    def reason(number: int) -> str:
+        return f"step {number}: loss nan, gradient norm² nan; lower optimizer.lr"
+
+    sched, _ = _crashing(tmp_path, reason, "policy.max_restarts=1")
     with pytest.raises(RunFailed) as info:
         sched.run()
-    assert str(info.value).startswith(f"attempt 2 crashed (exit 1): {reason}; gave up after 1 restarts; logs: ")
-    assert [e.get("reason") for e in read_events(sched.run_dir) if e["event"] == "failure"] == [reason]
-    assert read_state(sched.run_dir).reason.startswith(f"attempt 2 crashed (exit 1): {reason}")
+    assert str(info.value).startswith(f"attempt 2 crashed (exit 1): {reason(2)}; gave up after 1 restarts; logs: ")
+    assert [e.get("reason") for e in read_events(sched.run_dir) if e["event"] == "failure"] == [reason(1)]
+    assert read_state(sched.run_dir).reason.startswith(f"attempt 2 crashed (exit 1): {reason(2)}")
+
+
+def test_a_crash_that_replays_in_the_same_words_is_not_relaunched_again(tmp_path):
+    """From the same checkpoint under the same strategy a relaunch replays the crash: the second time the trainer
+    explains it in the same words, the run fails, not after max_restarts more allocations."""
+    same = "step 7: loss nan, gradient norm² nan; lower optimizer.lr"
+    sched, backend = _crashing(tmp_path, lambda number: same, "policy.max_restarts=5")
+    with pytest.raises(RunFailed) as info:
+        sched.run()
+    assert str(info.value).startswith(f"attempt 2 crashed as attempt 1 did, under the same strategy: {same}; a "
+                                      "relaunch would replay it, so the run stops here (not after 5 restarts)")  # fmt: skip
+    assert [number for number, _ in backend.launched] == [1, 2]
+    # An unexplained exit (no reason recorded) says nothing about the next try: relaunched up to the limit.
+    other, backend = _crashing(tmp_path / "unexplained", lambda number: "", "policy.max_restarts=2")
+    with pytest.raises(RunFailed, match="gave up after 2 restarts"):
+        other.run()
+    assert [number for number, _ in backend.launched] == [1, 2, 3]
 
 
 def test_a_hung_attempt_s_stop_record_is_not_given_as_the_crash_s_reason(tmp_path):
