@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pydantic
 from cona.protocol.job import JobSpec, read_job_file
-from cona.protocol.yamlconfig import StrictModel, validate
+from cona.protocol.yamlconfig import ConfigError, StrictModel, validate
 from pydantic import Field
 
 __all__ = ["Job", "MetricsSpec", "PolicySpec", "ScheduleEntry", "job_from_dict", "job_to_dict", "load_job"]
@@ -159,7 +159,20 @@ def job_from_dict(data: dict[str, Any], *, source: str = "job") -> Job:
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
     """Load and validate a job YAML file, applying `--set dotted.key=value` overrides; raises `ConfigError`."""
+    _not_the_profiles(overrides)
     return read_job_file(Job, path, overrides)
+
+
+def _not_the_profiles(overrides: list[str] | tuple[str, ...]) -> None:
+    """A `--set` of a cluster profile's field (`nodes=2`) would be answered with the job's closest field ("did you
+    mean 'model'?"): say which flag sets it instead."""
+    from cona.orchestrator.profile import ClusterProfile
+
+    for item in overrides:
+        top = item.partition("=")[0].strip().split(".")[0]
+        if top and top not in Job.model_fields and top in ClusterProfile.model_fields:
+            raise ConfigError(f"--set {item}: {top!r} is a field of the cluster profile, not of the job; give it as "
+                              f"--profile-set {item}")  # fmt: skip
 
 
 def job_to_dict(job: Job) -> dict[str, Any]:

@@ -188,6 +188,13 @@ class ClusterProfile(StrictModel):
 
 def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterProfile:
     """Load and validate a cluster profile; raises `cona.protocol.yamlconfig.ConfigError` with a one-line message."""
+    from cona.orchestrator.job import Job
+
+    for item in overrides:  # a job's field (`optimizer.lr=1`) would be answered with the profile's field list
+        top = item.partition("=")[0].strip().split(".")[0]
+        if top and top not in ClusterProfile.model_fields and top in Job.model_fields:
+            raise ConfigError(f"--profile-set {item}: {top!r} is a field of the job, not of the cluster profile; give "
+                              f"it as --set {item}")  # fmt: skip
     data = apply_overrides(load_yaml(path), list(overrides), source="--profile-set")
     if "model" in data and "backend" not in data:  # the commonest mix-up: a job file given as the profile
         raise ConfigError(f"{path}: a job file (it has a model section), given as --profile; did you swap --profile and --job?")

@@ -159,6 +159,10 @@ BAD_JOBS = [
     # An unknown key in an item of a list of sections is answered with that section's fields.
     ("model: {preset: tiny-gpt}\npolicy: {name: schedule, schedule: [{samples: 0, stratgy: 'dp=4,tp=1,pp=1,mbs=4,gbs=16'}]}\n",
      "unknown field 'policy.schedule.0.stratgy'; did you mean 'strategy'?; valid fields here: samples, strategy"),
+    # A lost indent: the unknown-key message answered "did you mean 'target'?".
+    ("name: x\nmodel:\npreset: tiny-gpt\n", "'preset' at the top level after an empty 'model:' section; indent it under 'model:'"),
+    ("model: {preset: tiny-gpt}\noptimizer:\nlr: 0.001\nmin_lr: 0.0001\n",
+     "'lr', 'min_lr' at the top level after an empty 'optimizer:' section; indent them under 'optimizer:'"),
     # Past 2**53 the cost model's float arithmetic overflows (a traceback from 1e309 on).
     ("model: {preset: tiny-gpt, vocab_size: 100000000000000000000}\n", "field 'model.vocab_size': too large (at most 9e+15)"),
 ]
@@ -321,6 +325,11 @@ def test_strategy_parse_and_errors():
          "global batches [16] is a multiple of it: give e.g. batch.gbs_choices=[18, 36, 72] with batch.base_gbs=18"),
         (["render", "slurm", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/tiny-gpt.yaml",
           "--policy", "statc"], "did you mean 'static'"),
+        # A field of the other file: the close-match answer named an unrelated field ("did you mean 'model'?").
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "nodes=2"],
+         "--set nodes=2: 'nodes' is a field of the cluster profile, not of the job; give it as --profile-set nodes=2"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--profile-set",
+          "optimizer.lr=1"], "'optimizer' is a field of the job, not of the cluster profile; give it as --set optimizer.lr=1"),
         # `static:` for `fixed:`: the strategy was dropped and the static policy ran.
         (["render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
           "--policy", "static:dp=1,tp=1,pp=4,mbs=2,gbs=8"],
