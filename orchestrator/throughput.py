@@ -98,13 +98,22 @@ def _candidate_key(candidate: Candidate) -> Strategy:
     return candidate.strategy
 
 
+def usable_step_time(step_time_s: float | None) -> bool:
+    """Whether a measured step time can enter the model: positive and finite. The one rule for heartbeats
+    (`observe`), saved models and `cona profile` records (`absorb`, `checked_measurement`): an infinite time (JSON
+    reads `Infinity`) would become the median and make a strategy look dead; zero, negative or NaN ones are not
+    measurements (a heartbeat before the first step reports 0)."""
+    return step_time_s is not None and math.isfinite(step_time_s) and step_time_s > 0
+
+
 def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
     """One entry of `ThroughputModel.to_dict()["measured"]` read back from a file (`absorb`'s input), checked: a
-    strategy and at least one positive step time; ValueError/KeyError/TypeError naming what is wrong otherwise."""
+    strategy and at least one positive, finite step time; ValueError/KeyError/TypeError naming what is wrong
+    otherwise."""
     strategy = Strategy.from_dict(entry["strategy"])
     times = [float(t) for t in entry["times"]]
-    if not times or any(not t > 0 for t in times):
-        raise ValueError(f"{strategy.short()}: step times must be positive, got {times}")
+    if not times or not all(usable_step_time(t) for t in times):
+        raise ValueError(f"{strategy.short()}: step times must be positive and finite, got {times}")
     return {**entry, "strategy": strategy.to_dict(), "times": times}
 
 
@@ -152,7 +161,7 @@ class ThroughputModel:
         Which windows count (for example skipping the first one after a launch) is the caller's choice; the
         median over the last `window` observations absorbs the occasional outlier either way.
         """
-        if step_time_s is None or not math.isfinite(step_time_s) or step_time_s <= 0:
+        if not usable_step_time(step_time_s):
             return
         key = _key(strategy.dp, strategy.tp, strategy.pp, strategy.mbs, strategy.gbs)
         m = self._measured.get(key)
@@ -286,7 +295,7 @@ class ThroughputModel:
         `cona profile` run (`cona run --measured`), which replace what this model measured of the same strategy."""
         for entry in measured:
             strategy = Strategy.from_dict(entry["strategy"])
-            times = [float(t) for t in entry.get("times", []) if t and float(t) > 0]
+            times = [float(t) for t in entry.get("times", []) if t is not None and usable_step_time(float(t))]
             if not times:
                 continue
             predicted = entry.get("predicted_s")
