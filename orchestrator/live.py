@@ -217,8 +217,10 @@ class LiveView:
                 print(f"cona: {_switch_line(e['from'], e['to'], e.get('reason', ''))}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
-            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "stop-requested", "time-budget",
-                          "disruption", "pending", "pending-timeout"):
+            # resume-run: a stopped or failed run taken up again (`cona run --resume`); without it the console
+            # shows only the next launch, whose reason reads as if the cluster had preempted it.
+            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "resume-run", "stop-requested",
+                          "time-budget", "disruption", "pending", "pending-timeout"):
                 detail = {k: v for k, v in e.items() if k not in ("time", "event")}
                 print(f"cona: {kind}: {detail}", flush=True)
         warn_skipped(skipped)
@@ -294,7 +296,8 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "noise_scale": live.get("noise_scale"),
         "noise_source": live.get("noise_source", "prior"),
         "samples_per_s": live.get("samples_per_s"),
-        "eta_s": live.get("eta_s"),
+        # The last estimate state.json holds outlives the run: an ended run has nothing left to wait for.
+        "eta_s": None if state.final else live.get("eta_s"),
         "switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
         ],

@@ -35,6 +35,29 @@ def _usable(record: dict[str, Any]) -> bool:
     return True
 
 
+END_EVENTS = ("done", "stopped", "failed")
+"""The events the orchestrator logs when it ends a run (a resumed run logs another later)."""
+
+
+def _wall_end(final: bool, events: list[dict[str, Any]], beats: list[dict[str, Any]]) -> float | None:
+    """When the run's wall time ends: for an ended run, its last end event (the `elapsed_s` that `cona run` prints
+    and the `done` event records: the trainer's exit and the orchestrator's follow-up are part of the run, and a
+    run that ended before any heartbeat still took time); for a run going on, its latest heartbeat."""
+    ends = [e["time"] for e in events if e.get("event") in END_EVENTS]
+    if final and ends:
+        return ends[-1]
+    return beats[-1]["time"] if beats else None
+
+
+def _noise_axis_label(policy: str, critical_batch_factor: float) -> str:
+    """The noise plot shows the estimator's own value (TensorBoard's noise/estimate). The cona policy ranks with
+    `critical_batch_factor` times it (blended with the prior at first), which is the B_noise `cona status` and the
+    live line print: say so, or the two read as disagreeing by that factor."""
+    if policy == "cona":
+        return f"estimate (samples); B_noise = {critical_batch_factor:g}× this"
+    return "estimate (samples)"
+
+
 def _short(s: dict[str, int]) -> str:
     return f"d{s['dp']}t{s['tp']}p{s['pp']} m{s['mbs']} g{s['gbs']}"
 
@@ -66,9 +89,12 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         if noise.value is not None:
             noise_series.append((b["samples"], noise.value))
     per_strategy: dict[str, list[float]] = defaultdict(list)
+    # The strategies table has a row per attempt: a strategy run again (a resume, a switch back) is measured anew.
+    per_attempt: dict[int, list[float]] = defaultdict(list)
     for b in beats:
         if b.get("samples_per_s") and not b.get("event"):
             per_strategy[_short(b["strategy"])].append(b["samples_per_s"])
+            per_attempt[b["attempt"]].append(b["samples_per_s"])
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     ax = axes[0]
@@ -84,7 +110,8 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     ax = axes[1]
     if noise_series:
         ax.plot(*zip(*noise_series, strict=True), color="tab:purple")
-    ax.set(xlabel="samples", ylabel="B_noise (samples)", title=f"Gradient noise scale ({pol.noise_estimator})")
+    ax.set(xlabel="samples", ylabel=_noise_axis_label(pol.name, pol.critical_batch_factor),
+           title=f"Gradient noise scale estimate ({pol.noise_estimator})")  # fmt: skip
     ax = axes[2]
     names = list(per_strategy)
     ax.bar(range(len(names)), [sum(v) / len(v) for v in per_strategy.values()], color="tab:blue")
@@ -103,10 +130,11 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         f"- profile: `{profile.name}` ({profile.backend}, {profile.nodes}×{profile.gpus_per_node} {profile.accelerator.name})",
         f"- policy: `{pol.name}`; attempts: {len(state.attempts)}; switches: {len(switches)}",
     ]
-    if beats:
-        last = beats[-1]
-        lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; "
-                     f"wall time: {last['time'] - t0:.1f} s")  # fmt: skip
+    end = _wall_end(state.final, events, beats)
+    if end is not None:  # heartbeats, or a run that ended before its first
+        last = beats[-1] if beats else {}
+        wall = f"{end - t0:.1f} s"
+        lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; wall time: {wall}")
     if evals:
         best = min(evals, key=lambda b: b["val_loss"])
         lines.append(f"- best validation loss {best['val_loss']:.4f} (perplexity {perplexity(best['val_loss']):.3f}) "
@@ -121,7 +149,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     launches = [e for e in events if e.get("event") == "launch"]
     for e in launches:
         name = _short(e["strategy"])
-        rates = per_strategy.get(name, [])
+        rates = per_attempt.get(e["attempt"], [])
         mean = f"{sum(rates) / len(rates):.1f}" if rates else "-"
         lines.append(f"| {e['attempt']} | {e['time'] - t0:.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
     if switches:

@@ -56,9 +56,14 @@ class TensorBoardWriter:
         self._writer = writer_class(logdir=str(self.directory), flush_secs=30)
         self._strategy: str | None = None
         self._samples = 0
+        self._held_switch: str | None = None
+        """A switch's line that came before this writer saw any heartbeat, written at the next heartbeat's sample."""
 
     def heartbeats(self, beats: list[Heartbeat], *, noise_estimate: float | None, noise_scale: float | None) -> None:
         """Record what these heartbeats say; the noise values are the orchestrator's after absorbing them."""
+        if beats and self._held_switch is not None:
+            self._write_switch(self._held_switch, int(beats[0].samples))
+            self._held_switch = None
         for hb in beats:
             step = int(hb.samples)
             self._samples = max(self._samples, step)
@@ -84,11 +89,19 @@ class TensorBoardWriter:
             self._writer.flush()
 
     def switch(self, *, source: Strategy | None, target: Strategy, cost_s: float, kind: str) -> None:
-        """A completed switch: a marker at the current sample and a line of text."""
-        self._writer.add_scalar("switch", 1.0, self._samples)
+        """A completed switch: a marker at the current sample and a line of text. An orchestrator restarted during a
+        switch completes it on the first heartbeats its new writer reads, before this writer has seen any: the
+        marker then goes at the first of them (the new attempt's resume record, at the switch point), not at 0."""
         before = source.short() if source is not None else "?"
-        self._writer.add_text("strategy", f"switch {before} → {target.short()} at sample {self._samples} ({kind}, "
-                              f"{cost_s:.1f} s)", self._samples)  # fmt: skip
+        line = f"switch {before} → {target.short()} at sample {{}} ({kind}, {cost_s:.1f} s)"
+        if self._samples == 0:
+            self._held_switch = line
+            return
+        self._write_switch(line, self._samples)
+
+    def _write_switch(self, line: str, samples: int) -> None:
+        self._writer.add_scalar("switch", 1.0, samples)
+        self._writer.add_text("strategy", line.format(samples), samples)
         self._writer.flush()
 
     def close(self) -> None:
