@@ -397,8 +397,10 @@ class Scheduler:
         if self.state.status == "done":
             return None
         self._write_switch_points()
+        resumed = None
         if self.state.final:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
+            resumed = self.state.status
             log_event(self.run_dir, "resume-run", previous_status=self.state.status)
             # The stop that ended it was served; a relaunch from a checkpoint older than the one that served it (the
             # newest found damaged) would read it as new and stop again at its first step: a wasted attempt.
@@ -428,6 +430,10 @@ class Scheduler:
             self._send_switch(request, "switch decided before an orchestrator restart", attempt=attempt.number)
         if self.backend.adopt(attempt):
             log_event(self.run_dir, "adopt", attempt=attempt.number, backend_id=attempt.backend_id)
+        elif resumed is not None:
+            # The ended run's last attempt was handled when it ended: relaunch now, under the user's resume, rather
+            # than handle its end a second time (a second attempt-end, and "resume after preemption").
+            return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"resume of the {resumed} run")
         else:
             log_event(self.run_dir, "resume", attempt=attempt.number, note="orchestrator restarted; attempt not running")
         return attempt

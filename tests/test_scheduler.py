@@ -255,6 +255,11 @@ def test_resuming_a_stopped_run_removes_the_served_stop(tmp_path):
                       backend=ScriptedBackend(run_dir=sched.run_dir, profile=sched.profile, job=sched.job))  # fmt: skip
     again.backend.exit_codes = {1: ExitCode.STOPPED, 2: ExitCode.DONE}  # 1 found ended, as it is
     assert again.run().status == "done" and sched.run_dir.read_control() is None
+    # The resume relaunches at once, saying so; attempt 1's end was handled when it ended, not a second time as a
+    # preemption.
+    events = read_events(sched.run_dir)
+    assert [e["attempt"] for e in events if e["event"] == "attempt-end"] == [1, 2]
+    assert [e["reason"] for e in events if e["event"] == "launch"][1] == "resume of the stopped run"
 
 
 def test_a_crash_without_an_exit_record_is_still_relaunched(tmp_path):
