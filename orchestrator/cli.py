@@ -105,6 +105,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if measured is not None:  # where `cona run --measured` would start
             throughput.absorb(measured[0].measured)
             measured_in = f" (with the step times measured in {measured[1]})"
+            # The table above is the cost model's alone: say so, or its order reads as the measured one.
+            print(f"the table is the cost model's prediction; the step times measured in {measured[1]} (and the "
+                  "calibration they give each layout) decide only where cona starts:")  # fmt: skip
         start, reason = policy.start(candidates=ranked, throughput=throughput)
         print(f"cona starts on {start.short()}{measured_in}: {reason}")
     return 0

@@ -221,7 +221,9 @@ def test_plan_says_where_a_run_would_start_from_the_measurements(tmp_path, setup
     profiling.write_measured(run, profile=profile, job=job,
                              measured=[entry(start, 10 * slow.iter_time_s), entry(other.strategy, other.iter_time_s)])  # fmt: skip
     assert cli.main([*argv, "--measured", str(run.root)]) == 0
-    after = capsys.readouterr().out.strip().splitlines()[-1]
+    said, after = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "with the step times measured in" in after and not after.startswith(f"cona starts on {start.short()} ")
+    # The table stays the cost model's; the line before the start says so.
+    assert said.startswith("the table is the cost model's prediction; the step times measured in") and "decide only where cona starts" in said
     assert cli.main([*argv, "--measured", str(run.root), "--gbs", "16"]) == 2
     assert "drop --gbs" in capsys.readouterr().err
