@@ -121,16 +121,15 @@ class Scheduler:
         self.state.updated = time.time()
         write_state(self.run_dir, self.state)
 
-    def check_resumable(self) -> None:
-        """ConfigError, in one line naming the file, when the run directory cannot be gone on with as it is: a
-        run.yaml cut short (its missing sections would be run with their defaults), or a state.json lost while the
-        run has attempts (`read_state`). Reads only; `drive` calls it before the live view starts."""
+    def check_resumable(self) -> RunState:
+        """The run's state, or ConfigError in one line naming the file when the run directory cannot be gone on with
+        as it is: a run.yaml cut short (its missing sections would be run with their defaults), or a state.json lost
+        while the run has attempts (`read_state`). Reads only; `drive` calls it before the live view starts."""
         check_run_yaml(self.run_dir)
-        read_state(self.run_dir, resume=True)
+        return read_state(self.run_dir, resume=True)
 
     def _restore(self) -> None:
-        check_run_yaml(self.run_dir)
-        self.state = read_state(self.run_dir, resume=True)
+        self.state = self.check_resumable()
         self.model.restore(self.state.model)
 
     @property
