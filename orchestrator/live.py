@@ -12,10 +12,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.job import Job
-from cona.orchestrator.runstate import RunState, read_events, read_new_events, read_state, warn_skipped
+from cona.orchestrator.runstate import (
+    RunState,
+    event_line,
+    read_events,
+    read_new_events,
+    read_state,
+    warn_skipped,
+)
 from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import NOTICE_EVENTS
-from cona.protocol.rundir import RunDir, read_json, read_jsonl
+from cona.protocol.rundir import RunDir, read_json
 
 if TYPE_CHECKING:
     from cona.orchestrator.profile import ClusterProfile
@@ -34,6 +41,11 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds}s"
 
 
+NOT_MEASURED = "—"
+"""What the live line shows for samples/s and the time to target while the current attempt has not measured its
+throughput yet (after a launch, a switch or a resume, until its first window after warm-up)."""
+
+
 def status_line(live: LiveStatus | dict[str, Any]) -> str:
     """One line: step, samples, loss, perplexity, noise scale, current and best strategy, time to target."""
     get = live.get if isinstance(live, dict) else lambda k, d=None: getattr(live, k, d)
@@ -45,13 +57,14 @@ def status_line(live: LiveStatus | dict[str, Any]) -> str:
     noise = get("noise_scale")
     parts.append(f"B_noise {noise:.0f} ({get('noise_source')})" if noise is not None else "B_noise prior")
     parts.append(f"on {get('strategy')}")
-    if get("samples_per_s"):
-        parts.append(f"{get('samples_per_s'):.0f} samples/s")
+    # None until the attempt's first measured window (`RunModel.attempt_started`): "—", not the previous attempt's.
+    rate, eta = get("samples_per_s"), get("eta_s")
+    parts.append(f"{rate:.0f} samples/s" if rate else f"{NOT_MEASURED} samples/s")
     best, gain = get("best"), get("best_gain")
     if best and best != get("strategy") and gain is not None:
         parts.append(f"best {best} ({gain:+.0%})")
     parts.append(f"switches {get('switches')}")
-    parts.append(f"ETA {_duration(get('eta_s'))}")
+    parts.append(f"ETA {NOT_MEASURED if eta is None else _duration(eta)}")
     return " | ".join(parts)
 
 
@@ -194,6 +207,8 @@ class LiveView:
         self.interval_s = interval_s
         self._last = 0.0
         self._events_offset = 0
+        self._switches = 0
+        """`switch` events in events.jsonl so far: the count `cona status` and the report show."""
 
     def begin(self, scheduler: Scheduler) -> None:
         print(f"cona: run directory {self.run_dir.root}", flush=True)
@@ -202,7 +217,8 @@ class LiveView:
             f"on {scheduler.profile.name} ({scheduler.profile.backend} backend)",
             flush=True,
         )
-        _, self._events_offset = read_jsonl(self.run_dir.events)
+        earlier, self._events_offset = read_new_events(self.run_dir, 0)
+        self._switches = sum(e["event"] == "switch" for e in earlier)  # a resumed run's switches count too
 
     def _print_events(self) -> None:
         skipped: list[str] = []
@@ -214,6 +230,7 @@ class LiveView:
             elif kind == "launch":
                 print(f"cona: launch attempt {e['attempt']} with {_short(e['strategy'])} ({e.get('reason', '')})", flush=True)
             elif kind == "switch":
+                self._switches += 1
                 print(f"cona: {_switch_line(e['from'], e['to'], e.get('reason', ''))}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
@@ -221,9 +238,15 @@ class LiveView:
             # shows only the next launch, whose reason reads as if the cluster had preempted it.
             elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "resume-run", "stop-requested",
                           "time-budget", "disruption", "pending", "pending-timeout"):
-                detail = {k: v for k, v in e.items() if k not in ("time", "event")}
-                print(f"cona: {kind}: {detail}", flush=True)
+                print(f"cona: {event_line(e)}", flush=True)
         warn_skipped(skipped)
+
+    def switches(self, live: LiveStatus) -> int:
+        """The switches to show: those decided so far (their `switch` events), as `cona status` counts them. The run
+        model counts a switch only once it is under way (`RunModel.switch_started`, at the next launch), so the line
+        printed beside a switch decision would still say one fewer. Never fewer than the model's count, which also
+        holds switches whose event line was damaged."""
+        return max(self._switches, live.switches)
 
     def update(self, live: LiveStatus) -> None:
         self._print_events()
@@ -232,7 +255,8 @@ class LiveView:
         now = time.time()
         if now - self._last >= self.interval_s:
             self._last = now
-            print(f"cona: {status_line(live)}", flush=True)
+            shown = dataclasses.replace(live, switches=self.switches(live))  # the scheduler's own stays as it is
+            print(f"cona: {status_line(shown)}", flush=True)
 
     def end(self, scheduler: Scheduler) -> None:
         self._print_events()
@@ -241,7 +265,7 @@ class LiveView:
         ppl = f"{live.val_perplexity:.2f}" if live.val_perplexity else "n/a"
         print(
             f"cona: run {state.status} after {_duration(live.elapsed_s)}: {live.samples:,} samples, "
-            f"val perplexity {ppl}, {live.switches} switch(es), {len(state.attempts)} attempt(s)"
+            f"val perplexity {ppl}, {self.switches(live)} switch(es), {len(state.attempts)} attempt(s)"
             + (f"; {state.reason}" if state.reason else ""),
             file=sys.stdout,
             flush=True,

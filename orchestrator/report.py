@@ -9,20 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from cona.orchestrator.runstate import load_run, read_events, read_state, warn_skipped
-from cona.protocol.heartbeat_record import Heartbeat, perplexity
+from cona.protocol.heartbeat_record import Heartbeat, perplexity, throughput_windows
 from cona.protocol.rundir import RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
 
 
-def _heartbeats(run_dir: RunDir, skipped: list[str]) -> list[dict[str, Any]]:
-    beats = []
+def _heartbeats(run_dir: RunDir, skipped: list[str]) -> tuple[list[dict[str, Any]], list[Heartbeat]]:
+    """Every usable heartbeat of the run by time, and those that measure throughput (`throughput_windows`: after
+    each attempt's warm-up, as the run model counts them), picked in each file's own order."""
+    beats, measured = [], []
     if run_dir.heartbeats.is_dir():
         for path in sorted(run_dir.heartbeats.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
             records = read_jsonl(path, damaged=skipped)[0]
             usable = [b for b in records if _usable(b)]
             skipped.extend([f"{path}: a heartbeat the typed record does not accept"] * (len(records) - len(usable)))
             beats.extend(usable)
-    return sorted(beats, key=lambda b: b.get("time", 0))
+            measured.extend(throughput_windows(Heartbeat.from_dict(b) for b in usable))
+    return sorted(beats, key=lambda b: b.get("time", 0)), sorted(measured, key=lambda hb: hb.time)
 
 
 def _usable(record: dict[str, Any]) -> bool:
@@ -73,7 +76,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     state = read_state(run_dir)
     skipped: list[str] = []
     events = read_events(run_dir, skipped=skipped)
-    beats = _heartbeats(run_dir, skipped)
+    beats, measured = _heartbeats(run_dir, skipped)
     warn_skipped(skipped)
     out_dir = out_dir or run_dir.root
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,11 +93,12 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
             noise_series.append((b["samples"], noise.value))
     per_strategy: dict[str, list[float]] = defaultdict(list)
     # The strategies table has a row per attempt: a strategy run again (a resume, a switch back) is measured anew.
+    # Without each attempt's warm-up windows, as the run model (and so the policy and the live line) measures it.
     per_attempt: dict[int, list[float]] = defaultdict(list)
-    for b in beats:
-        if b.get("samples_per_s") and not b.get("event"):
-            per_strategy[_short(b["strategy"])].append(b["samples_per_s"])
-            per_attempt[b["attempt"]].append(b["samples_per_s"])
+    for hb in measured:
+        if hb.samples_per_s:
+            per_strategy[_short(hb.strategy)].append(hb.samples_per_s)
+            per_attempt[hb.attempt].append(hb.samples_per_s)
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     ax = axes[0]

@@ -22,7 +22,13 @@ from cona.orchestrator.policy import ConaPolicy, Decision, DecisionContext, Poli
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
-from cona.protocol.heartbeat_record import Heartbeat, HeartbeatEvent, perplexity
+from cona.protocol.heartbeat_record import (
+    Heartbeat,
+    HeartbeatEvent,
+    measures_throughput,
+    perplexity,
+    timed_window,
+)
 from cona.protocol.strategy import Strategy
 
 
@@ -44,9 +50,11 @@ class LiveStatus:
     noise_estimate: float | None = None
     """The estimator's own value, before `policy.critical_batch_factor`."""
     samples_per_s: float | None = None
+    """The current attempt's latest measured window (`measures_throughput`); None until it has one."""
     best: str = ""
     best_gain: float | None = None
     eta_s: float | None = None
+    """Seconds to the target at the current attempt's throughput; None until the attempt has measured it."""
     switches: int = 0
     restarts: int = 0
     elapsed_s: float = 0.0
@@ -101,7 +109,7 @@ class RunModel:
         self.val_history: list[dict[str, float]] = []
         """Every evaluation: time, samples, val_loss."""
         self.windows_in_attempt = 0
-        """Periodic heartbeats of the current attempt so far (the first one, warm-up, is not a measurement)."""
+        """Timed windows of the current attempt so far (`timed_window`; the warm-up ones are no measurement)."""
         self.pending_switch: dict[str, Any] | None = None
         """The switch whose first heartbeat is awaited: request time, attempt it becomes, kind, prediction."""
         self.last_decision: dict[str, Any] | None = None
@@ -112,10 +120,15 @@ class RunModel:
         """A new attempt (launched or continued in place) runs `strategy`."""
         self.windows_in_attempt = 0
         self.live.attempt, self.live.strategy = number, strategy.short()
+        # The previous attempt's samples/s and time to target describe another strategy (or, after a relaunch,
+        # another start): shown next to this attempt's number and strategy they would read as its own. None until
+        # this attempt's first measured window (`absorb`).
+        self.live.samples_per_s = self.live.eta_s = None
 
     def absorb(self, attempt: int, strategy: Strategy, beats: list[Heartbeat]) -> list[SwitchCompleted]:
         """Fold attempt `attempt`'s heartbeats in; returns the switches they completed."""
         completed = []
+        measured_before = measures_throughput(self.windows_in_attempt)
         for hb in beats:
             self.live.step, self.live.samples = hb.step, hb.samples
             if hb.train_loss is not None:
@@ -127,13 +140,18 @@ class RunModel:
                 if done is not None:
                     completed.append(done)
                 continue
-            if hb.event is None and hb.step_time_s and hb.step_time_s > 0:
-                # The first window after a launch includes warm-up (allocations, first collectives): skip it.
+            if timed_window(hb):
+                # The windows after a launch's warm-up ones (compilation, allocations, first collectives) count.
                 self.windows_in_attempt += 1
-                if self.windows_in_attempt > 1:
+                if measures_throughput(self.windows_in_attempt):
                     self.throughput.observe(strategy, hb.step_time_s)
                     self.live.samples_per_s = hb.samples_per_s
             self.noise.update(hb)
+        if not measured_before and measures_throughput(self.windows_in_attempt):
+            # The attempt's first measurement: its time to target now, not at the next decision (a minute away on
+            # a large job) — until then the live view shows none rather than a number from before the launch.
+            # `live.elapsed_s` is the scheduler's latest pass; it matters only to a time budget.
+            self.live.eta_s = self.remaining_time_s(strategy, elapsed_s=self.live.elapsed_s)
         self.live.noise_estimate = self.noise.value
         if self.job.policy.name != "cona":  # no B_noise of its own: show the estimate
             self.live.noise_scale, self.live.noise_source = self.noise.value, "estimate"
@@ -260,7 +278,9 @@ class RunModel:
             remaining_time_s=self.remaining_time_s(current, elapsed_s=elapsed_s),
         )
         decision = self.policy.decide(ctx)
-        self.live.eta_s = ctx.remaining_time_s
+        # Shown once the current attempt has measured its throughput: before that, the estimate rests on the cost
+        # model's prediction or an older attempt's rate (the policy decides with it all the same).
+        self.live.eta_s = ctx.remaining_time_s if measures_throughput(self.windows_in_attempt) else None
         used = decision.metrics.get("B_noise")
         if isinstance(used, int | float):
             self.live.noise_scale = used

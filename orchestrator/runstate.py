@@ -196,6 +196,44 @@ def log_event(run_dir: RunDir, kind: str, /, **fields: Any) -> dict[str, Any]:
     return record
 
 
+_EVENT_TEXTS = ("detail", "reason", "note")
+"""An event's free-text fields: said last, as written (`event_line`)."""
+
+
+def event_line(record: dict[str, Any]) -> str:
+    """An events.jsonl record in one line for a person, for any kind and any fields: its name, its attempt, its
+    other fields as `name=value` (a strategy in its short form, `d2t1p1 m2 g16`), then its free text — never a
+    Python dict repr, e.g. `failure: attempt 1, backoff_s=1, exit_code=1, kind=crashed, restart=1, strategy=d1t1p1
+    m8 g8: step 7: loss nan; lower optimizer.lr`. The fields come in the record's order (events.jsonl sorts them).
+    Generic, so a field an event gains is shown without a change here."""
+    fields = []
+    if "attempt" in record:
+        fields.append(f"attempt {_event_value(record['attempt'])}")
+    for key, value in record.items():
+        if key in ("time", "event", "attempt", *_EVENT_TEXTS) or value is None or value == "":
+            continue
+        fields.append(f"{key}={_event_value(value)}")
+    texts = [str(record[key]) for key in _EVENT_TEXTS if record.get(key) not in (None, "")]
+    return ": ".join([str(record.get("event", "event")), *([", ".join(fields)] if fields else []), *texts])
+
+
+def _event_value(value: Any) -> str:
+    """One field of an event as `event_line` shows it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"  # as events.jsonl spells it
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        if _is_strategy(value):
+            return Strategy.from_dict(value).short()
+        return "(" + ", ".join(f"{k}={_event_value(v)}" for k, v in value.items()) + ")"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(_event_value(v) for v in value) + ")"
+    return str(value)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

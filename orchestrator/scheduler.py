@@ -41,9 +41,9 @@ from cona.protocol.rundir import (
     HOLD_TIMEOUT_REASON,
     ControlRecord,
     ExitCode,
+    ExitRecord,
     RunDir,
     SwitchPoints,
-    read_json,
     read_jsonl,
 )
 from cona.protocol.strategy import Strategy
@@ -236,8 +236,12 @@ class Scheduler:
         for record in records:
             try:
                 beats.append(Heartbeat.from_dict(record))
-            except TypeError:
-                log_event(self.run_dir, "bad-heartbeat", attempt=attempt.number, record=str(record)[:200])
+            except TypeError as e:
+                # What is wrong with it, not the record's Python repr cut at 200 characters (which hid the bad field
+                # behind the good ones), with its step to find it by when that much of it is usable.
+                step = record.get("step")
+                at = f" (the record of step {step})" if isinstance(step, int) and not isinstance(step, bool) else ""
+                log_event(self.run_dir, "bad-heartbeat", attempt=attempt.number, record=f"{path}: {e}{at}"[:300])
         return beats
 
     def _absorb(self, attempt: Attempt, beats: list[Heartbeat]) -> None:
@@ -644,7 +648,7 @@ class Scheduler:
             # The trainer refused its input (model.init_from, the data, no loadable checkpoint): every relaunch would
             # refuse it alike, so fail now with the trainer's own line, not after max_restarts backoffs as `exited 2`.
             self._fail(attempt, f"attempt {attempt.number} refused its input: {recorded.reason}; "
-                                f"{self._refusal_advice(attempt.number)}")  # fmt: skip
+                                f"{self._refusal_advice(recorded)}")  # fmt: skip
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
         restarts = self.state.restarts_in_row + 1
         self.state.restarts_in_row = restarts
@@ -715,20 +719,15 @@ class Scheduler:
         self._save()
         return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="relaunch after a disruption")
 
-    def _refusal_advice(self, number: int) -> str:
-        """What to do about attempt `number`'s refused input, by where its exit record says the fix lies (`fix`,
+    def _refusal_advice(self, recorded: ExitRecord) -> str:
+        """What to do about a refused input, by where its exit record says the fix lies (`ExitRecord.fix`,
         `cona.protocol.inputs`): a run's job is fixed once it exists (`--resume` takes no --set, and the same
         --run-dir with another job is refused), so a job field takes a new run; the files on disk, a resume."""
         resume = f"`cona run --resume {self.run_dir.root}`"
         new_run = "start a new run (another --run-dir) with the corrected job"
-        try:
-            record = read_json(self.run_dir.exit_file(number))
-        except (OSError, ValueError):
-            record = None
-        fix = record.get("fix") if isinstance(record, dict) else None
-        if fix == FIX_JOB:
+        if recorded.fix == FIX_JOB:
             return f"a run's job cannot change: {new_run}"
-        if fix == FIX_FILES:
+        if recorded.fix == FIX_FILES:
             return f"fix the files and resume with {resume}"
         return f"fix files on disk and resume with {resume}, or, for a job field, {new_run}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -94,6 +95,11 @@ class Heartbeat:
     def from_dict(cls, data: dict[str, Any]) -> Heartbeat:
         """The record in `data`; TypeError for a missing field or a value of the wrong type (a garbage line that
         happens to parse as JSON must be skipped by its reader, not crash the orchestrator later)."""
+        # Said by name here: the dataclass's own TypeError lists them as Python sees them (`__init__() missing 9
+        # required positional arguments`), and its reader logs the message for a person (`bad-heartbeat`).
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise TypeError(f"heartbeat record lacks field(s) {', '.join(missing)}")
         kwargs = {}
         for field in dataclasses.fields(cls):
             if field.name not in data:
@@ -115,3 +121,36 @@ class Heartbeat:
                 raise TypeError(f"heartbeat field {field.name} is not an integer: {value!r}")
             kwargs[field.name] = int(value) if kind.startswith("int") else value
         return cls(**kwargs)
+
+
+WARMUP_WINDOWS = 1
+"""Periodic heartbeats at the start of every attempt (a launch, a relaunch, a switch in place) that measure no
+throughput: their window includes compilation, the allocator's first growth and the first collectives, so their step
+time is far above the steady one and would drag a strategy's measured samples/s down."""
+
+
+def timed_window(hb: Heartbeat) -> bool:
+    """Whether `hb` is a periodic record with a step time: a window of training steps. Special records (start,
+    resume, eval, checkpoint, hold, exit) time nothing, and a window before the first step reports 0."""
+    return hb.event is None and hb.step_time_s is not None and hb.step_time_s > 0
+
+
+def measures_throughput(window: int) -> bool:
+    """Whether the `window`-th timed window (counted from 1) of an attempt is a throughput measurement: those after
+    the `WARMUP_WINDOWS` warm-up ones. The one rule for the run model, which counts an attempt's windows as they
+    arrive (its throughput model is what the policy ranks with), and `cona report`, which reads them all afterwards
+    (`throughput_windows`): the report must show the samples/s the run was steered by."""
+    return window > WARMUP_WINDOWS
+
+
+def throughput_windows(beats: Iterable[Heartbeat]) -> list[Heartbeat]:
+    """The heartbeats of `beats` that measure throughput (`measures_throughput`), counting the timed windows of each
+    attempt on its own; `beats` must hold every record of each attempt they include, in the order written."""
+    seen: dict[int, int] = {}
+    measured = []
+    for hb in beats:
+        if timed_window(hb):
+            seen[hb.attempt] = seen.get(hb.attempt, 0) + 1
+            if measures_throughput(seen[hb.attempt]):
+                measured.append(hb)
+    return measured

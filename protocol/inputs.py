@@ -11,7 +11,7 @@ it does).
 Every refusal is an `InputRefused`: one line naming the field or file, and in `fix` where the fix lies — a job
 field (`FIX_JOB`: the run's job cannot change, so the fix is a new run with the corrected job), the files on disk
 (`FIX_FILES`: fix them and resume the run), or either (`FIX_EITHER`). The trainer writes it into the exit record of
-an attempt that refused its input (`fix`), and the orchestrator's advice follows it.
+an attempt that refused its input (`ExitRecord.fix`), and the orchestrator's advice follows it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cona.protocol.rundir import FIX_EITHER, FIX_FILES, FIX_JOB, FIXES
 from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
@@ -38,13 +39,6 @@ MODEL_CONFIG = "config.json"
 DEFAULT_TEXT_PATH = "data/shakespeare.txt"
 """`data.path`'s default: the Shakespeare corpus that `scripts/fetch_shakespeare.py` fetches."""
 
-FIX_JOB = "job"
-"""The fix is a job field: a run's job is fixed once it exists, so it takes a new run with the corrected job."""
-FIX_FILES = "files"
-"""The fix is on disk (the data, a model directory): fix the files and resume the run."""
-FIX_EITHER = "either"
-"""Either a job field or the files on disk (or it is not known which)."""
-FIXES = (FIX_JOB, FIX_FILES, FIX_EITHER)
 _ITEMSIZE = {"uint16": 2, "uint32": 4}
 
 

@@ -222,6 +222,16 @@ def read_jsonl(
     return records, start + len(data)
 
 
+FIX_JOB = "job"
+"""A refusal's fix is a job field: a run's job is fixed once it exists, so it takes a new run with the corrected job."""
+FIX_FILES = "files"
+"""A refusal's fix is on disk (the data, a model directory): fix the files and resume the run."""
+FIX_EITHER = "either"
+"""Either a job field or the files on disk (or it is not known which)."""
+FIXES = (FIX_JOB, FIX_FILES, FIX_EITHER)
+"""The values of `ExitRecord.fix` (`cona.protocol.inputs.InputRefused.fix` decides which)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ExitRecord:
     """`attempts/<n>/exit.json`: how attempt n's trainer ended, written by rank 0 just before it exits (its only
@@ -239,12 +249,18 @@ class ExitRecord:
     """After an in-place switch: the attempt these processes go on as (n + 1)."""
     next_strategy: Strategy | None = None
     """After an in-place switch: the strategy they go on with."""
+    fix: str | None = None
+    """After a refused input (exit CONFIG): where the fix lies, `FIX_JOB`, `FIX_FILES` or
+    `FIX_EITHER` (`InputRefused.fix`), which the orchestrator's advice follows. None for any other exit, and for a
+    record without it or with a value this version does not know (read as no advice of where the fix lies)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"exit_code": self.exit_code, "name": self.name, "reason": self.reason,
                                 "step": self.step, "time": self.time}  # fmt: skip
         if self.next_strategy is not None:
             data.update(next_attempt=self.next_attempt, next_strategy=self.next_strategy.to_dict())
+        if self.fix is not None:  # only a refusal has one: every other exit.json stays as it was
+            data["fix"] = self.fix
         return data
 
     @classmethod
@@ -255,6 +271,8 @@ class ExitRecord:
             step=None if data.get("step") is None else int(data["step"]), time=float(data.get("time", 0.0)),
             next_attempt=None if data.get("next_attempt") is None else int(data["next_attempt"]),
             next_strategy=Strategy.from_dict(nxt) if nxt else None,
+            # Unknown to this version (a newer trainer's, a hand edit): no advice is better than an unreadable record.
+            fix=data["fix"] if data.get("fix") in FIXES else None,
         )  # fmt: skip
 
 

@@ -63,7 +63,8 @@ class Strategy:
     def from_dict(cls, data: dict[str, Any]) -> Strategy:
         unknown = set(data) - set(_FIELDS)
         if unknown:
-            raise ValueError(f"unknown strategy field(s) {sorted(unknown)}; valid: {', '.join(_FIELDS)}")
+            names = ", ".join(map(repr, sorted(unknown)))  # quoted as `parse` quotes one, not as a list repr
+            raise ValueError(f"unknown strategy field(s) {names}; valid: {', '.join(_FIELDS)}")
         missing = [name for name in _FIELDS if name not in data]
         if missing:
             raise ValueError(f"strategy is missing {', '.join(missing)}")

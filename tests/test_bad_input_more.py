@@ -7,6 +7,7 @@ in-process refusal."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -16,7 +17,7 @@ from cona.orchestrator import cli
 from cona.orchestrator.backends.base import Attempt, BackendError
 from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
-from cona.orchestrator.runstate import create_run, read_events, read_state
+from cona.orchestrator.runstate import create_run, event_line, read_events, read_state
 from cona.orchestrator.scheduler import RunFailed, Scheduler
 from cona.protocol.inputs import FIX_EITHER, FIX_FILES, FIX_JOB, InputRefused, check_inputs
 from cona.protocol.job import job_from_dict
@@ -75,6 +76,27 @@ def test_the_final_line_of_a_crashing_run_says_what_the_trainer_recorded(tmp_pat
     assert str(info.value).startswith(f"attempt 2 crashed (exit 1): {reason(2)}; gave up after 1 restarts; logs: ")
     assert [e.get("reason") for e in read_events(sched.run_dir) if e["event"] == "failure"] == [reason(1)]
     assert read_state(sched.run_dir).reason.startswith(f"attempt 2 crashed (exit 1): {reason(2)}")
+
+
+def test_a_crashing_run_s_events_read_as_lines_not_dict_reprs(tmp_path):
+    """`cona run`'s console prints failure, disruption, pending... events in one line each (`event_line`): their
+    fields by name and a strategy in its short form, the trainer's reason last, never the record's Python repr."""
+    reason = "step 1: loss nan, gradient norm² nan; lower optimizer.lr"
+    sched, _ = _crashing(tmp_path, lambda number: reason if number == 1 else "", "policy.max_restarts=1")
+    with pytest.raises(RunFailed):
+        sched.run()
+    events = read_events(sched.run_dir)
+    lines = [event_line(e) for e in events]
+    assert not [line for line in lines if "{'" in line or "['" in line or "': " in line], lines
+    strategy = Strategy.from_dict(next(e for e in events if e["event"] == "failure")["strategy"]).short()
+    # events.jsonl keeps its fields sorted by name: so does the line.
+    assert f"failure: attempt 1, backoff_s=1, exit_code=1, kind=crashed, restart=1, strategy={strategy}: {reason}" in lines
+    failed = next(e for e in events if e["event"] == "failed")
+    assert event_line(failed) == f"failed: {failed['reason']}"
+    disruption = {"time": 1.0, "event": "disruption", "attempt": 2, "detail": "pod w-0 on node n1: PreemptionByScheduler",
+                  "checkpoint": None, "without_progress": 0, "restarts": 0, "lost": ["n1", "n2"]}  # fmt: skip
+    assert event_line(disruption) == ("disruption: attempt 2, without_progress=0, restarts=0, lost=(n1, n2): pod w-0 on "
+                                      "node n1: PreemptionByScheduler")  # fmt: skip
 
 
 def test_a_crash_that_replays_in_the_same_words_is_not_relaunched_again(tmp_path):
@@ -163,6 +185,45 @@ def test_the_trainer_s_refusal_record_says_where_the_fix_lies(tmp_path, monkeypa
     record = json.loads(run.exit_file(0).read_text())
     assert record["fix"] == FIX_JOB and record["reason"].startswith("model.vocab_size=100: a byte-level corpus")
     assert run.read_exit(0).exit_code == ExitCode.CONFIG  # still an exit record as every reader knows it
+    assert run.read_exit(0).fix == FIX_JOB  # and the typed record carries where the fix lies
+
+
+@pytest.mark.parametrize("fix", [FIX_JOB, FIX_FILES, FIX_EITHER, None])
+def test_an_exit_record_round_trips_its_fix(tmp_path, fix):
+    record = ExitRecord(exit_code=int(ExitCode.CONFIG), name="CONFIG", reason="data.path: empty", step=None, time=1.0,
+                        fix=fix)  # fmt: skip
+    data = record.to_dict()
+    # Only a refusal's record has the key: every other exit.json is written as before.
+    assert ("fix" in data) == (fix is not None) and data.get("fix") == fix
+    assert ExitRecord.from_dict(data) == record
+    run = RunDir(tmp_path / "run")
+    run.attempt_dir(1).mkdir(parents=True)
+    run.write_exit(1, record)
+    assert run.read_exit(1) == record
+
+
+@pytest.mark.parametrize("fix", ["bogus", 3, ["job"], None])
+def test_an_exit_record_with_no_known_fix_still_reads(tmp_path, fix):
+    """An exit.json from before the field, or with a value this version does not know (a newer trainer's, a hand
+    edit), reads as a record without advice, not as no record at all."""
+    data = {"exit_code": int(ExitCode.CONFIG), "name": "CONFIG", "reason": "data.path: empty", "step": None,
+            "time": 1.0, **({} if fix is None else {"fix": fix})}  # fmt: skip
+    run = RunDir(tmp_path / "run")
+    run.attempt_dir(1).mkdir(parents=True)
+    run.exit_file(1).write_text(json.dumps(data))
+    record = run.read_exit(1)
+    assert record is not None and record.exit_code == ExitCode.CONFIG and record.fix is None
+    assert "fix" not in record.to_dict()
+
+
+def test_the_refusal_advice_follows_the_record_it_is_given(tmp_path):
+    """The scheduler advises from the exit record it already read, not from the file again."""
+    sched, _ = make_scheduler(tmp_path)
+    base = ExitRecord(exit_code=int(ExitCode.CONFIG), name="CONFIG", reason="r", step=None, time=1.0)
+    assert not sched.run_dir.exit_file(1).exists()
+    assert sched._refusal_advice(dataclasses.replace(base, fix=FIX_JOB)).startswith("a run's job cannot change: ")
+    assert sched._refusal_advice(dataclasses.replace(base, fix=FIX_FILES)).startswith("fix the files and resume ")
+    assert sched._refusal_advice(base).startswith("fix files on disk and resume with ")
 
 
 # M1, M4: the trainer's input checked before the run directory exists ---------------------------------------------

@@ -281,6 +281,10 @@ def test_strategy_parse_and_errors():
     assert "gbs=8 is not a multiple of dp·mbs=16" in batch_problem(load_job(EXAMPLES / "tiny-gpt.yaml"), odd)
     with pytest.raises(ValueError, match="must be a positive integer"):
         Strategy.parse("dp=0,mbs=4,gbs=8")
+    # A record's unknown fields (a hand-edited `--measured` file, a newer run's state) are named, not a list repr.
+    with pytest.raises(ValueError) as info:
+        Strategy.from_dict({**s.to_dict(), "ep": 2, "cp": 1})
+    assert str(info.value) == "unknown strategy field(s) 'cp', 'ep'; valid: dp, tp, pp, mbs, gbs"
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,9 @@ def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_
     (["render", "kubernetes", "--profile", str(REPO / "manifests" / "profiles" / "h100-k8s.yaml"), "--job", str(JOB),
       "--profile-set", "kubernetes.tolerations=[{key: a, operator: Maybe, effect: NoSchedule}]"],
      "field 'kubernetes.tolerations': [0].operator 'Maybe': use one of 'Exists', 'Equal'"),
+    (["render", "kubernetes", "--profile", str(REPO / "manifests" / "profiles" / "h100-k8s.yaml"), "--job", str(JOB),
+      "--profile-set", "kubernetes.tolerations=[{key: a, operatr: Exists}]"],
+     "field 'kubernetes.tolerations': [0]: unknown key(s) 'operatr'; valid: "),
     (["plan", "--profile", str(JOB), "--job", str(PROFILE)], "given as --profile; did you swap --profile and --job?"),
     (["plan", "--profile", str(PROFILE), "--job", str(PROFILE)], "given as --job; did you swap --profile and --job?"),
 ])  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from cona.orchestrator.job import load_job
 from cona.orchestrator.live import status_summary
 from cona.orchestrator.profile import load_profile
@@ -78,7 +79,8 @@ def test_strategies_table_measures_each_attempt_on_its_own(tmp_path):
         {"time": 100.0, "event": "launch", "attempt": 1, "strategy": A.to_dict(), "reason": "initial strategy"},
         {"time": 140.0, "event": "launch", "attempt": 2, "strategy": A.to_dict(), "reason": "resume"},
     ]
-    beats = [_beat(110.0, 5, samples_per_s=100.0), _beat(150.0, 10, attempt=2, samples_per_s=300.0)]
+    beats = [_beat(105.0, 2, samples_per_s=10.0), _beat(110.0, 5, samples_per_s=100.0),  # each attempt's warm-up first
+             _beat(145.0, 7, attempt=2, samples_per_s=10.0), _beat(150.0, 10, attempt=2, samples_per_s=300.0)]  # fmt: skip
     run = _run(tmp_path, events, beats, RunState(status="running"))
     text = write_report(run)[1].read_text()
     assert "| 1 | 0.0 | `d2t1p2 m8 g32` | 100.0 | initial strategy |" in text
@@ -133,4 +135,123 @@ def test_console_says_a_stopped_run_was_resumed(tmp_path, capsys):
     capsys.readouterr()
     LiveView(run_dir=run, job=load_job(EXAMPLES / "tiny-gpt.yaml"), quiet=True)._print_events()
     out = capsys.readouterr().out
-    assert "cona: resume-run: {'previous_status': 'stopped'}" in out and "cona: launch attempt 2" in out
+    assert "cona: resume-run: previous_status=stopped" in out and "cona: launch attempt 2" in out
+
+
+# ------------------------------------------------------------------ warm-up windows, and the console after a switch
+
+B = Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16")
+
+
+def _model():
+    from cona.orchestrator.planner import enumerate_candidates
+    from cona.orchestrator.runmodel import RunModel
+    from cona.orchestrator.switchcost import SwitchKind
+
+    profile, job = load_profile(PROFILES / "local-cpu.yaml"), load_job(EXAMPLES / "tiny-gpt.yaml")
+    candidates = enumerate_candidates(profile=profile, job=job, feasible_only=True)
+    return RunModel(profile=profile, job=job, candidates=candidates, switch_kind=lambda a, b: SwitchKind.RELAUNCH,
+                    switch_overhead_s=lambda kind: 1.0)  # fmt: skip
+
+
+def _attempt_beats(attempt: int, strategy: Strategy, t0: float, first_step: int, *, warm_s: float, steady_s: float,
+                   first: str = "start") -> list[dict]:  # fmt: skip
+    """One attempt's heartbeats: its start/resume record, a slow warm-up window, then two steady ones."""
+    g = strategy.gbs
+
+    def at(i: int, step_time_s: float, **extra: object) -> dict:
+        step = first_step + i
+        return _beat(t0 + i, step, attempt=attempt, strategy=strategy.to_dict(), samples=g * step,
+                     step_time_s=step_time_s, samples_per_s=g / step_time_s if step_time_s else 0.0, **extra)  # fmt: skip
+
+    return [at(0, 0.0, event=first), at(1, warm_s), at(2, steady_s), at(3, steady_s)]
+
+
+def test_report_samples_per_s_leaves_out_each_attempts_warm_up_as_the_run_model_does(tmp_path, monkeypatch):
+    """An attempt's first window after its launch (compilation, allocations, first collectives) is far slower than
+    the rest. The run model (and so the policy and the live line) does not count it: the report's samples/s per
+    attempt and per strategy must not either, or they show another number than the one the run was steered by."""
+    import matplotlib.figure
+    from cona.protocol.heartbeat_record import Heartbeat
+
+    first = _attempt_beats(1, A, 110.0, 0, warm_s=1.6, steady_s=0.16)  # 20 samples/s warming up, then 200
+    second = _attempt_beats(2, B, 150.0, 10, warm_s=1.0, steady_s=0.05, first="resume")  # 16, then 320
+    events = [
+        {"time": 100.0, "event": "start", "strategy": A.to_dict()},
+        {"time": 100.0, "event": "launch", "attempt": 1, "strategy": A.to_dict(), "reason": "initial strategy"},
+        {"time": 140.0, "event": "launch", "attempt": 2, "strategy": B.to_dict(), "reason": "switch"},
+    ]
+    run = _run(tmp_path, events, first + second, RunState(status="running"))
+    figures: list[matplotlib.figure.Figure] = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: (figures.append(self), save(self, *a, **k)))
+    text = write_report(run)[1].read_text()
+
+    model = _model()
+    rates = []
+    for number, strategy, beats in ((1, A, first), (2, B, second)):
+        model.attempt_started(number, strategy)
+        model.absorb(number, strategy, [Heartbeat.from_dict(b) for b in beats])
+        rates.append(model.live.samples_per_s)
+        assert model.throughput.samples_per_s_of(strategy) == pytest.approx(model.live.samples_per_s)
+    assert rates == [pytest.approx(200.0), pytest.approx(320.0)]
+    assert f"| 1 | 0.0 | `d2t1p2 m8 g32` | {rates[0]:.1f} | initial strategy |" in text
+    assert f"| 2 | 40.0 | `d4t1p1 m4 g16` | {rates[1]:.1f} | switch |" in text
+    bars = [patch.get_height() for patch in figures[0].axes[2].patches]
+    assert bars == [pytest.approx(200.0), pytest.approx(320.0)]
+
+
+def test_console_counts_a_switch_when_it_is_decided_and_shows_no_old_rate_after_it(tmp_path, capsys):
+    """`cona run`'s line after a switch: the switch counts as soon as its event is logged (as in `cona status`), not
+    at the next launch; and from the new attempt's launch until its first window after warm-up, samples/s and the
+    ETA are "—", not the previous attempt's numbers next to the new attempt and strategy."""
+    from cona.orchestrator.live import LiveView
+    from cona.orchestrator.runstate import log_event
+    from cona.orchestrator.switchcost import SwitchKind
+    from cona.protocol.heartbeat_record import Heartbeat
+
+    run = _run(tmp_path, [{"time": 100.0, "event": "start", "strategy": A.to_dict()}], [], RunState(status="running"))
+    view = LiveView(run_dir=run, job=load_job(EXAMPLES / "tiny-gpt.yaml"), interval_s=0.0)
+    model = _model()
+    first = _attempt_beats(1, A, 110.0, 0, warm_s=1.6, steady_s=0.16)
+    second = _attempt_beats(2, B, 150.0, 10, warm_s=1.0, steady_s=0.05, first="resume")
+
+    def line() -> str:
+        capsys.readouterr()
+        view.update(model.live)
+        return capsys.readouterr().out.strip().splitlines()[-1]
+
+    def absorb(number: int, strategy: Strategy, beats: list[dict]) -> None:
+        model.absorb(number, strategy, [Heartbeat.from_dict(b) for b in beats])
+
+    log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
+    model.attempt_started(1, A)
+    absorb(1, A, first[:2])  # the start record and the warm-up window: nothing measured yet
+    assert "| — samples/s |" in line() and line().endswith("| ETA —")
+    absorb(1, A, first[2:])
+    assert "| 200 samples/s |" in line() and "ETA —" not in line() and "| switches 0 |" in line()
+
+    log_event(run, "switch", attempt=1, **{"from": A.to_dict()}, to=B.to_dict(), reason="R 1.2× current")
+    now = line()  # the old attempt still trains up to its switch point: its own rate, on its own strategy
+    assert "| switches 1 |" in now and "on d2t1p2 m8 g32 | 200 samples/s" in now
+    assert model.live.switches == 0  # the model counts it only once it is under way
+
+    model.switch_started(requested_at=140.0, to_attempt=2, kind=SwitchKind.RELAUNCH, predicted_s=5.0)
+    model.attempt_started(2, B)
+    log_event(run, "launch", attempt=2, strategy=B.to_dict(), reason="switch")
+    now = line()
+    assert "attempt 2 |" in now and "on d4t1p1 m4 g16 | — samples/s" in now and now.endswith("| ETA —")
+    assert "| switches 1 |" in now  # the model's count caught up: not counted twice
+    write_state(run, RunState(status="running", model=model.to_dict()))  # what `cona status --json` reads
+    assert (status_summary(run)["samples_per_s"], status_summary(run)["eta_s"]) == (None, None)
+    absorb(2, B, second[:2])  # its resume record and warm-up window
+    model.decide(now=152.0, current=B, strategy_since=140.0, elapsed_s=52.0)
+    now = line()
+    assert "| — samples/s |" in now and now.endswith("| ETA —"), now
+    absorb(2, B, second[2:3])  # its first measured window: the rate and the time to target at once
+    now = line()
+    assert "| 320 samples/s |" in now and "ETA —" not in now and model.live.eta_s is not None
+
+    capsys.readouterr()
+    view.end(type("Ended", (), {"state": RunState(status="done"), "live": model.live})())
+    assert "1 switch(es)" in capsys.readouterr().out

@@ -45,6 +45,14 @@ def test_garbage_heartbeat_lines_are_skipped_and_logged_never_fatal(tmp_path):
     assert len(bad) == 6
     assert [e["record"] for e in bad[:2]] == [f"{path}: the line at byte {at} is not a JSON object"
                                               for at in (len(lines[0]) + 1, len(lines[0]) + len(lines[1]) + 2)]
+    # A mistyped record is said by what is wrong with it, not by its Python repr (cut before the bad field).
+    assert [e["record"] for e in bad[2:]] == [
+        f"{path}: heartbeat field samples is not a number: 'many' (the record of step 2)",
+        f"{path}: heartbeat field step is null",
+        f"{path}: heartbeat field step_time_s is not a number: [1] (the record of step 2)",
+        f"{path}: heartbeat record lacks field(s) time, attempt, strategy, samples, tokens, train_loss, lr, step_time_s, "
+        "samples_per_s (the record of step 3)",
+    ]
     assert [e["detail"] for e in events if e["event"] == "checkpoint-skipped"] == ["skipping checkpoint X: Y is missing"]
     assert [e["detail"] for e in events if e["event"] == "checkpoint-restored"] == ["restored checkpoint X from .resave-X"]
     assert sched.state.heartbeat_offset == path.read_bytes().rfind(b"\n") + 1  # the torn tail is read next time

@@ -95,11 +95,11 @@ def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError) -> None:
     import time
 
     from cona.protocol.inputs import fix_of
-    from cona.protocol.rundir import ExitRecord, atomic_write_json
+    from cona.protocol.rundir import ExitRecord
 
     record = ExitRecord(exit_code=int(ExitCode.CONFIG), name=ExitCode.CONFIG.name, reason=str(error), step=None,
-                        time=time.time())  # fmt: skip
-    atomic_write_json(run_dir.exit_file(attempt), {**record.to_dict(), "fix": fix_of(error)})
+                        time=time.time(), fix=fix_of(error))  # fmt: skip
+    run_dir.write_exit(attempt, record)
 
 
 def _process_start_time() -> float | None:

@@ -79,7 +79,8 @@ class KubernetesSpec(StrictModel):
         for i, toleration in enumerate(value):
             unknown = sorted(set(toleration) - set(_TOLERATION_FIELDS))
             if unknown:
-                raise ValueError(f"[{i}]: unknown key(s) {unknown}; valid: {', '.join(_TOLERATION_FIELDS)}")
+                keys = ", ".join(map(repr, unknown))  # as the other messages here quote a value; not a list repr
+                raise ValueError(f"[{i}]: unknown key(s) {keys}; valid: {', '.join(_TOLERATION_FIELDS)}")
             for name, allowed in (("operator", ("Exists", "Equal")), ("effect", _TAINT_EFFECTS)):
                 if name in toleration and toleration[name] not in allowed:
                     raise ValueError(f"[{i}].{name} {toleration[name]!r}: use one of {', '.join(map(repr, allowed))}")
