@@ -839,9 +839,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="rerun only cona (current code, --policy-set) against the fixed runs and oracle of a "
                              "finished run with the same workloads, seeds, scenario and budget")
     args = parser.parse_args(argv)
+    for flag, value, low, strict in (("--jobs", args.jobs, 1, False), ("--cap", args.cap, 1.0, True),
+                                     ("--restart-s", args.restart_s, 0.0, False),
+                                     ("--segment-s", args.segment_s, 0.0, True),
+                                     ("--greedy-window-s", args.greedy_window_s, 0.0, True)):  # fmt: skip
+        if value is not None and (not math.isfinite(value) or value < low or (strict and value == low)):
+            parser.error(f"{flag}: must be {'above' if strict else 'at least'} {low:g}, got {value:g}")
     if args.resummarize:
         path = Path(args.resummarize)
-        finish(json.loads(path.read_text()), path.name, keep_header=True)
+        finish(_read_report(path, "--resummarize"), path.name, keep_header=True)
         return 0
 
     scenario_profile, scenario_preset = SCENARIOS[args.scenario or "reference"]
@@ -853,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(ints_arg(parser, "--seeds", args.seeds or ("0,1" if args.quick else "0,1,2,3")))
     segment_s = args.segment_s or (200.0 if args.quick else 500.0)
     previous = _previous_runs(args.cona_only, args=args, names=names, seeds=seeds) if args.cona_only else {}
+    _check_cluster(parser, args, names)
     settings = []
     for name in names:
         w = WORKLOADS[name]
@@ -905,7 +912,7 @@ def _previous_runs(path: str, *, args: argparse.Namespace, names: list[str], see
     file = Path(path) if Path(path).exists() else RESULTS / path
     if not file.exists():
         raise SystemExit(f"--cona-only: {path} not found (a JSON written by an earlier run of this benchmark)")
-    report = json.loads(file.read_text())
+    report = _read_report(file, "--cona-only")
     settings = report.get("settings", {})
     for key, want in (("profile", args.profile), ("preset", args.preset), ("in_place", not args.relaunch_only)):
         if settings.get(key) != want:
@@ -917,6 +924,47 @@ def _previous_runs(path: str, *, args: argparse.Namespace, names: list[str], see
     if missing:
         raise SystemExit(f"--cona-only: {file.name} has no run for {', '.join(missing)}")
     return {key: {k: v for k, v in r.items() if k not in ("cona", "wall_s", "cpu_s")} for key, r in runs.items()}
+
+
+def _read_report(path: Path, flag: str) -> dict[str, Any]:
+    """A finished run's JSON, or the command ends in one line naming the file (not a traceback from the parser)."""
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{flag}: {path} not found (a JSON written by an earlier run of this benchmark)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"{flag}: {path} is not a JSON file this benchmark wrote ({e})") from None
+    if not (isinstance(report, dict) and report.get("benchmark") == "ttp" and isinstance(report.get("workloads"), dict)
+            and isinstance(report.get("settings"), dict)):  # fmt: skip
+        raise SystemExit(f"{flag}: {path} is not a result of benchmarks.ttp (no \"benchmark\": \"ttp\" with its "
+                         "settings and workloads)")  # fmt: skip
+    return report
+
+
+def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
+    """Build each workload's modeled cluster here, before any worker starts: a missing or invalid profile or preset,
+    or a preset whose batches do not map onto the tiny job's, ends the command in one line naming it (in a worker it
+    would end in the pool's traceback, after the other workers had started training)."""
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.protocol.yamlconfig import ConfigError
+
+    from benchmarks.sim import ModeledCluster
+
+    try:
+        profile = load_profile(REPO / args.profile)
+    except ConfigError as e:
+        parser.error(f"--profile: {e}")
+    try:
+        preset = load_job(REPO / args.preset)
+    except ConfigError as e:
+        parser.error(f"--preset: {e}")
+    for name in names:
+        try:
+            ModeledCluster(profile=profile, preset_job=preset, tiny_job=load_job(REPO / WORKLOADS[name]["job"]),
+                           restart_s=args.restart_s)  # fmt: skip
+        except ValueError as e:
+            parser.error(f"--profile {args.profile} --preset {args.preset}, workload {name}: {e}")
 
 
 def _switch_costs(cluster: dict[str, Any]) -> str:

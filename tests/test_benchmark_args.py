@@ -34,3 +34,48 @@ def test_bad_numbers_and_modes_name_the_flag(module, argv, says, capsys):
         module.main(argv)
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {says}")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--jobs", "0"], "--jobs: must be at least 1, got 0"),
+    (["--cap", "0.5"], "--cap: must be above 1, got 0.5"),
+    (["--segment-s", "0"], "--segment-s: must be above 0, got 0"),
+    (["--restart-s", "nan"], "--restart-s: must be at least 0, got nan"),
+    (["--quick", "--profile", "no-such-profile.yaml"], "--profile: "),
+    (["--quick", "--preset", "no-such-preset.yaml"], "--preset: "),
+])  # fmt: skip
+def test_ttp_refuses_bad_settings_before_any_worker_starts(argv, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        ttp.main(argv)
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {says}" in last and "Traceback" not in last, last
+
+
+def test_ttp_names_a_preset_whose_batches_do_not_map_onto_the_tiny_job(tmp_path, capsys):
+    from benchmarks.common import REPO
+
+    # A valid job whose largest batch, 192, is no multiple of the tiny GPT's 128: no tiny batch stands for it.
+    preset = tmp_path / "odd.yaml"
+    text = (REPO / "examples/gpt3-1.3b.yaml").read_text()
+    assert "min_gbs: 64\n  max_gbs: 1024\n  base_gbs: 512" in text
+    preset.write_text(text.replace("min_gbs: 64\n  max_gbs: 1024\n  base_gbs: 512", "min_gbs: 96\n  max_gbs: 192\n  base_gbs: 192"))
+    with pytest.raises(SystemExit) as info:
+        ttp.main(["--quick", "--preset", str(preset)])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "workload gpt" in last and "--preset" in last, last
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("not json", "is not a JSON file this benchmark wrote"),
+    ('{"benchmark": "switch"}', "is not a result of benchmarks.ttp"),
+    (None, "not found"),
+])  # fmt: skip
+def test_ttp_resummarize_names_a_file_it_cannot_use(tmp_path, content, says):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        ttp.main(["--resummarize", str(path)])
+    assert says in str(info.value.code) and str(path) in str(info.value.code)
