@@ -355,6 +355,18 @@ def test_signal_must_come_before_the_time_limit():
     assert _profile_set('slurm.time_limit="1"', "slurm.signal_before_timeout_s=0").slurm is not None
 
 
+def test_submitit_needs_a_pre_timeout_signal_the_trainer_takes():
+    """submitit always asks Slurm for a pre-timeout signal (USR2 unless told another), whose default action kills
+    the trainers without a checkpoint: with no signal of cona's, the combination is refused in one line."""
+    with pytest.raises(ConfigError) as raised:
+        _profile_set("slurm.use_submitit=true", "slurm.signal_before_timeout_s=0")
+    message = str(raised.value)
+    assert "\n" not in message and "slurm.use_submitit with slurm.signal_before_timeout_s=0" in message
+    assert "set signal_before_timeout_s above 0" in message and "use_submitit: false" in message
+    assert _profile_set("slurm.use_submitit=true", "slurm.signal_before_timeout_s=60").slurm.use_submitit
+    assert _profile_set("slurm.use_submitit=false", "slurm.signal_before_timeout_s=0").slurm is not None
+
+
 @pytest.mark.parametrize("lead", [-1, 65536, 70000])
 def test_signal_lead_is_within_sbatch_range(lead):
     with pytest.raises(ConfigError, match=r"field 'slurm.signal_before_timeout_s': must be 0 \(no signal\) to 65535"):

@@ -196,4 +196,14 @@ class SlurmSpec(StrictModel):
                 f"{self.time_limit!r} ({limit} s), so the pre-timeout signal would come as the job starts; "
                 "lower signal_before_timeout_s or raise time_limit"
             )
+        # submitit always asks for a pre-timeout signal, USR2@90 unless told another one; cona tells it SIGUSR1@N,
+        # which the trainer takes as "checkpoint and exit for the requeue". With no signal asked for, submitit's
+        # USR2 would reach the trainers, whose default action for it is to die: no checkpoint, 90 s of work lost.
+        if self.use_submitit and self.signal_before_timeout_s == 0:
+            raise ValueError(
+                "slurm.use_submitit with slurm.signal_before_timeout_s=0: submitit always has Slurm send a pre-timeout "
+                "signal (SIGUSR2 90 s before the limit), which would end the trainers without a checkpoint; set "
+                "signal_before_timeout_s above 0 (cona then asks for SIGUSR1, which checkpoints and requeues) or "
+                "submit with sbatch (use_submitit: false)"
+            )
         return self
