@@ -84,30 +84,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
                         f"candidates on all {profile.num_gpus} devices; {batch_hint(profile, job, profile.num_gpus, gbs_values)}"
                         f"{memory_hint(profile, candidates)}{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
-    shown = ranked if args.top <= 0 else ranked[: args.top]
-    rejected = [c for c in candidates if not c.feasible] if args.all else []
+    from cona.orchestrator.throughput import ThroughputModel
+
     ties = ties_with_best(ranked)
+    throughput = ThroughputModel(candidates=ranked)
+    calibrated = None
+    if measured is not None:
+        # The measurements calibrate every layout (`ThroughputModel`): rank by those times, as `cona run --measured`
+        # will, and show each one's source beside the cost model's prediction.
+        throughput.absorb(measured[0].measured)
+        calibrated = {c.strategy: throughput.estimate(c) for c in ranked}
+        order = sorted(ranked, key=lambda c: (calibrated[c.strategy][0], c.iter_time_s))
+    else:
+        order = ranked
+    shown = order if args.top <= 0 else order[: args.top]
+    rejected = [c for c in candidates if not c.feasible] if args.all else []
     if args.json:
-        rows = [{**c.to_dict(), "within_model_error_of_best": c.strategy in ties} for c in shown + rejected]
+        rows = []
+        for c in shown + rejected:
+            row = {**c.to_dict(), "within_model_error_of_best": c.strategy in ties}
+            if calibrated is not None and c.strategy in calibrated:
+                row.update(calibrated_iter_time_s=calibrated[c.strategy][0], calibrated_from=calibrated[c.strategy][1])
+            rows.append(row)
         print(json.dumps(rows, indent=1))
         return 0
     from cona.orchestrator.tables import print_plan
 
     print_plan(profile=profile, job=job, shown=shown, rejected=rejected, num_feasible=len(ranked),
-               num_total=len(candidates), ties=ties)  # fmt: skip
+               num_total=len(candidates), ties=ties, calibrated=calibrated,
+               measured_in=measured[1] if measured is not None else None)  # fmt: skip
     if ranked and args.gbs is None and job.policy.name == "cona":
         # The fastest iteration is not where cona starts: say where it does and why, as its first launch will.
         from cona.orchestrator.policy import make_policy
-        from cona.orchestrator.throughput import ThroughputModel
 
         policy = make_policy(job, profile=profile, candidates=ranked)
-        throughput, measured_in = ThroughputModel(candidates=ranked), ""
-        if measured is not None:  # where `cona run --measured` would start
-            throughput.absorb(measured[0].measured)
-            measured_in = f" (with the step times measured in {measured[1]})"
-            # The table above is the cost model's alone: say so, or its order reads as the measured one.
-            print(f"the table is the cost model's prediction; the step times measured in {measured[1]} (and the "
-                  "calibration they give each layout) decide only where cona starts:")  # fmt: skip
+        measured_in = f" (with the step times measured in {measured[1]})" if measured is not None else ""
         start, reason = policy.start(candidates=ranked, throughput=throughput)
         print(f"cona starts on {start.short()}{measured_in}: {reason}")
     return 0

@@ -32,10 +32,17 @@ def _fmt_rate(per_s: float) -> str:
     return f"{per_s:,.1f}" if per_s >= 0.1 or per_s == 0 else f"{per_s:.2e}"
 
 
+_SOURCE_WORD = {"measured": "measured", "layout": "fitted", "degrees": "one point", "calibrated": "others"}
+"""`ThroughputModel`'s tiers, as the plan table's `from` column says them."""
+
+
 def print_plan(
     *, profile: ClusterProfile, job: Job, shown: list[Candidate], rejected: list[Candidate], num_feasible: int,
     num_total: int, ties: set[Strategy] = frozenset(),
+    calibrated: dict[Strategy, tuple[float, str]] | None = None, measured_in: str | None = None,
 ) -> None:  # fmt: skip
+    """The plan table. With `calibrated` (step time and its source per strategy, from measured step times in
+    `measured_in`), `shown` is in that order and the table shows both times: the cost model's and the calibrated one."""
     console = Console(width=160)
     model = job.model
     # Names come from the user's YAML: `[...]` in them is text, not rich markup (`[/]` would raise, `[old]` vanish).
@@ -44,19 +51,29 @@ def print_plan(
         f"parameters, seq {model.seq_len}) on [bold]{escape(profile.name)}[/]: {profile.nodes} node(s) × "
         f"{profile.gpus_per_node} {escape(profile.accelerator.name)}"
     )
-    console.print(f"{num_feasible} feasible of {num_total} candidates; fastest iteration first")
+    if calibrated is None:
+        console.print(f"{num_feasible} feasible of {num_total} candidates; fastest iteration first")
+    else:
+        console.print(f"{num_feasible} feasible of {num_total} candidates; fastest calibrated iteration first (the "
+                      f"step times measured in {escape(str(measured_in))}; `from`: measured, fitted on its layout, "
+                      "scaled from one point of its layout, or calibrated on the other layouts)")  # fmt: skip
     table = Table(show_lines=False)
-    for column in ("#", "dp", "tp", "pp", "mbs", "gbs", "iter time", "samples/s", "≈best", "mem/device", "compute",
-                   "bubble", "comm"):  # fmt: skip
+    timing = ("iter time", "samples/s") if calibrated is None else ("model", "calibrated", "from", "samples/s")
+    for column in ("#", "dp", "tp", "pp", "mbs", "gbs", *timing, "≈best", "mem/device", "compute", "bubble", "comm"):
         table.add_column(column, justify="right")
     for i, c in enumerate(shown, 1):
         p = c.prediction
         assert p is not None
         comm = p.tp_comm_s + p.p2p_s + p.dp_comm_s
+        if calibrated is None:
+            times = (_fmt_time(c.iter_time_s), _fmt_rate(c.samples_per_s))
+        else:
+            t, source = calibrated[c.strategy]
+            times = (_fmt_time(c.iter_time_s), _fmt_time(t), _SOURCE_WORD.get(source, source),
+                     _fmt_rate(c.gbs / t if 0 < t < float("inf") else 0.0))  # fmt: skip
         table.add_row(
-            str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), _fmt_time(c.iter_time_s),
-            _fmt_rate(c.samples_per_s), "≈" if c.strategy in ties else "", _fmt_memory(c.memory_gb),
-            _fmt_time(p.compute_s),
+            str(i), str(c.dp), str(c.tp), str(c.pp), str(c.mbs), str(c.gbs), *times,
+            "≈" if c.strategy in ties else "", _fmt_memory(c.memory_gb), _fmt_time(p.compute_s),
             _fmt_time(p.pipeline_bubble_s), _fmt_time(comm),
         )  # fmt: skip
     if shown:  # with nothing feasible (`plan --all`), only the rejected table says something

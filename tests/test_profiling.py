@@ -221,9 +221,25 @@ def test_plan_says_where_a_run_would_start_from_the_measurements(tmp_path, setup
     profiling.write_measured(run, profile=profile, job=job,
                              measured=[entry(start, 10 * slow.iter_time_s), entry(other.strategy, other.iter_time_s)])  # fmt: skip
     assert cli.main([*argv, "--measured", str(run.root)]) == 0
-    said, after = capsys.readouterr().out.strip().splitlines()[-2:]
+    out = capsys.readouterr().out
+    after = out.strip().splitlines()[-1]
     assert "with the step times measured in" in after and not after.startswith(f"cona starts on {start.short()} ")
-    # The table stays the cost model's; the line before the start says so.
-    assert said.startswith("the table is the cost model's prediction; the step times measured in") and "decide only where cona starts" in said
+    # The table is ranked by the calibrated times, each with its source: the measured-slow start is not first.
+    assert "fastest calibrated iteration first" in out and "calibrated" in out and "from" in out
+    rows = [line for line in out.splitlines() if "│" in line and ("measured" in line or "fitted" in line
+            or "one point" in line or "others" in line)]  # fmt: skip
+    assert len(rows) == 1  # --top 1: the fastest calibrated, with its source
+    assert cli.main(["plan", "--profile", str(PROFILE), "--job", str(JOB), "--json", "--top", "0", "--measured", str(run.root)]) == 0
+    table = json.loads(capsys.readouterr().out)
+    times = [row["calibrated_iter_time_s"] for row in table]
+    assert times == sorted(times)
+    def key(row):
+        return (row["dp"], row["tp"], row["pp"], row["mbs"], row["gbs"])
+
+    by = {key(row): row for row in table}
+    mine = (start.dp, start.tp, start.pp, start.mbs, start.gbs)
+    assert by[mine]["calibrated_from"] == "measured"
+    assert by[mine]["calibrated_iter_time_s"] == pytest.approx(10 * slow.iter_time_s)
+    assert key(table[0]) != mine and table[0]["calibrated_iter_time_s"] < 10 * slow.iter_time_s
     assert cli.main([*argv, "--measured", str(run.root), "--gbs", "16"]) == 2
     assert "drop --gbs" in capsys.readouterr().err
