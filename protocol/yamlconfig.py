@@ -73,21 +73,53 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _split_override(item: str) -> tuple[str, str]:
+    """`key=value` at the first `=` outside a quoted key segment (a label key may hold no `=`, but be safe)."""
+    quoted = False
+    for i, ch in enumerate(item):
+        if ch == '"':
+            quoted = not quoted
+        elif ch == "=" and not quoted:
+            return item[:i].strip(), item[i + 1 :]
+    return item.strip(), ""
+
+
+def _key_parts(key: str) -> list[str]:
+    """A dotted key's parts. A part holding dots — a Kubernetes label such as `cloud.google.com/gke-accelerator`
+    under `kubernetes.node_selector` — is written in double quotes or with its dots escaped as `\\.` (Helm's
+    `--set` convention): `kubernetes.node_selector."cloud.google.com/gke-accelerator"=nvidia-tesla-a100`."""
+    parts, current, quoted, i = [], "", False, 0
+    while i < len(key):
+        ch = key[i]
+        if ch == "\\" and i + 1 < len(key) and key[i + 1] == ".":
+            current, i = current + ".", i + 2
+            continue
+        if ch == '"':
+            quoted = not quoted
+        elif ch == "." and not quoted:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+        i += 1
+    parts.append(current)
+    return parts
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str], *, source: str = "--set") -> dict[str, Any]:
     """Apply `dotted.key=value` overrides; the value is parsed as YAML so `1e-3`, `true`, `[1,2]` work."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{source} {item!r}: expected dotted.key=value, e.g. optimizer.lr=3e-4")
-        key, _, raw = item.partition("=")
-        key = key.strip()
-        if not key or any(not part for part in key.split(".")):
+        key, raw = _split_override(item)
+        parts = _key_parts(key)
+        if not key or any(not part for part in parts):
             raise ConfigError(f"{source} {item!r}: empty field name in {key!r}")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         node = data
-        parts = key.split(".")
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:

@@ -375,3 +375,17 @@ def test_old_activation_checkpointing_key_still_loads(tmp_path, legacy, mode):
         ParallelSpec(activation_checkpointing=legacy, recompute="selective")
     with pytest.raises(ValueError, match="recompute"):
         ParallelSpec(recompute="some")
+
+
+def test_a_dotted_label_key_is_set_quoted_or_escaped(tmp_path):
+    """A Kubernetes label key holds dots (`cloud.google.com/gke-accelerator`): `--profile-set` takes it in double
+    quotes or with `\\.` (Helm's convention) as one part of the dotted path, not as three nested sections."""
+    from cona.protocol.yamlconfig import apply_overrides
+
+    label = "cloud.google.com/gke-accelerator"
+    for key in (f'kubernetes.node_selector."{label}"', "kubernetes.node_selector.cloud\\.google\\.com/gke-accelerator"):
+        data = apply_overrides({"kubernetes": {"node_selector": {"kubernetes.io/os": "linux"}}}, [f"{key}=nvidia-a100"])
+        assert data["kubernetes"]["node_selector"] == {"kubernetes.io/os": "linux", label: "nvidia-a100"}
+    # Plain dotted keys are unchanged, and the value may still hold quotes and `=`.
+    data = apply_overrides({}, ['optimizer.lr=0.001', 'name="a=b"'])
+    assert data == {"optimizer": {"lr": 0.001}, "name": "a=b"}
