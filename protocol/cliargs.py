@@ -88,6 +88,12 @@ class OptionParser(argparse.ArgumentParser):
 
     _argv: list[str] | None = None
 
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        # No abbreviations, in every program and subcommand alike: `--prof` taken for `--profile` today becomes
+        # ambiguous (or another option) when an option is added, and the trainer's flags must not be prefixes of
+        # torchrun's. A shortened option is answered like a misspelled one, with the full one to use.
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)

@@ -367,6 +367,20 @@ def test_a_misspelled_required_option_of_cona_is_named_not_reported_missing():
     assert code == 2 and "unrecognized arguments: --jbo; did you mean --job?; valid options: " in error_line(err)
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "--prof", str(PROFILE), "--job", str(JOB)],
+    ["plan", "--profile", str(PROFILE), "--job", str(JOB), "--to", "3"],
+    ["status", "--jso", "runs/x"],
+])  # fmt: skip
+def test_cona_takes_no_abbreviated_option_as_the_data_plane_takes_none(argv):
+    """An abbreviation (`--prof` for `--profile`) is answered like a misspelling, with the full option: one that
+    works today would turn ambiguous or mean another option when an option is added."""
+    code, err = run_cli(argv)
+    short = next(a for a in argv if a in ("--prof", "--to", "--jso"))
+    full = {"--prof": "--profile", "--to": "--top", "--jso": "--json"}[short]
+    assert code == 2 and f"unrecognized arguments: {short}" in error_line(err) and f"did you mean {full}?" in error_line(err)
+
+
 # L4: a backend without its clients ----------------------------------------------------------------------------
 
 
