@@ -11,7 +11,7 @@ from benchmarks import ttp
 
 def finished(tmp_path, **settings):
     report = {
-        "quick": True,
+        "benchmark": "ttp", "quick": True,
         "settings": {"profile": "slurm/profiles/a100-4x8.yaml", "preset": "examples/gpt3-1.3b.yaml",
                      "in_place": True, **settings},
         "workloads": {"gpt": {"runs": [{"workload": "gpt", "seed": 0, "fixed": {"64": {}}, "oracle": {},
