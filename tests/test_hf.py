@@ -154,6 +154,8 @@ def _replace_with_directory(name: str):
 
 def _write_index(index):
     def apply(directory: Path) -> None:
+        # Instead of model.safetensors: beside it, the index is not read (by transformers, nor by cona).
+        (directory / "model.safetensors").unlink()
         (directory / "model.safetensors.index.json").write_text(json.dumps(index))
 
     return apply

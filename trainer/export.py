@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--format", choices=["hf"], required=True, help="hf: a transformers model directory")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write (created; must be new or empty)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --out, replacing its config.json and model weights")  # fmt: skip
+                        help="write into a non-empty --out, replacing its config.json and model weights (and removing a "
+                             "generation_config.json, whose token ids transformers would use)")  # fmt: skip
     parser.add_argument("--job", type=Path, metavar="JOB.yaml",
                         help="the job the run was trained with, for what the run directory does not record: the "
                              "model of a checkpoint that predates recording it, the data (for its end-of-document id) "

@@ -20,8 +20,11 @@ transformers ties it to the embedding itself, from config.json's `tie_word_embed
 (tiny-bert) is written with a one-row token-type table of zeros, which adds nothing (transformers' BERT always
 has one), and such a table is accepted back.
 
-Reading checks the architecture against the job first (`config_problem`: family, sizes, norms, activation, tying,
-RoPE) and then every tensor's shape, and fails with one line naming the field or the tensor and what to set.
+Reading checks the architecture against the job first (`config_problem`: family, class, sizes, norms, activation,
+tying, RoPE, and every setting transformers reads that cona's model lacks) and then every tensor's shape and dtype,
+and fails with one line naming the field or the tensor and what to set. It reads what `from_pretrained` reads
+(model.safetensors before an index; RoPE parameters resolved as transformers 5 does), so a run starts from the
+model transformers computes, and never opens a pickle (pytorch_model.bin).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from cona.protocol.job import ModelSpec, RopeScaling
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """transformers' own default shard size (5 GB)."""
 
@@ -186,26 +190,68 @@ def hf_config(spec: ModelSpec, *, eos_token_id: int | None = None, bos_token_id:
 
 _GELU_NAMES = {"none": "gelu", "tanh": "gelu_new"}
 """transformers' names of the two GELUs (`gelu_pytorch_tanh` computes the same tanh form)."""
-_GELU_OF_NAME = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# Every name transformers' ACT2FN gives one of the two: `gelu_python` is the exact erf form written out, and
+# `gelu_fast`, `gelu_accurate` and `gelu_python_tanh` are the tanh form of `gelu_new` with the constants folded
+# differently (equal in fp32 to ~1e-7). Others (relu, quick_gelu, gelu_10, ...) are other functions.
+_GELU_OF_NAME = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                 "gelu_fast": "tanh", "gelu_accurate": "tanh", "gelu_python_tanh": "tanh"}  # fmt: skip
+_SILU_NAMES = ("silu", "swish")
+"""transformers' names of SiLU (ACT2FN), llama's gate activation."""
+IMPORTED_ARCHITECTURES = {"gpt": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM",),
+                          "bert": ("BertForMaskedLM", "BertForPreTraining")}  # fmt: skip
+"""config.json `architectures` whose tensors are cona's model: the family's own class; GPT-2's bare GPT2Model (its
+tensors without the `transformer.` prefix, read through aliases; tied, its head is the embedding); BERT's
+pretraining model (the MLM head plus the pooler and the next-sentence head, which are ignored). Another class
+of the same model_type (a classifier, BertLMHeadModel, remote code) has other heads or computes something else."""
 
 
-def _rope_of(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
-    """(rope_theta, llama3 scaling parameters or None) from a config.json of either transformers generation."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))  # transformers' default base
+def _rope_of(config: Mapping[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(rope_theta, the scaling parameters or None) of a config.json of either transformers generation, resolved as
+    transformers 5 resolves them (`convert_rope_params_to_dict`, `standardize_rope_params`): a `rope_scaling`
+    mapping wins over `rope_parameters`; the theta in that mapping over a top-level `rope_theta` (a config.json
+    holding both with different values computes with the mapping's); a scaled type without
+    `original_max_position_embeddings` takes `max_position_embeddings`."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))  # transformers' default base
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    scaling = {**params, "rope_type": kind}
+    scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
     return theta, scaling
+
+
+def _partial_rotary_factor(config: Mapping[str, Any]) -> Any:
+    """The fraction of each head that RoPE rotates (1: all), from the RoPE mapping or the top level."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+
+
+def _rope_key(config: Mapping[str, Any]) -> str:
+    """The config.json key that holds the RoPE parameters transformers uses (for messages)."""
+    return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
 
 
 def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -> str | None:
     """None when `config` (a config.json) describes the model `spec` builds; else one line: what differs and which
     model field to set."""
+    if "model_type" not in config:
+        return f"{source}: has no model_type; is it a transformers model's config.json?"
     family = {v: k for k, v in MODEL_TYPES.items()}.get(str(config.get("model_type")))
     if family is None:
         return (f"{source}: model_type {config.get('model_type')!r} is not one cona builds "
                 f"({', '.join(MODEL_TYPES.values())})")  # fmt: skip
     if family != spec.family:
         return f"{source}: a {config['model_type']} model, but model.family is {spec.family}; set model.family: {family}"
+    # transformers builds the class config.json names; another class of the same model_type has other heads (a
+    # classifier's `score`) or computes something else (BertLMHeadModel is causal), so its tensors fitting or not is
+    # no test. A config.json without the key (it is optional), or with none listed, is judged by its tensors alone.
+    architectures = config.get("architectures")
+    if architectures not in (None, []):
+        allowed = IMPORTED_ARCHITECTURES[family]
+        if not isinstance(architectures, list) or not any(a in allowed for a in architectures):
+            return (f"{source}: architectures is {architectures!r}, not a model cona's {family} imports "
+                    f"({', '.join(allowed)}); save the {ARCHITECTURES[family]} form of the model")  # fmt: skip
     names = {"gpt": {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_len": "n_positions",
                      "norm_eps": "layer_norm_epsilon"},
              "llama": {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
@@ -246,43 +292,81 @@ def config_problem(spec: ModelSpec, config: Mapping[str, Any], *, source: str) -
             return f"{source}: {field} is {value} there but {mine} here; set model.{field}: {value}"
     # transformers' own default when config.json omits it: tied for GPT-2 and BERT, untied for Llama.
     tied = bool(config.get("tie_word_embeddings", family != "llama"))
+    if family == "bert" and not tied:  # model.tie_embeddings: false is no answer: cona's BERT decoder is always tied
+        return (f"{source}: tie_word_embeddings is false (an MLM decoder of its own), but cona's bert always ties the "
+                "decoder to the word embeddings; it cannot import this model")  # fmt: skip
     if tied != bool(spec.tie_embeddings):
         return f"{source}: tie_word_embeddings is {str(tied).lower()}; set model.tie_embeddings: {str(tied).lower()}"
     if family in ("gpt", "bert"):
         key, default = ("activation_function", "gelu_new") if family == "gpt" else ("hidden_act", "gelu")
         act = config.get(key, default)
-        if act not in _GELU_OF_NAME:
-            return f"{source}: {key} {act!r}; cona's {family} uses GELU, exact ('gelu') or tanh ('gelu_new')"
+        if not isinstance(act, str) or act not in _GELU_OF_NAME:
+            return (f"{source}: {key} is {act!r}; cona's {family} implements GELU only, exact ('gelu') or tanh "
+                    "('gelu_new'), so it cannot import this model")  # fmt: skip
         if _GELU_OF_NAME[act] != spec.gelu_approximation:
             return f"{source}: {key} is {act!r}; set model.gelu_approximation: {_GELU_OF_NAME[act]}"
+    if family == "gpt":
+        # Both change the attention scores; transformers reads them and cona has neither (each was imported
+        # silently: logits off by 0.6 and 0.03 at two tiny layers). reorder_and_upcast_attn only changes the
+        # order of fp32 operations, and is accepted. Each is read as transformers reads it: by its truth.
+        if not config.get("scale_attn_weights", True):
+            return (f"{source}: scale_attn_weights is {config['scale_attn_weights']!r} (attention scores not scaled "
+                    "by 1/sqrt(head_dim)); cona's gpt always scales them, so it cannot import this model")  # fmt: skip
+        if config.get("scale_attn_by_inverse_layer_idx"):
+            return (f"{source}: scale_attn_by_inverse_layer_idx is {config['scale_attn_by_inverse_layer_idx']!r} "
+                    "(attention scores divided by the layer's number); cona's gpt does not, so it cannot import "
+                    "this model")  # fmt: skip
     if family == "llama":
         head_dim = config.get("head_dim") or spec.hidden_size // spec.num_heads
         if int(head_dim) != spec.head_dim:
-            return f"{source}: head_dim {head_dim} is not hidden_size/num_attention_heads; cona cannot build it"
-        if config.get("attention_bias") or config.get("mlp_bias") or config.get("hidden_act", "silu") != "silu":
-            return f"{source}: attention/MLP biases or hidden_act other than silu; cona's llama has neither"
+            return (f"{source}: head_dim is {head_dim}, not hidden_size/num_attention_heads = {spec.head_dim}; cona's "
+                    "llama derives it from them, so it cannot import this model")  # fmt: skip
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                return f"{source}: {key} is {config[key]!r}; cona's llama has no biases, so it cannot import this model"
+        act = config.get("hidden_act", "silu")
+        if act not in _SILU_NAMES:
+            return f"{source}: hidden_act is {act!r}; cona's llama gates with SiLU ('silu') only, so it cannot import this model"
         theta, scaling = _rope_of(config)
-        if theta is not None and not math.isclose(float(theta), spec.rope_theta, rel_tol=1e-9):
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+            return f"{source}: rope_theta is {theta!r}, not a number; fix config.json (model.rope_theta)"
+        if not math.isclose(float(theta), spec.rope_theta, rel_tol=1e-9):
             return f"{source}: rope_theta is {theta} there but {spec.rope_theta} here; set model.rope_theta: {theta}"
-        problem = _scaling_problem(spec.rope_scaling, scaling, source=source)
+        # transformers 5 rotates only that fraction of each head under llama3 scaling, 4.x under the default RoPE
+        # too (5 ignores it there): a model made with it is not cona's, which rotates whole heads.
+        partial = _partial_rotary_factor(config)
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or partial != 1:
+            return (f"{source}: partial_rotary_factor is {partial!r}; cona's llama rotates whole heads, so it cannot "
+                    "import this model")  # fmt: skip
+        problem = _scaling_problem(spec.rope_scaling, scaling, source=source, key=_rope_key(config))
         if problem:
             return problem
-    if family == "bert" and config.get("position_embedding_type", "absolute") != "absolute":
-        return f"{source}: position_embedding_type {config['position_embedding_type']!r}; cona's bert has absolute ones"
+    if family == "bert":
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            return (f"{source}: position_embedding_type is {config['position_embedding_type']!r}; cona's bert has "
+                    "absolute position embeddings only, so it cannot import this model")  # fmt: skip
+        # A decoder BERT attends causally in transformers (BertForMaskedLM warns and does so): another model over
+        # the same tensors (imported silently before: logits off by 0.3).
+        if config.get("is_decoder"):
+            return (f"{source}: is_decoder is {config['is_decoder']!r} (causal attention); cona's bert attends in "
+                    "both directions, so it cannot import this model")  # fmt: skip
     return None
 
 
-def _scaling_problem(mine: RopeScaling | None, theirs: Mapping[str, Any] | None, *, source: str) -> str | None:
-    if theirs is None or theirs.get("rope_type", theirs.get("type")) in (None, "default"):
+def _scaling_problem(mine: RopeScaling | None, theirs: Mapping[str, Any] | None, *, source: str, key: str) -> str | None:
+    """None when the RoPE scaling transformers would use (`_rope_of`) is `mine`; else one line naming `key`'s
+    field."""
+    if theirs is None:
         return f"{source}: no RoPE scaling there; set model.rope_scaling: null" if mine is not None else None
-    kind = theirs.get("rope_type", theirs.get("type"))
+    kind = theirs["rope_type"]
     if kind != "llama3":
-        return f"{source}: rope scaling {kind!r}; cona implements 'llama3' only"
+        return (f"{source}: {key}.rope_type is {kind!r}; cona implements RoPE scaling of type 'llama3' only, so it "
+                "cannot import this model")  # fmt: skip
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     got = {f: theirs.get(f) for f in fields}
     for f, v in got.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            return f"{source}: rope_scaling.{f} is {v!r}, not a number; fix config.json"
+            return f"{source}: {key}.{f} is {v!r}, not a number; fix config.json"
     if mine is None or any(v is None or not math.isclose(float(v), float(getattr(mine, f))) for f, v in got.items()):
         values = ", ".join(f"{f}: {v}" for f, v in got.items())
         return f"{source}: llama3 rope scaling {{{values}}} differs from model.rope_scaling; set it to that"
@@ -364,6 +448,36 @@ def _check_shape(
     return want_rows, want
 
 
+_TIED_COPIES = {"gpt": {"lm_head.weight": "transformer.wte.weight"},
+                "llama": {"lm_head.weight": "model.embed_tokens.weight"},
+                "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                         "cls.predictions.decoder.bias": "cls.predictions.bias"}}  # fmt: skip
+"""The tensors of a tied head that a checkpoint may also carry as copies, and the tensor each is a copy of."""
+
+
+def _tied_copy_problem(spec: ModelSpec, source: TensorSource, *, where: str) -> str | None:
+    """None unless a tied head's copy in the checkpoint differs from what it is tied to. transformers 5 then leaves
+    the two untied and computes with both (`tie_weights`: "both are present in the checkpoints with different
+    values, so we will NOT tie them"); cona, reading only the embedding, would compute another model."""
+    if not spec.tie_embeddings:
+        return None
+    names = set(source.names())
+    for copy, original in _TIED_COPIES[spec.family].items():
+        if copy not in names:
+            continue
+        same = source.shape(copy) == source.shape(original)
+        if same:  # read only where a copy is there, which save_pretrained does not write
+            a, b = source.get(copy), source.get(original)
+            assert a is not None and b is not None  # both named
+            same = torch.equal(a.to(torch.float32), b.to(torch.float32))
+        if not same:
+            fix = ("cona's bert always ties its decoder, so it cannot import this model" if spec.family == "bert" else
+                   "set tie_word_embeddings: false in config.json and model.tie_embeddings: false")  # fmt: skip
+            return (f"{where}: tensor {copy!r} differs from {original!r}, which config.json ties it to (transformers "
+                    f"then unties them and computes with both); {fix}")  # fmt: skip
+    return None
+
+
 def unused_tensors(spec: ModelSpec, names: list[str]) -> list[str]:
     """Tensors of a transformers checkpoint that the mapping does not read (nor knows to be redundant)."""
     used = {e.hf for e in _entries(spec)} | {_NO_TYPES}
@@ -386,6 +500,13 @@ def _open_safetensors(path: Path) -> Any:
         raise ValueError(f"{path}: not a readable safetensors file ({e}); download or export it again") from None
 
 
+_PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+"""Weights in the formats cona does not read: a pickle can run code when it is loaded, so it is never opened."""
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""safetensors dtypes read into the fp32 parameters (F16 and BF16 exactly); an integer, boolean or 8-bit float
+tensor is a quantized or damaged checkpoint, whose values are not the weights."""
+
+
 class TensorSource:
     """The tensors of a transformers directory (one file or shards), opened lazily: `get` reads one tensor."""
 
@@ -393,7 +514,13 @@ class TensorSource:
         self.directory = Path(directory)
         index = self.directory / INDEX
         single = self.directory / WEIGHTS
-        if index.exists():
+        self._index: Path | None = None
+        # transformers reads model.safetensors when both are there (a stale index beside it, or stale shards): so
+        # does cona, or the two would start from different weights.
+        if single.exists():
+            with _open_safetensors(single) as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        elif index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -401,13 +528,22 @@ class TensorSource:
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ValueError(f"{index}: not a safetensors index (its weight_map is no mapping of tensor names to "
                                  "file names)")  # fmt: skip
+            # Shards are files of this directory; a name that leaves it would read another model's weights.
+            outside = next((f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts), None)
+            if outside is not None:
+                raise ValueError(f"{index}: names the file {outside!r}, outside the model directory; download or "
+                                 "export the model again")  # fmt: skip
             self.files = {name: self.directory / file for name, file in weight_map.items()}
-        elif single.exists():
-            with _open_safetensors(single) as f:
-                self.files = dict.fromkeys(f.keys(), single)
+            self._index = index
         else:
+            pickles = [name for name in _PICKLES if (self.directory / name).exists()]
+            if pickles:
+                raise ValueError(f"{self.directory}: holds {pickles[0]}, not {WEIGHTS}; cona reads safetensors only "
+                                 "(loading a pickle can run code): convert it where you trust its source, e.g. "
+                                 "transformers' from_pretrained then save_pretrained")  # fmt: skip
             raise ValueError(f"{self.directory}: no {WEIGHTS} or {INDEX}; is it a transformers model directory?")
         self._open: dict[Path, Any] = {}
+        self._keys: dict[Path, set[str]] = {}
         # Old GPT-2 files name their tensors without the `transformer.` prefix.
         self._aliases = {f"transformer.{n}": n for n in self.files if n.split(".")[0] in ("wte", "wpe", "h", "ln_f")}
 
@@ -423,12 +559,21 @@ class TensorSource:
             if not path.exists():
                 raise ValueError(f"{path}: missing (named by {self.directory / INDEX})")
             self._open[path] = _open_safetensors(path)
+            self._keys[path] = set(self._open[path].keys())
+        if name not in self._keys[path]:  # the index and the shards disagree: safetensors' own error, a traceback
+            raise ValueError(f"{self._index}: names {path.name} for tensor {name!r}, which that file does not hold; "
+                             "download or export the model again")  # fmt: skip
         return self._open[path], name
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape from the file's header (nothing is read), or None when there is no such tensor."""
         found = self._file(name)
         return None if found is None else tuple(found[0].get_slice(found[1]).get_shape())
+
+    def dtype(self, name: str) -> str | None:
+        """The tensor's safetensors dtype ("F32", "BF16", ...) from the file's header, or None when there is none."""
+        found = self._file(name)
+        return None if found is None else str(found[0].get_slice(found[1]).get_dtype())
 
     def get(self, name: str) -> torch.Tensor | None:
         found = self._file(name)
@@ -465,6 +610,13 @@ def check_directory(spec: ModelSpec, directory: Path | str) -> TensorSource:
     shapes = _shapes(spec)
     for entry in _entries(spec):
         _check_shape(entry, shapes, source.shape(entry.hf), source=str(directory))
+        dtype = source.dtype(entry.hf)
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{directory}: tensor {entry.hf!r} is {dtype}, not a floating-point weight (a quantized "
+                             "or damaged checkpoint?); give the model's F32, BF16 or F16 weights")  # fmt: skip
+    problem = _tied_copy_problem(spec, source, where=str(directory))
+    if problem:
+        raise ValueError(problem)
     return source
 
 
@@ -509,7 +661,11 @@ def save_directory(
     written: list[Path] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in [directory / WEIGHTS, directory / INDEX, *directory.glob("model-*-of-*.safetensors")]:
+        # The weights of whatever model was there, and its generation_config.json: transformers takes the token ids
+        # of that file over config.json's, so an export over the model a run started from generated with that
+        # model's bos/eos ids, not the run's.
+        for stale in [directory / WEIGHTS, directory / INDEX, *directory.glob("model-*-of-*.safetensors"),
+                      directory / GENERATION_CONFIG]:  # fmt: skip
             stale.unlink(missing_ok=True)
         written.append(directory / CONFIG)
         config = hf_config(spec, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
