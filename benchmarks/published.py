@@ -18,11 +18,13 @@ the `memory_gb` per GPU it published, which is shown beside the memory model's. 
 (or `table_1`) lists runs with their own
 model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute` and `attention`),
 `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
-the paper names. A misspelled key is refused with the list of valid ones, and a run published above the
-accelerator's peak (by the record's formula) in one line naming it; run names are free text. A second
-record, `tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format
-on another cluster. `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md
-shows the tables.
+the paper names. A misspelled key is refused with the list of valid ones, a key for what the format cannot say
+(context or sequence parallelism, experts, a ZeRO stage) with what to do instead, and a run published above the
+accelerator's peak (by the record's formula), under 1% of it (milliseconds given as seconds) or with a memory above
+the device's (MiB given as GB) in one line naming it; run names are free text. A second record,
+`tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format on another
+cluster; `tests/published/` holds more (MT-NLG 530B, GPT-NeoX-20B, Llama 3 405B: tests/test_published_records.py).
+`tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md shows the tables.
 """
 
 from __future__ import annotations
@@ -65,6 +67,27 @@ FIGURE_KEYS = {
     "figure_16": ("model", "gpus", "t", "p", "gbs", "mbs", "best_mbs"),
 }
 RECOMPUTE, ATTENTION = ("none", "selective", "full"), ("materialized", "sdpa")
+_CP = "context parallelism is not in cona's cost model (its trainer has none), and a run that used it cannot be " \
+      "costed without it (its GPUs are t·p·cp·d); leave the run out of the record"  # fmt: skip
+_SP = "sequence parallelism is not in cona's cost model (its tensor parallelism keeps each rank's activations " \
+      "whole): remove the key to cost the run without it (mostly a memory difference), or leave the run out"  # fmt: skip
+_EP = "mixture-of-experts models are not in cona's cost model; leave the run out of the record"
+_ZERO = "the ZeRO stage is not a setting of the format: cona's data parallelism shards the optimizer state and " \
+        "gradients (ZeRO-1/2) whatever it says; remove the key, and give sharded_dp: true for ZeRO-3"  # fmt: skip
+UNSUPPORTED = {
+    "cp": _CP, "context_parallel": _CP, "context_parallel_size": _CP, "context_parallelism": _CP,
+    "sp": _SP, "sequence_parallel": _SP, "sequence_parallelism": _SP,
+    "ep": _EP, "expert_parallel": _EP, "expert_parallel_size": _EP, "experts": _EP, "num_experts": _EP,
+    "zero": _ZERO, "zero_stage": _ZERO,
+}  # fmt: skip
+"""Keys a record may reach for that name what the format cannot say: answered with what to do, not as a misspelling
+of one of the valid keys (which would send the writer looking for the right spelling of something absent)."""
+MIN_PEAK_FRACTION = 0.01
+"""A published rate below this fraction of the accelerator's peak is a unit mistyped (milliseconds given as
+`iter_time_s`), not a run: the slowest published run of the shipped records is at 14% (ZeRO-3, 1536 GPUs)."""
+MEMORY_SLACK = 1.1
+"""A published memory may exceed the profile's nominal memory by GB against GiB and nvidia-smi's total (an 80 GB
+A100 shows 81,920 MiB): above this factor it is a unit mistyped (MiB as GB) or the whole node's."""
 
 
 class RecordError(ValueError):
@@ -80,10 +103,28 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _positive_ints(value: Any) -> bool:
+    """A non-empty list of positive integers: a figure's sweep (its batch sizes, micro-batches, pipelines)."""
+    return isinstance(value, list) and bool(value) and all(_positive_int(x) for x in value)
+
+
+def _positive_number(value: Any) -> bool:
+    """A published number: positive and finite (an infinite time gave no ratio, and the run dropped out of the
+    summary; an infinite token rate divided by zero)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _known_keys(mapping: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
     """A misspelled key is named with the list of valid ones (it would otherwise be ignored, silently)."""
     unknown = sorted(str(k) for k in set(mapping) - set(valid))
+    _unsupported(unknown, where, ".")
     _require(not unknown, f"{where}.{', '.join(unknown)}", f"unknown field; valid: {', '.join(valid)}")
+
+
+def _unsupported(keys: list[str], where: str, sep: str) -> None:
+    """A key for something the format cannot say (context parallelism...) is answered with what to do instead."""
+    for key in keys:
+        _require(key not in UNSUPPORTED, f"{where}{sep}{key}", UNSUPPORTED.get(key, ""))
 
 
 def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
@@ -92,13 +133,17 @@ def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
         _known_keys(model, (*MODEL_KEYS, *MODEL_OPTIONS), where)
     for key in MODEL_KEYS:
         _require(key in model, f"{where}.{key}", "missing (a model needs name, layers, hidden and heads)")
+    name = model["name"]  # the run's label in the tables and the JSON: None, [...] or "" labelled nothing
+    _require(isinstance(name, str | int | float) and not isinstance(name, bool) and str(name).strip() != "",
+             f"{where}.name", f"must be a non-empty name, got {name!r}")  # fmt: skip
     for key in ("layers", "hidden", "heads", *(k for k in ("kv_heads", "ffn_hidden") if k in model)):
         _require(_positive_int(model[key]), f"{where}.{key}", f"must be a positive integer, got {model[key]!r}")
     _require(model["hidden"] % model["heads"] == 0, f"{where}.heads",
              f"{model['heads']} heads do not divide hidden = {model['hidden']}; fix heads or hidden")  # fmt: skip
     if "family" in model:
         _require(model["family"] in FAMILIES, f"{where}.family",
-                 f"must be one of {', '.join(FAMILIES)}, got {model['family']!r}")  # fmt: skip
+                 f"must be one of {', '.join(FAMILIES)}, got {model['family']!r} (a Llama-like model — SwiGLU, "
+                 "RMSNorm, RoPE, grouped-query attention — is family: llama)")  # fmt: skip
     if "kv_heads" in model:
         _require(model["heads"] % model["kv_heads"] == 0, f"{where}.kv_heads",
                  f"{model['kv_heads']} key/value heads do not divide heads = {model['heads']} (grouped-query "
@@ -116,6 +161,12 @@ def _check_flops(model: dict[str, Any], formula: str, where: str) -> None:
     _require(formula != "megatron-sc21" or plain_gpt(model), where,
              f"model {model['name']!r} is not a GPT with ffn_hidden = 4·hidden and no GQA, which the paper's FLOP "
              "formula counts; set the record's flops: megatron-core (Megatron-Core's model FLOPs)")  # fmt: skip
+    # After the formula's check, which names the record's fix first: the trainer's job refuses GQA in a GPT or
+    # BERT too, but names neither the run's place in the record nor what to do.
+    family = model.get("family", "gpt")
+    _require(family == "llama" or model.get("kv_heads", model["heads"]) == model["heads"], f"{where}.kv_heads",
+             f"a {family} has one key/value head per query head ({model['heads']}); grouped-query attention is "
+             "family: llama — set it, or remove kv_heads")  # fmt: skip
 
 
 def _check_settings(mapping: dict[str, Any], where: str, sep: str) -> None:
@@ -147,27 +198,45 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
     _require(row["gbs"] % (d * row["mbs"]) == 0, f"{where}.gbs",
              f"{row['gbs']} is not a multiple of d·mbs = {d}·{row['mbs']} (whole micro-batches per replica); "
              f"fix gbs, mbs or gpus")  # fmt: skip
+    # Interleaving splits a pipeline's stages; with p = 1 the planner would cost v > 1 as plain, silently.
+    _require(row.get("v", 1) == 1 or row["p"] > 1, f"{where}.v",
+             f"{row.get('v')} virtual stages need a pipeline (p > 1); set v: 1 or fix p")  # fmt: skip
+    if "sharded_dp" in row:  # bool("no") is True: a string would be costed as ZeRO-3
+        _require(isinstance(row["sharded_dp"], bool), f"{where}.sharded_dp",
+                 f"must be true or false, got {row['sharded_dp']!r}")  # fmt: skip
     if published:
         given = [k for k in RATES if row.get(k) is not None]
         _require(len(given) == 1, where, "give exactly one of tflops (per GPU), iter_time_s and tokens_per_s (per GPU)")
         for key in (given[0], *(("memory_gb",) if "memory_gb" in row else ())):
             value = row[key]
-            _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
-                     f"{where}.{key}", f"must be a positive number, got {value!r}")  # fmt: skip
+            _require(_positive_number(value), f"{where}.{key}",
+                     f"must be a positive number (finite), got {value!r}")  # fmt: skip
 
 
 def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
     """The record, checked; raises `RecordError` naming the file and the field."""
     _require(isinstance(record, dict), str(path), "a published record must be a YAML mapping (see tests/published/)")
     where = str(path)
+    # An empty file (or one of comments) was answered "profile: missing", as if only the profile were.
+    _require(bool(record), where, f"the record is empty: give profile and at least one of {', '.join(SECTIONS)} "
+                                  "(see tests/published/)")  # fmt: skip
     top = ("profile", "profile_set", "model_defaults", "recompute", "attention", "flops", *SECTIONS)
-    unknown = sorted(set(record) - set(top))
+    unknown = sorted(str(k) for k in set(record) - set(top))
+    _unsupported(unknown, f"{where}:", " ")
     _require(not unknown, f"{where}: {', '.join(unknown)}", f"unknown field; valid: {', '.join(top)}")
     formula = record.get("flops", FLOPS[0])
     _require(formula in FLOPS, f"{where}: flops", f"must be one of {', '.join(FLOPS)}, got {formula!r}")
-    _require(isinstance(record.get("profile"), str), f"{where}: profile",
+    _require(record.get("profile") is not None, f"{where}: profile",
              "missing: the shipped cluster profile the runs are costed on, e.g. slurm/profiles/a100-4x8.yaml")  # fmt: skip
-    _require(isinstance(record.get("profile_set", []), list), f"{where}: profile_set", "must be a list of key=value")
+    _require(isinstance(record["profile"], str) and record["profile"].strip() != "", f"{where}: profile",
+             f"must be the path of a cluster profile (relative to the repository, or absolute), e.g. "
+             f"slurm/profiles/a100-4x8.yaml, got {record['profile']!r}")  # fmt: skip
+    overrides = record.get("profile_set", [])
+    _require(isinstance(overrides, list), f"{where}: profile_set", "must be a list of key=value")
+    # load_profile splits each at "=": a number or a mapping there was an AttributeError traceback.
+    for i, item in enumerate(overrides):
+        _require(isinstance(item, str) and "=" in item, f"{where}: profile_set[{i}]",
+                 f"must be a string key=value, e.g. 'network.inter_node_bandwidth=400 Gbit/s', got {item!r}")  # fmt: skip
     defaults = record.get("model_defaults", {})
     _require(isinstance(defaults, dict) and set(defaults) <= {"vocab_size", "seq_len"}, f"{where}: model_defaults",
              "must be a mapping of vocab_size and seq_len")  # fmt: skip
@@ -189,36 +258,72 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
         _check_model(spec.get("model"), f"{where}: table_2.model", alone=True)
         _check_flops(spec["model"], formula, f"{where}: table_2.model")
         _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", "must be a positive integer")
+        # An empty table costed nothing and the command exited 0, as if it had compared something.
+        _require(bool(spec["rows"]), f"{where}: table_2.rows", "must be a non-empty list of runs")
         for i, row in enumerate(spec["rows"]):
             _require(isinstance(row, dict), f"{where}: table_2.rows[{i}]", "must be a mapping")
             _known_keys(row, TABLE_2_ROW_KEYS, f"{where}: table_2.rows[{i}]")
             _check_run({**row, "gbs": spec["gbs"]}, f"{where}: table_2.rows[{i}]", model=False, published=True)
             _require(row.get("scheme") in ("ptd-p", "zero-3"), f"{where}: table_2.rows[{i}].scheme",
                      "must be ptd-p or zero-3")  # fmt: skip
-    for name, keys in (("figure_13", ("gpus", "mbs", "gbs", "configs")), ("figure_14", ("gpus", "mbs", "gbs", "pipeline_sizes")),
-                       ("figure_16", ("gpus", "t", "p", "gbs", "mbs"))):  # fmt: skip
+    for name in ("figure_13", "figure_14", "figure_16"):
         if name in record:
-            spec = record[name]
-            _require(isinstance(spec, dict), f"{where}: {name}", "must be a mapping")
-            _known_keys(spec, FIGURE_KEYS[name], f"{where}: {name}")
-            _check_model(spec.get("model"), f"{where}: {name}.model", alone=True)
-            _check_flops(spec["model"], formula, f"{where}: {name}.model")
-            for key in keys:
-                _require(key in spec, f"{where}: {name}.{key}", "missing")
-            gpus = spec["gpus"]
-            _require(_positive_int(gpus), f"{where}: {name}.gpus", f"must be a positive integer, got {gpus!r}")
-            if name == "figure_13":
-                layouts = spec["configs"] if isinstance(spec["configs"], list) else [None]
-            elif name == "figure_14":
-                layouts = [[1, q] for q in spec["pipeline_sizes"]] if isinstance(spec["pipeline_sizes"], list) else [None]
-            else:
-                layouts = [[spec["t"], spec["p"]]]
-            for layout in layouts:
-                ok = (isinstance(layout, list) and len(layout) == 2 and all(_positive_int(x) for x in layout)
-                      and gpus % (layout[0] * layout[1]) == 0)  # fmt: skip
-                _require(ok, f"{where}: {name}", f"every [t, p] must be positive integers whose product divides "
-                                                 f"gpus = {gpus}, got {layout!r}")  # fmt: skip
+            _check_figure(record[name], name, f"{where}: {name}", formula)
     return record
+
+
+def _check_figure(spec: Any, name: str, where: str, formula: str) -> None:
+    """A figure's sweep: every field it is costed from, each combination a layout and a batch a run could have
+    (a number where a list goes was a TypeError traceback; an empty list costed nothing, silently)."""
+    _require(isinstance(spec, dict), where, "must be a mapping")
+    _known_keys(spec, FIGURE_KEYS[name], where)
+    _check_model(spec.get("model"), f"{where}.model", alone=True)
+    _check_flops(spec["model"], formula, f"{where}.model")
+    sweeps = {"figure_13": ("gbs", "configs"), "figure_14": ("gbs", "pipeline_sizes"),
+              "figure_16": ("gbs", "mbs")}  # fmt: skip
+    for key in FIGURE_KEYS[name][1:]:
+        if key in ("best", "order", "best_mbs"):  # what the paper says of the sweep: optional
+            continue
+        _require(key in spec, f"{where}.{key}", "missing")
+        value = spec[key]
+        if key == "configs":
+            _require(isinstance(value, list) and bool(value), f"{where}.configs",
+                     f"must be a non-empty list of [t, p], got {value!r}")  # fmt: skip
+        elif key in sweeps[name]:
+            _require(_positive_ints(value), f"{where}.{key}",
+                     f"must be a non-empty list of positive integers, got {value!r}")  # fmt: skip
+        else:
+            _require(_positive_int(value), f"{where}.{key}", f"must be a positive integer, got {value!r}")
+    gpus = spec["gpus"]
+    if name == "figure_13":
+        layouts = spec["configs"]
+    elif name == "figure_14":
+        layouts = [[1, q] for q in spec["pipeline_sizes"]]
+    else:
+        layouts = [[spec["t"], spec["p"]]]
+    for layout in layouts:
+        ok = (isinstance(layout, list) and len(layout) == 2 and all(_positive_int(x) for x in layout)
+              and gpus % (layout[0] * layout[1]) == 0)  # fmt: skip
+        _require(ok, where, f"every [t, p] must be positive integers whose product divides gpus = {gpus}, "
+                            f"got {layout!r}")  # fmt: skip
+    # Whole micro-batches per replica, as a run's batch must be (the figure's were costed as rejected layouts).
+    for t, p in layouts:
+        d = gpus // (t * p)
+        for mbs in spec["mbs"] if isinstance(spec["mbs"], list) else [spec["mbs"]]:
+            for gbs in spec["gbs"]:
+                _require(gbs % (d * mbs) == 0, f"{where}.gbs",
+                         f"{gbs} is not a multiple of d·mbs = {d}·{mbs} at t = {t}, p = {p} (whole micro-batches "
+                         "per replica); fix gbs, mbs or the layout")  # fmt: skip
+    # What the paper names best must be among what the figure swept (tests/test_costmodel_published.py reads it).
+    if "best" in spec:
+        _require(spec["best"] in spec.get("configs", []), f"{where}.best",
+                 f"{spec['best']!r} is not one of its configs {spec.get('configs')!r}")  # fmt: skip
+    if "best_mbs" in spec:
+        _require(spec["best_mbs"] in spec["mbs"], f"{where}.best_mbs",
+                 f"{spec['best_mbs']!r} is not one of its mbs {spec['mbs']!r}")  # fmt: skip
+    if "order" in spec:
+        _require(spec["order"] == "decreasing_with_p", f"{where}.order",
+                 f"must be decreasing_with_p (the paper's statement of figure 14), got {spec['order']!r}")  # fmt: skip
 
 
 def load_record(path: Path | str = RECORD) -> dict[str, Any]:
@@ -261,7 +366,14 @@ def run_flops(model: dict[str, Any], *, formula: str, gbs: int, seq: int, vocab:
 def record_cluster(record: dict[str, Any]) -> ClusterProfile:
     """The record's cluster: a shipped profile (a path relative to the repository, or absolute) with the record's
     overrides."""
-    return load_profile(REPO / record["profile"], record.get("profile_set", []))
+    path = REPO / record["profile"]
+    if not path.exists():  # a GPU or cluster the repository has no profile for: say what to give instead
+        shipped = ", ".join(str(f.relative_to(REPO)) for f in sorted((REPO / "slurm" / "profiles").glob("*.yaml")))
+        raise RecordError(f"profile: {record['profile']}: file not found (a relative path is read from the "
+                          f"repository, {REPO}); give a shipped profile ({shipped}) with profile_set overrides for "
+                          "another accelerator or network (accelerator.peak_tflops, accelerator.memory, "
+                          "network.inter_node_bandwidth...), or the absolute path of a profile of your own")  # fmt: skip
+    return load_profile(path, record.get("profile_set", []))
 
 
 def a100_cluster(gpus: int, profile: ClusterProfile) -> ClusterProfile:
@@ -436,16 +548,30 @@ def all_cases(record: dict[str, Any] | None = None) -> list[Case]:
     return [c for table in (runs, table_1, table_2, figure_13, figure_14, figure_16) for c in table(record, cluster)]
 
 
-def above_peak(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> str | None:
-    """One line for the first run whose published rate, by the record's FLOP formula, is above the accelerator's
-    dense peak: no run can be, so a rate or unit is mistyped (tokens/s for the whole cluster given per GPU) or the
-    record's profile is not the cluster the runs were on. None if every run is at or below it."""
-    peak = cluster.accelerator.peak_tflops
+def implausible(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> str | None:
+    """One line for the first run whose published numbers no run can have, or None. A rate above the
+    accelerator's dense peak (by the record's FLOP formula) is a rate or unit mistyped (tokens/s of the whole
+    cluster given per GPU) or a profile that is not the runs' cluster; one under `MIN_PEAK_FRACTION` of it is
+    milliseconds given as `iter_time_s`; a memory above the device's (`MEMORY_SLACK`) is MiB given as GB, or the
+    node's. Costed, either would be a ratio off by the unit's factor, printed as if the model were."""
+    acc = cluster.accelerator
+    peak = acc.peak_tflops
     for c in cases:
+        run = f"{c.group}: run {c.label!r}"
         if c.published_tflops is not None and c.published_tflops > peak:
-            return (f"{c.group}: run {c.label!r}: its published rate is {c.published_tflops:,.0f} TFLOP/s per GPU by the "
-                    f"{formula} formula, above the {cluster.accelerator.name}'s peak of {peak:g} (profile "
+            return (f"{run}: its published rate is {c.published_tflops:,.0f} TFLOP/s per GPU by the "
+                    f"{formula} formula, above the {acc.name}'s peak of {peak:g} (profile "
                     f"{cluster.name}); check its tflops/tokens_per_s (per GPU) or iter_time_s, and the record's profile")  # fmt: skip
+        if c.published_tflops is not None and c.published_tflops < MIN_PEAK_FRACTION * peak:
+            return (f"{run}: its published rate is {c.published_tflops:.2g} TFLOP/s per GPU by the {formula} "
+                    f"formula, under {MIN_PEAK_FRACTION:.0%} of the {acc.name}'s peak of {peak:g} (profile "
+                    f"{cluster.name}); check that iter_time_s is in seconds (not ms), that tflops and tokens_per_s "
+                    "are per GPU, and the record's profile")  # fmt: skip
+        memory = c.published_memory_gb
+        if memory is not None and memory * 1e9 > MEMORY_SLACK * acc.memory_bytes:
+            return (f"{run}: its published memory of {memory:,.0f} GB per GPU is above the "
+                    f"{acc.name}'s {acc.memory} (profile {cluster.name}); check memory_gb is in GB per GPU (not "
+                    "MiB, nor the node's), and the record's profile")  # fmt: skip
     return None
 
 
@@ -469,7 +595,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def print_cases(cases: list[Case]) -> None:
     memory = any(c.published_memory_gb for c in cases)  # the published memory's column only when a run gives one
-    header = f"{'group':<10} {'run':<16} {'GPUs':>5} {'t':>3} {'p':>3} {'d':>4} {'mbs':>3} {'gbs':>5} " \
+    w = max([16, *(len(c.label) for c in cases)])  # run names are free text: a longer one would shift its row
+    header = f"{'group':<10} {'run':<{w}} {'GPUs':>5} {'t':>3} {'p':>3} {'d':>4} {'mbs':>3} {'gbs':>5} " \
              f"{'mem GB':>7}{' pub GB' if memory else ''} {'TFLOP/s':>8} {'published':>9} {'ratio':>6}"  # fmt: skip
     print(header)
     print("-" * len(header))
@@ -480,7 +607,7 @@ def print_cases(cases: list[Case]) -> None:
         pub = f"{c.published_tflops:9.0f}" if c.published_tflops else "        -"
         ratio = f"{c.ratio:6.2f}" if c.ratio else "     -"
         flag = "" if c.feasible else f"  REJECTED: {c.reason}"
-        print(f"{c.group:<10} {c.label:<16} {c.gpus:>5} {c.t:>3} {c.p:>3} {c.d:>4} {c.mbs:>3} {c.gbs:>5} {mem} "
+        print(f"{c.group:<10} {c.label:<{w}} {c.gpus:>5} {c.t:>3} {c.p:>3} {c.d:>4} {c.mbs:>3} {c.gbs:>5} {mem} "
               f"{c.predicted_tflops:8.1f} {pub} {ratio}{flag}")  # fmt: skip
 
 
@@ -494,18 +621,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         record = load_record(args.record)
-        if args.profile_set:  # what the record says, then the command line's
-            record = {**record, "profile_set": [*record.get("profile_set", []), *args.profile_set]}
-        cluster = record_cluster(record)
-    except RecordError as e:
+    except RecordError as e:  # it names the file
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.profile_set:  # what the record says, then the command line's
+        record = {**record, "profile_set": [*record.get("profile_set", []), *args.profile_set]}
+    try:
+        cluster = record_cluster(record)
+    except RecordError as e:  # a profile that is not there: name the record that names it
+        parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
     except ConfigError as e:  # the profile the record names, or its profile_set
         parser.exit(2, f"{parser.prog}: error: {args.record}: profile: {e}\n")
     try:
         cases = all_cases(record)
     except ConfigError as e:  # a run's model that the trainer's job refuses (it names the run and the field)
         parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
-    problem = above_peak(cases, cluster, formula=record.get("flops", FLOPS[0]))
+    problem = implausible(cases, cluster, formula=record.get("flops", FLOPS[0]))
     if problem:
         parser.exit(2, f"{parser.prog}: error: {args.record}: {problem}\n")
     print_cases(cases)

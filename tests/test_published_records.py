@@ -1,0 +1,184 @@
+"""`benchmarks.published` against more records: the ones added under tests/published/ (MT-NLG 530B, GPT-NeoX-20B,
+Llama 3 405B) load and cost; and the bad records a reviewer's hand-written one can be — a figure's list given as a
+number, an empty section, a flag given as a string, an infinite or mistyped unit, a setting the format cannot say —
+are refused in one line naming the file, the run and the field, where they used to end in a traceback or be
+costed silently wrong (tests/test_published_record.py holds the first such cases)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from benchmarks.common import REPO
+from benchmarks.published import all_cases, load_record, main
+
+PUBLISHED = REPO / "tests" / "published"
+NEW_RECORDS = ("mt_nlg_530b.yaml", "gpt_neox_20b.yaml", "llama3_405b.yaml")
+
+BASE = {
+    "profile": "slurm/profiles/a100-4x8.yaml",
+    "profile_set": ["network.inter_node_bandwidth=1600 Gbit/s"],
+    "model_defaults": {"vocab_size": 51200, "seq_len": 2048},
+}
+RUN = {"name": "1.7B", "layers": 24, "hidden": 2304, "heads": 24, "t": 1, "p": 1, "gpus": 32, "mbs": 16, "gbs": 512,
+       "tflops": 137}  # fmt: skip  (Table 1's first row of the SC21 paper)
+MODEL = {"name": "x", "layers": 24, "hidden": 2304, "heads": 24}
+FIG13 = {"model": MODEL, "gpus": 32, "mbs": 1, "gbs": [32], "configs": [[1, 1]]}
+FIG14 = {"model": MODEL, "gpus": 32, "mbs": 1, "gbs": [64], "pipeline_sizes": [2]}
+FIG16 = {"model": MODEL, "gpus": 32, "t": 1, "p": 1, "gbs": [64], "mbs": [1]}
+
+
+def refused(tmp_path, capsys, text: str) -> tuple[str, str]:
+    """The CLI's one line for the record `text`, and the record's path (which the line must name)."""
+    path = tmp_path / "record.yaml"
+    path.write_text(text)
+    out = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--record", str(path), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and str(path) in err and not out.exists(), err
+    return err, str(path)
+
+
+def run(**change):
+    return {**RUN, **change}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # A figure's sweep given as one number, or with a bad element, ended in a TypeError traceback or in the
+        # trainer's job naming `batch.mbs_choices` of a run "x" instead of the figure's field.
+        ({"figure_13": {**FIG13, "gbs": 32}}, "figure_13.gbs: must be a non-empty list of positive integers, got 32"),
+        ({"figure_14": {**FIG14, "gbs": 64}}, "figure_14.gbs: must be a non-empty list of positive integers"),
+        ({"figure_16": {**FIG16, "mbs": 1}}, "figure_16.mbs: must be a non-empty list of positive integers, got 1"),
+        ({"figure_16": {**FIG16, "mbs": [0]}}, "figure_16.mbs: must be a non-empty list of positive integers"),
+        ({"figure_13": {**FIG13, "gbs": ["32"]}}, "figure_13.gbs: must be a non-empty list of positive integers"),
+        ({"figure_13": {**FIG13, "mbs": "one"}}, "figure_13.mbs: must be a positive integer, got 'one'"),
+        ({"figure_16": {**FIG16, "t": "one"}}, "figure_16.t: must be a positive integer, got 'one'"),
+        ({"figure_14": {**FIG14, "pipeline_sizes": 2}},
+         "figure_14.pipeline_sizes: must be a non-empty list of positive integers, got 2"),
+        # An empty sweep or table costed nothing and exited 0, silently.
+        ({"figure_13": {**FIG13, "configs": []}}, "figure_13.configs: must be a non-empty list of [t, p]"),
+        ({"figure_13": {**FIG13, "gbs": []}}, "figure_13.gbs: must be a non-empty list of positive integers"),
+        ({"table_2": {"model": MODEL, "gbs": 512, "rows": []}}, "table_2.rows: must be a non-empty list of runs"),
+        # A figure's batch that is not whole micro-batches per replica was costed (as a rejected layout) where a
+        # run's is refused.
+        ({"figure_13": {**FIG13, "gbs": [33]}},
+         "figure_13.gbs: 33 is not a multiple of d·mbs = 32·1 at t = 1, p = 1 (whole micro-batches per replica)"),
+        ({"figure_14": {**FIG14, "gbs": [10]}}, "figure_14.gbs: 10 is not a multiple of d·mbs = 16·1 at t = 1, p = 2"),
+        # What the figure says is best must be one of what it swept (tests/test_costmodel_published.py reads it).
+        ({"figure_13": {**FIG13, "best": [3, 3]}}, "figure_13.best: [3, 3] is not one of its configs"),
+        ({"figure_16": {**FIG16, "best_mbs": 2}}, "figure_16.best_mbs: 2 is not one of its mbs [1]"),
+        ({"figure_14": {**FIG14, "order": "increasing"}}, "figure_14.order: must be decreasing_with_p"),
+        # profile_set items that are not strings reached load_profile and ended in an AttributeError traceback.
+        ({"profile_set": [1600]}, "profile_set[0]: must be a string key=value"),
+        ({"profile_set": [{"network.inter_node_bandwidth": "1600 Gbit/s"}]}, "profile_set[0]: must be a string key=value"),
+        # A profile that is not a path was reported as missing.
+        ({"profile": 5}, "profile: must be the path of a cluster profile"),
+        # A profile the repository lacks (another GPU): what to do instead.
+        ({"profile": "slurm/profiles/h800-8x8.yaml"},
+         "profile: slurm/profiles/h800-8x8.yaml: file not found (a relative path is read from the repository, "),
+        # `sharded_dp: 'no'` was bool('no') = True: the run was costed as ZeRO-3, silently.
+        ({"runs": [run(sharded_dp="no")]}, "runs[0].sharded_dp: must be true or false, got 'no'"),
+        # Virtual stages without a pipeline were ignored silently.
+        ({"runs": [run(v=2)]}, "runs[0].v: 2 virtual stages need a pipeline (p > 1)"),
+        # An infinite time or memory: no ratio (the run silently left out of the summary), a ZeroDivisionError
+        # traceback, or "inf" printed as the published memory.
+        ({"runs": [{**run(iter_time_s=math.inf), "tflops": None}]}, "runs[0].iter_time_s: must be a positive number (finite)"),
+        ({"runs": [{**run(tokens_per_s=math.inf), "tflops": None}]}, "runs[0].tokens_per_s: must be a positive number (finite)"),
+        ({"runs": [run(memory_gb=math.inf)]}, "runs[0].memory_gb: must be a positive number (finite)"),
+        # A run without a usable name was labelled "None" or "['a']" or "".
+        ({"runs": [run(name=None)]}, "runs[0].name: must be a non-empty name, got None"),
+        ({"runs": [run(name="")]}, "runs[0].name: must be a non-empty name, got ''"),
+        ({"runs": [run(name=["a"])]}, "runs[0].name: must be a non-empty name, got ['a']"),
+        # What the format cannot say is named as such, not as a misspelling of one of the valid keys.
+        ({"runs": [run(cp=16)]}, "runs[0].cp: context parallelism is not in cona's cost model"),
+        ({"runs": [run(sequence_parallel=True)]}, "runs[0].sequence_parallel: sequence parallelism is not in"),
+        ({"cp": 16, "runs": [RUN]}, "record.yaml: cp: context parallelism is not in cona's cost model"),
+        # Grouped-query attention on a GPT was refused by the trainer's job as "field 'model'" of the run's name.
+        ({"flops": "megatron-core", "runs": [run(kv_heads=8)]},
+         "runs[0].kv_heads: a gpt has one key/value head per query head (24); grouped-query attention is family: llama"),
+        ({"flops": "megatron-core", "runs": [run(family="mistral")]},
+         "runs[0].family: must be one of gpt, llama, bert, got 'mistral' (a Llama-like model"),
+    ],
+)  # fmt: skip
+def test_a_bad_record_is_refused_in_one_line_naming_the_field(tmp_path, capsys, change, expected):
+    record = {**BASE, **change}
+    if not any(k in change for k in ("runs", "table_2", "figure_13", "figure_14", "figure_16")):
+        record["runs"] = [RUN]
+    for row in record.get("runs", []):
+        for key in [k for k, v in row.items() if v is None and k != "name"]:
+            del row[key]
+    err, _ = refused(tmp_path, capsys, yaml.safe_dump(record))
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_record_is_called_empty(tmp_path, capsys, text):
+    """An empty file was answered "profile: missing", as if only the profile were."""
+    err, path = refused(tmp_path, capsys, text)
+    assert f"{path}: the record is empty: give profile and at least one of runs, table_1" in err, err
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # nvidia-smi's MiB given as GB: 1000x the memory, printed beside the model's as a ratio of 0.00.
+        ({"memory_gb": 76000}, "runs: run '1.7B': its published memory of 76,000 GB per GPU is above the "
+                               "A100-80GB's 80 GB (profile a100-4x8); check memory_gb is in GB per GPU"),
+        # Milliseconds given as seconds: a run 1000x slower than published, costed as a model 640x too fast.
+        ({"iter_time_s": 2100, "tflops": None}, "runs: run '1.7B': its published rate is 0.23 TFLOP/s per GPU by the "
+                                                "megatron-sc21 formula, under 1% of the A100-80GB's peak of 312"),
+    ],
+)  # fmt: skip
+def test_a_published_number_in_the_wrong_unit_is_refused(tmp_path, capsys, change, expected):
+    row = {k: v for k, v in run(**change).items() if v is not None}
+    err, _ = refused(tmp_path, capsys, yaml.safe_dump({**BASE, "runs": [row]}))
+    assert expected in err, err
+    assert "iter_time_s is in seconds" in err or "not MiB" in err, err
+
+
+@pytest.mark.parametrize("name", NEW_RECORDS)
+def test_the_new_records_load_and_cost(tmp_path, capsys, name):
+    """Each added record loads, every run is costed (a prediction and a ratio) and the CLI writes its JSON. No
+    accuracy target is asserted: what each is off by, and why, is in the record."""
+    record = load_record(PUBLISHED / name)
+    cases = all_cases(record)
+    assert len(cases) == len(record["runs"]) >= 1
+    for c in cases:
+        assert c.prediction is not None and c.ratio is not None and 0.2 < c.ratio < 5, (c.label, c.ratio)
+    out = tmp_path / "out.json"
+    assert main(["--record", str(PUBLISHED / name), "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert [c["label"] for c in saved["cases"]] == [str(r["name"]) for r in record["runs"]]
+    assert "predicted/published from" in capsys.readouterr().out
+
+
+def test_the_mt_nlg_runs_are_the_papers_own_tflops():
+    """The MT-NLG record gives iteration times; by the SC21 formula they are the paper's 126, 121 and 113 TFLOP/s
+    per GPU (a check that the record's shape, batch and vocabulary are the paper's)."""
+    cases = all_cases(load_record(PUBLISHED / "mt_nlg_530b.yaml"))
+    assert [round(c.published_tflops) for c in cases] == [126, 120, 113]  # 120.4: the paper rounds to 121
+    assert [(c.t, c.p, c.d, c.gbs) for c in cases] == [(8, 35, 8, 1920), (8, 35, 10, 1920), (8, 35, 12, 1920)]
+
+
+def test_a_missing_profile_names_the_shipped_ones(tmp_path, capsys):
+    """A GPU the repository has no profile for: the line says what to give instead (it said "file not found")."""
+    err, _ = refused(tmp_path, capsys, yaml.safe_dump({**BASE, "profile": "slurm/profiles/h800-8x8.yaml", "runs": [RUN]}))
+    assert "give a shipped profile (slurm/profiles/a100-16x8.yaml, slurm/profiles/a100-4x8.yaml" in err, err
+    assert "with profile_set overrides for another accelerator or network" in err, err
+
+
+def test_a_long_run_name_keeps_the_table_aligned(tmp_path, capsys):
+    """Run names are free text ("MT-NLG 530B 280 nodes"): a name longer than the column shifted its row."""
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "runs": [RUN, run(name="a run name longer than the column")]}))
+    assert main(["--record", str(path), "--out", str(tmp_path / "x.json")]) == 0
+    header, _, *rows = capsys.readouterr().out.splitlines()[:4]
+    end = header.index("GPUs") + len("GPUs")
+    assert all(row[end - 2 : end] == "32" for row in rows), [header, *rows]
