@@ -195,6 +195,9 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
         ("", "configmaps"): {"create", "get", "patch", "delete"},
         ("batch", "jobs"): {"create", "get", "delete"},
         ("", "pods"): {"list"},
+        # `cona submit` checks that the profile's PVC and ServiceAccount exist before it creates anything.
+        ("", "persistentvolumeclaims"): {"get"},
+        ("", "serviceaccounts"): {"get"},
     }
     bindings = [doc for doc in docs if doc["kind"] == "RoleBinding"]
     assert [b["roleRef"]["name"] for b in bindings] == ["cona"]

@@ -22,6 +22,7 @@ from tests.conftest import REPO, run_cona
 from tests.k8s_emulator import frozen, kill_pod
 from tests.test_k8s_backend import _verb
 from tests.test_k8s_e2e import BASE, NAMESPACE, S2, S4, TINY, write_profile
+from tests.test_k8s_submit_unit import namespace_objects
 from tests.test_orchestrator_e2e import assert_attempts_never_overlap, assert_samples_exact, heartbeats
 
 pytestmark = [
@@ -52,6 +53,7 @@ class Cluster:
         self.kubeconfig = k8s.write_kubeconfig(root / "kubeconfig", token="laptop", namespace=NAMESPACE)
         self.controller = k8s.run_jobs(root / "pods", env={"KUBECONFIG": str(pods_config)})
         self.profile = write_profile(root)
+        namespace_objects(k8s, NAMESPACE)  # the PVC and ServiceAccount `cona submit` checks, as manifests/ makes them
 
     def cona(self, *args: str, timeout: float = 180):
         return run_cona(*args, env={"KUBECONFIG": str(self.kubeconfig)}, timeout=timeout)

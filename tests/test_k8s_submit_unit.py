@@ -61,6 +61,20 @@ def _objects(run: str = "tiny-1", **kubernetes):
     return render_submission(profile=_profile(**kubernetes), job=_job(), run=run, submitted=SUBMITTED)
 
 
+def namespace_objects(k8s, namespace: str = NS, *, pvc: str | None = "cona-runs",
+                      modes: tuple[str, ...] = ("ReadWriteMany",), account: str | None = "cona") -> None:  # fmt: skip
+    """What `kubectl apply -k manifests/` leaves in the namespace and `cona submit` checks: the PVC (with its access
+    modes) and the ServiceAccount. Created by a client of the test's own, which no request log counts."""
+    core = client.CoreV1Api(k8s.api_client("cona-test-setup"))
+    if pvc is not None:
+        core.create_namespaced_persistent_volume_claim(namespace, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": pvc},
+            "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "1Ti"}}}})  # fmt: skip
+    if account is not None:
+        core.create_namespaced_service_account(namespace, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                           "metadata": {"name": account}})  # fmt: skip
+
+
 # ---- rendering ----------------------------------------------------------------------------------------------------
 
 
@@ -150,6 +164,7 @@ def test_submit_refuses_bad_input_before_creating_anything(args, message, tmp_pa
 
 
 def test_submit_creates_the_configmap_then_the_job_and_refuses_a_second_run_of_the_name(k8s):
+    namespace_objects(k8s)
     objects = _objects()
     assert submit(objects, api_client=k8s.api_client()) == ("tiny-1", NS)
     core = client.CoreV1Api(k8s.api_client())
@@ -161,6 +176,7 @@ def test_submit_creates_the_configmap_then_the_job_and_refuses_a_second_run_of_t
 
 
 def test_a_job_that_cannot_be_created_leaves_no_configmap(k8s):
+    namespace_objects(k8s)
     k8s.refuse("POST", "batch", "v1", "jobs", status=403, message="forbidden")
     with pytest.raises(BackendError, match="lack create on jobs"):
         submit(_objects(), api_client=k8s.api_client())
@@ -169,6 +185,7 @@ def test_a_job_that_cannot_be_created_leaves_no_configmap(k8s):
 
 
 def test_status_of_a_run_whose_orchestrator_cannot_start(k8s):
+    namespace_objects(k8s)
     submit(_objects(), api_client=k8s.api_client())
     status = remote_status("tiny-1", namespace=NS, api_client=k8s.api_client())
     assert status["status"] == "submitted" and status["orchestrator"] == "Job tiny-1-orch: no pod yet"
@@ -182,6 +199,7 @@ def test_status_of_a_run_whose_orchestrator_cannot_start(k8s):
 
 
 def test_a_run_whose_orchestrator_job_failed_is_failed_whatever_it_mirrored_last(k8s):
+    namespace_objects(k8s)
     submit(_objects(), api_client=k8s.api_client())
     client.CoreV1Api(k8s.api_client()).patch_namespaced_config_map(
         "tiny-1", NS, {"data": {"status.json": json.dumps({"status": "running", "run_dir": "/runs/tiny-1"})}})
@@ -199,6 +217,7 @@ def _mirrored(k8s, status: str) -> None:
 
 
 def test_resume_replaces_the_orchestrator_job_of_an_ended_run_and_refuses_otherwise(k8s):
+    namespace_objects(k8s)
     submit(_objects(), api_client=k8s.api_client())
     for status, message in (("running", "is running, not ended; stop it first"), ("done", "has finished (done)")):
         _mirrored(k8s, status)
@@ -230,6 +249,7 @@ def test_the_mirror_publishes_status_and_carries_a_stop_once(k8s, tmp_path):
     job = load_job(JOB)
     create_run(run_dir=run_dir, profile=profile, job=job)
     objects = render_submission(profile=profile, job=job, run="tiny-1", submitted=SUBMITTED)
+    namespace_objects(k8s)
     submit(objects, api_client=k8s.api_client())
     api = KubeApi(NS, k8s.api_client())
     mirror = StatusMirror(api, "tiny-1", run_dir, interval_s=3600)
@@ -257,6 +277,7 @@ def test_a_report_is_drawn_off_the_loop_and_a_failed_one_is_one_line(k8s, tmp_pa
     profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path / "runs")})})
     job = load_job(JOB)
     create_run(run_dir=run_dir, profile=profile, job=job)
+    namespace_objects(k8s)
     submit(render_submission(profile=profile, job=job, run="tiny-1", submitted=SUBMITTED), api_client=k8s.api_client())
     api = KubeApi(NS, k8s.api_client())
     mirror = StatusMirror(api, "tiny-1", run_dir, interval_s=3600)
@@ -321,6 +342,7 @@ def test_orchestrate_a_run_that_cannot_start_records_why_and_exits_0(k8s, tmp_pa
     profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path)})})
     job = load_job(JOB)
     job.data.path = str(tmp_path / "no-such-data.txt")
+    namespace_objects(k8s)
     submit(render_submission(profile=profile, job=job, run="r9", submitted=SUBMITTED), api_client=k8s.api_client())
     assert orchestrate("r9", namespace=NS, api_client=k8s.api_client(), quiet=True) == 0
     status = remote_status("r9", namespace=NS, api_client=k8s.api_client())
@@ -342,6 +364,7 @@ def test_orchestrate_a_run_whose_directory_is_damaged_records_why_and_exits_0(k8
     job = load_job(JOB)
     run_dir = RunDir(tmp_path / "runs" / "r8")
     create_run(run_dir=run_dir, profile=profile, job=job)
+    namespace_objects(k8s)
     submit(render_submission(profile=profile, job=job, run="r8", submitted=SUBMITTED), api_client=k8s.api_client())
     if damage == "run.yaml cut short":
         text = run_dir.run_yaml.read_text()

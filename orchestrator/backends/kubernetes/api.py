@@ -18,6 +18,8 @@ from cona.orchestrator.backends.base import BackendError
 REQUEST_TIMEOUT_S = 30
 """Per API call (connect and read), so that a poll never blocks for long."""
 RBAC = "manifests/rbac.yaml"
+FORBIDDEN: Any = object()
+"""What `KubeApi.call(..., forbidden_ok=True)` returns for a 403: a read the caller can do without."""
 
 
 def one_line(text: str) -> str:
@@ -97,11 +99,12 @@ class KubeApi:
         return client.CoordinationV1Api(self.api_client)
 
     def call(self, verb: str, resource: str, name: str, fn: Callable[..., Any], *args: Any,
-             missing_ok: bool = False, conflict_ok: bool = False, not_found_hint: str | None = None,
-             **kwargs: Any) -> Any:  # fmt: skip
+             missing_ok: bool = False, conflict_ok: bool = False, forbidden_ok: bool = False,
+             not_found_hint: str | None = None, **kwargs: Any) -> Any:  # fmt: skip
         """`fn(*args, **kwargs)`; an API error as one-line BackendError naming `verb`, `resource` and `name`.
-        With `missing_ok`, a 404 returns None; with `conflict_ok`, a 409 returns None. `not_found_hint` is the
-        first thing to check on a 404 (e.g. whether a CRD is installed)."""
+        With `missing_ok`, a 404 returns None; with `conflict_ok`, a 409 returns None; with `forbidden_ok`, a 403
+        returns `FORBIDDEN`. `not_found_hint` is the first thing to check on a 404 (e.g. whether a CRD is
+        installed)."""
         from kubernetes.client.exceptions import ApiException
         from pydantic import ValidationError
         from urllib3.exceptions import HTTPError
@@ -113,6 +116,8 @@ class KubeApi:
             status = e.status or 0
             if (status == 404 and missing_ok) or (status == 409 and conflict_ok):
                 return None
+            if status == 403 and forbidden_ok:
+                return FORBIDDEN
             message = api_message(e)
             if status == 401:
                 hint = "the credentials were rejected (401); renew them in the kubeconfig or the service account token"

@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 from cona.orchestrator.backends.base import BackendError
-from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
+from cona.orchestrator.backends.kubernetes.api import FORBIDDEN, KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.backend import waiting_reason
 from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
+from cona.orchestrator.backends.kubernetes.render import DNS_LABEL
 from cona.orchestrator.backends.kubernetes.runobjects import (
     PROFILE_KEY,
     REPORT_DONE_KEY,
@@ -35,6 +36,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     render_orchestrator_job,
     report_configmap_name,
 )
+from cona.protocol.yamlconfig import ConfigError
 
 FINAL = ("done", "stopped", "failed")
 
@@ -57,14 +59,69 @@ def _own_configmap(api: KubeApi, run: str, job: Any) -> None:
                  {"metadata": {"ownerReferences": [owner_reference(orchestrator_job_name(run), uid)]}})  # fmt: skip
 
 
+def _api(namespace: str, api_client: Any | None) -> KubeApi:
+    """The API of `namespace`, which must be a DNS-1123 label: `cona status/stop/report` and `--resume` take it
+    from `--namespace` or the kubeconfig's context, where a typo would only read as "no run of that name"."""
+    if len(namespace) > 63 or not DNS_LABEL.fullmatch(namespace):
+        raise ConfigError(f"namespace {namespace!r} (--namespace, else the kubeconfig context's): not a DNS-1123 label "
+                          "(at most 63 lower-case letters, digits and '-'); give the run's namespace, e.g. -n cona")  # fmt: skip
+    return KubeApi(namespace, api_client)
+
+
+def _pod_volume_claim(job: dict[str, Any]) -> str | None:
+    """The PVC the orchestrator Job's pod mounts (the run directories), or None."""
+    volumes = job["spec"]["template"]["spec"].get("volumes") or []
+    return next((v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v), None)
+
+
+def _check_cluster(api: KubeApi, job: dict[str, Any], nodes: int) -> None:
+    """Refuse, before anything is created, a run whose orchestrator pod could never start: its PVC or ServiceAccount
+    missing from the namespace (the pod would stay Pending, or never be created, and `cona status` would say so
+    only later), or a PVC that the pods of `nodes` nodes cannot all mount. A submitter whose Role predates these
+    reads (403) is not refused: the checks are a courtesy, the pod's own state tells the same later."""
+    core = api.core()
+    pod = job["spec"]["template"]["spec"]
+    claim = _pod_volume_claim(job)
+    account = pod.get("serviceAccountName")
+
+    def read(resource: str, name: str, fn: Any) -> Any:
+        return api.call("get", resource, name, fn, name, api.namespace, missing_ok=True, forbidden_ok=True)
+
+    if claim:
+        pvc = read("persistentvolumeclaims", claim, core.read_namespaced_persistent_volume_claim)
+        if pvc is None:
+            raise ConfigError(
+                f"kubernetes.pvc {claim!r}: no PersistentVolumeClaim of that name in namespace {api.namespace!r} "
+                "(or no such namespace); `kubectl apply -k manifests/` creates cona-runs in cona, else set "
+                "kubernetes.pvc to your ReadWriteMany claim"
+            )
+        modes = set(pvc.spec.access_modes or []) if pvc is not FORBIDDEN and pvc.spec is not None else set()
+        if modes and "ReadWriteMany" not in modes and ("ReadWriteOnce" not in modes or nodes > 1):
+            # Only one node may mount a ReadWriteOnce claim: fine on a one-machine cluster, but the pods of a run on
+            # several nodes would wait in ContainerCreating for a volume that never attaches.
+            raise ConfigError(
+                f"kubernetes.pvc {claim!r} is {', '.join(sorted(modes))}: the pods of a run on {nodes} node(s) "
+                "must all mount it to write the run directory; give a ReadWriteMany claim (manifests/pvc.yaml)"
+            )
+    if account and read("serviceaccounts", account, core.read_namespaced_service_account) is None:
+        raise ConfigError(
+            f"kubernetes.service_account {account!r}: no ServiceAccount of that name in namespace {api.namespace!r}, "
+            "so the orchestrator's pod could not be created; `kubectl apply -k manifests/` creates cona and its Role, "
+            "else set kubernetes.service_account to one bound to the Role in manifests/rbac.yaml"
+        )
+
+
 def submit(objects: list[dict[str, Any]], *, api_client: Any | None = None) -> tuple[str, str]:
     """Create a run's [ConfigMap, orchestrator Job] (`runobjects.render_submission`); returns (run, namespace).
 
-    Nothing is left behind when the Job cannot be created; the ConfigMap is then given the Job as its owner, so
-    deleting the Job deletes the run's objects (the attempts' workloads are owned by it too)."""
+    The PVC and the ServiceAccount are checked first (`_check_cluster`). Nothing is left behind when the Job
+    cannot be created; the ConfigMap is then given the Job as its owner, so deleting the Job deletes the run's
+    objects (the attempts' workloads are owned by it too)."""
     configmap, job = objects
     run, namespace = configmap["metadata"]["name"], configmap["metadata"]["namespace"]
-    api = KubeApi(namespace, api_client)
+    api = _api(namespace, api_client)
+    profile = yaml.safe_load(configmap["data"].get(PROFILE_KEY) or "{}") or {}
+    _check_cluster(api, job, int(profile.get("nodes") or 1))
     core, batch = api.core(), api.batch()
     if api.call("create", "configmaps", run, core.create_namespaced_config_map, namespace, configmap,
                 conflict_ok=True) is None:  # fmt: skip
@@ -106,9 +163,15 @@ def _orchestrator_state(api: KubeApi, run: str) -> str:
     return f"pod {pod.metadata.name} {phase}, {restarts} restart(s)" + (f": {why}" if why else "")
 
 
+def _orphaned(run: str) -> tuple[str, ...]:
+    """How `_orchestrator_state` begins when nobody drives the run: its orchestrator Job failed, or is gone."""
+    name = orchestrator_job_name(run)
+    return f"Job {name} failed", f"Job {name} not found"
+
+
 def remote_status(run: str, *, namespace: str, api_client: Any | None = None) -> dict[str, Any]:
     """`cona status`'s summary of a run on Kubernetes, with `orchestrator` (its pod) added."""
-    api = KubeApi(namespace, api_client)
+    api = _api(namespace, api_client)
     data = read_run_configmap(api, run)
     summary = _mirrored(data)
     if summary is None:
@@ -125,11 +188,17 @@ def remote_status(run: str, *, namespace: str, api_client: Any | None = None) ->
 
 def remote_stop(run: str, *, namespace: str, api_client: Any | None = None) -> str:
     """Leave a stop request in the run's ConfigMap; returns what to tell the user."""
-    api = KubeApi(namespace, api_client)
+    api = _api(namespace, api_client)
     data = read_run_configmap(api, run)
     status = (_mirrored(data) or {}).get("status")
     if status in FINAL:
         return f"run {run} has already ended ({status}); nothing to stop"
+    orchestrator = _orchestrator_state(api, run)
+    if orchestrator.startswith(_orphaned(run)):
+        # Nobody would carry the stop out now, and the next orchestrator (`--resume`) would: it would stop the
+        # resumed run at once. So no stop is left.
+        return (f"run {run} is not running ({orchestrator}); nothing to stop (no stop request left); "
+                f"`cona submit --resume {run} --namespace {namespace}` goes on from its last checkpoint")  # fmt: skip
     core = api.core()
     token = f"stop-{time.time():.3f}"
     api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": {STOP_KEY: token}})
@@ -141,12 +210,18 @@ def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 12
                   api_client: Any | None = None) -> tuple[Path, Path | None]:  # fmt: skip
     """Fetch the run's report into `out_dir`: the stored one of an ended run, else one the orchestrator writes on
     request now. Returns (report.md, report.png or None)."""
-    api = KubeApi(namespace, api_client)
+    api = _api(namespace, api_client)
     core = api.core()
     data = read_run_configmap(api, run)
     status = (_mirrored(data) or {}).get("status")
     name = report_configmap_name(run)
     if status not in FINAL:
+        orchestrator = _orchestrator_state(api, run)
+        if orchestrator.startswith(_orphaned(run)):
+            # Nobody would write it: say so now rather than after `wait_s` of waiting.
+            raise BackendError(f"kubernetes: run {run!r} is not running ({orchestrator}), so no orchestrator can "
+                               f"write its report; `cona submit --resume {run} --namespace {namespace}` goes on, "
+                               "or read the run directory on the PVC")  # fmt: skip
         token = f"report-{time.time():.3f}"
         api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace,
                  {"data": {REPORT_REQUEST_KEY: token}})  # fmt: skip
@@ -183,17 +258,19 @@ def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: f
     """Resume a stopped or failed submitted run: a new orchestrator Job (the old one deleted, the run's ConfigMaps
     kept) that goes on from the last complete checkpoint. Returns what to tell the user."""
     from cona.orchestrator.profile import ClusterProfile
-    from cona.protocol.yamlconfig import ConfigError, validate
+    from cona.protocol.yamlconfig import validate
     from kubernetes import client
 
-    api = KubeApi(namespace, api_client)
+    api = _api(namespace, api_client)
     core, batch = api.core(), api.batch()
     data = read_run_configmap(api, run)
     status = (_mirrored(data) or {}).get("status")
     name = orchestrator_job_name(run)
     if status == "done":
         raise BackendError(f"kubernetes: run {run!r} has finished (done); there is nothing to resume")
-    if status not in ("stopped", "failed") and not _orchestrator_state(api, run).startswith(f"Job {name} failed"):
+    # Ended, or nobody drives it any more (a resume whose new Job could not be created deleted the old one: the
+    # run must stay resumable then).
+    if status not in ("stopped", "failed") and not _orchestrator_state(api, run).startswith(_orphaned(run)):
         raise BackendError(f"kubernetes: run {run!r} is {status or 'submitted'}, not ended; stop it first "
                            f"(`cona stop {run} --namespace {namespace}`)")  # fmt: skip
     try:

@@ -81,11 +81,59 @@ PROTOCOL_EXIT_CODES = sorted(int(code) for code in ExitCode if code != ExitCode.
 """Exit codes that end the Job at once (Kubernetes wants them ascending): 2, 42, 43, 44."""
 ENV_REFERENCE = "$(JOB_COMPLETION_INDEX)"
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+"""A DNS-1123 label (at most 63 characters), as a namespace's name."""
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _QUALIFIED = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 _BAD_IMAGE = re.compile(r"[\s\x00-\x1f\x7f]")
+_SUFFIXES = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+             **{s: 1024.0 ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}  # fmt: skip
+MIN_MEMORY = 1024**2
+"""The least memory quantity taken (1Mi): below it, a unit was forgotten (`2` is two bytes) or `m` (milli) was
+taken for mebi (`500m` is half a byte), and the pod would be killed at start or /dev/shm be full at once."""
+
+
+def quantity_bytes(value: str) -> float:
+    """A quantity that matched a quantity pattern here (`1.5Gi`, `500m`, `2`) in bytes."""
+    number = re.match(r"[0-9.]+", value)
+    assert number is not None, value
+    return float(number.group()) * _SUFFIXES[value[number.end() :]]
+
+
+def check_memory(field: str, value: str) -> None:
+    """Refuse a memory quantity under `MIN_MEMORY`, in one line naming `field`."""
+    if quantity_bytes(value) < MIN_MEMORY:
+        raise ConfigError(f"{field}: {value!r} is {quantity_bytes(value):g} bytes; give a unit, e.g. 2Gi (Mi, Gi: "
+                          "1024-based; m would be milli)")  # fmt: skip
+
+
+RESERVED_PATHS = {
+    "/": "the container's root filesystem",
+    "/tmp": "the pods' scratch emptyDir (HOME=/tmp)",
+    "/dev": "where the container's devices (the GPUs) are",
+    "/dev/shm": "the pods' in-memory /dev/shm volume",
+    "/proc": "the container's /proc",
+    "/sys": "the container's /sys",
+}
+"""Paths `kubernetes.mount_path` may not be: the pods mount or need something else there."""
+
+
+def image_tag(image: str) -> str | None:
+    """The tag of an image reference (`latest` of `reg:5000/cona:latest`), `@` and the digest of a pinned one, None
+    when it has neither (a registry's port, `reg:5000/cona`, is no tag)."""
+    name, at, digest = image.partition("@")
+    if at:
+        return f"@{digest}"
+    _, colon, tag = name.rpartition("/")[2].partition(":")
+    return tag if colon else None
+
+
+def pull_policy(image: str) -> str:
+    """The pods' `imagePullPolicy`, as Kubernetes would default it: `Always` for `:latest` (it moves, and a node's
+    cached copy may be older than another's: every pod of an attempt must run the same code), else `IfNotPresent`
+    (a version tag or a digest is pulled once per node)."""
+    return "Always" if image_tag(image) == "latest" else "IfNotPresent"
 
 
 def escape(value: str) -> str:
@@ -134,7 +182,7 @@ def _check(what: str, value: str, pattern: re.Pattern[str], limit: int, expected
 
 def check_spec(spec: KubernetesSpec) -> None:
     """Reject profile values that cannot be names in a manifest, with one line naming the field."""
-    _check("kubernetes.namespace", spec.namespace, _DNS_LABEL, 63, "a DNS-1123 label")
+    _check("kubernetes.namespace", spec.namespace, DNS_LABEL, 63, "a DNS-1123 label")
     _check("kubernetes.pvc", spec.pvc, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
     _check("kubernetes.service_account", spec.service_account, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
     _check("kubernetes.gpu_resource", spec.gpu_resource, _QUALIFIED, 316, "a resource name such as nvidia.com/gpu")
@@ -142,10 +190,25 @@ def check_spec(spec: KubernetesSpec) -> None:
         shown = spec.image.encode("unicode_escape").decode()
         raise ConfigError(f"kubernetes.image: {shown!r} is empty or contains whitespace or a control character")
     _check("kubernetes.trainer_runtime", spec.trainer_runtime, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
+    tag = image_tag(spec.image)
+    if not tag:
+        # Kubernetes would take `:latest`, which moves: the nodes of one attempt, or one attempt and the next,
+        # could run different code, and a resumed run would not run what it started with.
+        raise ConfigError(
+            f"kubernetes.image: {spec.image!r} has no tag; name the version to run, e.g. "
+            f"{spec.image.rstrip(':')}:0.1.0, or pin a digest (@sha256:...); ':latest' only if you mean it"
+        )
     if spec.shm_size is not None:
         _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
+        check_memory("kubernetes.shm_size", spec.shm_size)
     if not spec.mount_path.startswith("/"):
         raise ConfigError(f"kubernetes.mount_path: {spec.mount_path!r} is not an absolute path")
+    mount = str(PurePosixPath(spec.mount_path))
+    if mount in RESERVED_PATHS:
+        # The pod spec would mount two volumes at one path (refused when the Job creates its pods, so the attempt
+        # would wait for pods that never come) or hide what the container needs there.
+        raise ConfigError(f"kubernetes.mount_path: {spec.mount_path!r} is {RESERVED_PATHS[mount]}; mount the PVC "
+                          "at a path of its own, e.g. /runs (and put storage.run_root under it)")  # fmt: skip
 
 
 def _run_dir_on_pvc(run_dir: str, mount_path: str) -> str:
@@ -244,7 +307,7 @@ def _pod_spec(
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
-        "imagePullPolicy": "IfNotPresent",
+        "imagePullPolicy": pull_policy(spec.image),
         "command": argv,
         "env": [
             # Declared here (the Job controller would add the same) so that `$(JOB_COMPLETION_INDEX)` in the

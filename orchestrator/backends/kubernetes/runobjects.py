@@ -26,10 +26,12 @@ from cona.orchestrator.backends.kubernetes.render import (
     CONTAINER_SECURITY,
     POD_SECURITY,
     PYTHON,
+    check_memory,
     check_spec,
     dns_name,
     escape,
     label_value,
+    pull_policy,
 )
 from cona.protocol.yamlconfig import ConfigError
 
@@ -174,7 +176,7 @@ def render_orchestrator_job(*, spec: KubernetesSpec, run: str, run_dir: str) -> 
     container = {
         "name": CONTAINER,
         "image": spec.image,
-        "imagePullPolicy": "IfNotPresent",
+        "imagePullPolicy": pull_policy(spec.image),
         "command": orchestrator_argv(run, spec.namespace),
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -222,8 +224,13 @@ def render_submission(*, profile: ClusterProfile, job: Job, run: str, submitted:
     for field, value in (("orchestrator_cpu", spec.orchestrator_cpu), ("orchestrator_memory", spec.orchestrator_memory)):
         if not _QUANTITY.fullmatch(value):
             raise ConfigError(f"kubernetes.{field}: {value!r} is not a quantity such as 500m, 2 or 2Gi")
+    check_memory("kubernetes.orchestrator_memory", spec.orchestrator_memory)
     if run != run_name(run):
         raise ConfigError(f"--name {run!r}: not a DNS-1035 label of at most {RUN_NAME_MAX} characters (e.g. {run_name(run)!r})")
+    if run.endswith(REPORT_SUFFIX):
+        # Its ConfigMap would be run `X`'s report ConfigMap: X's orchestrator would write its report into this run's.
+        raise ConfigError(f"--name {run!r}: ends in {REPORT_SUFFIX!r}, the name of run {run[: -len(REPORT_SUFFIX)]!r}'s "
+                          "report ConfigMap; pick another name")  # fmt: skip
     run_dir = run_dir_for(profile, run)
     return [
         render_configmap(profile=profile, job=job, run=run, run_dir=run_dir, submitted=submitted),

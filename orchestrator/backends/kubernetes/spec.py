@@ -5,6 +5,7 @@ Imports nothing of the backend itself, so loading a profile does not load the ba
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import pydantic
@@ -13,6 +14,23 @@ from pydantic import Field
 
 _TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
 _TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_KEY_RULE = "an optional DNS prefix and '/', then at most 63 of A-Z a-z 0-9 - _ . with a letter or digit at both ends"
+LABEL_VALUE_RULE = "empty, or at most 63 of A-Z a-z 0-9 - _ . with a letter or digit at both ends"
+
+
+def is_label_key(key: str) -> bool:
+    """Whether `key` is a label key (a qualified name: `[prefix/]name`), as a node selector or toleration key must be."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return False
+    return len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
+
+
+def is_label_value(value: str) -> bool:
+    """Whether `value` is a label value (empty, or ≤ 63 characters, alphanumeric at both ends)."""
+    return value == "" or (len(value) <= 63 and bool(_LABEL_NAME.fullmatch(value)))
 
 
 class KubernetesSpec(StrictModel):
@@ -72,6 +90,18 @@ class KubernetesSpec(StrictModel):
     """How long the orchestrator's Lease lasts without renewal (renewed every third of it): after the orchestrator
     dies, a restarted one waits this long before it takes over the run."""
 
+    @pydantic.field_validator("node_selector")
+    @classmethod
+    def _node_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        # The API server refuses a pod whose selector is no label (`gpu type: H100`), but only when the orchestrator
+        # creates an attempt's workload, in the cluster, after `cona submit` said the run was submitted.
+        for key, label in value.items():
+            if not is_label_key(key):
+                raise ValueError(f"key {key!r} is not a label key ({LABEL_KEY_RULE})")
+            if not is_label_value(label):
+                raise ValueError(f"{key}: value {label!r} is not a label value ({LABEL_VALUE_RULE})")
+        return value
+
     @pydantic.field_validator("tolerations")
     @classmethod
     def _tolerations(cls, value: list[dict[str, str | int]]) -> list[dict[str, str | int]]:
@@ -81,6 +111,10 @@ class KubernetesSpec(StrictModel):
             if unknown:
                 keys = ", ".join(map(repr, unknown))  # as the other messages here quote a value; not a list repr
                 raise ValueError(f"[{i}]: unknown key(s) {keys}; valid: {', '.join(_TOLERATION_FIELDS)}")
+            for name in ("key", "operator", "value", "effect"):
+                # YAML reads `value: 1` or `value: true` as a number: the API takes only a string there.
+                if name in toleration and not isinstance(toleration[name], str):
+                    raise ValueError(f"[{i}].{name} {toleration[name]!r}: write it in quotes (a string)")
             for name, allowed in (("operator", ("Exists", "Equal")), ("effect", _TAINT_EFFECTS)):
                 if name in toleration and toleration[name] not in allowed:
                     raise ValueError(f"[{i}].{name} {toleration[name]!r}: use one of {', '.join(map(repr, allowed))}")
@@ -89,4 +123,16 @@ class KubernetesSpec(StrictModel):
                 raise ValueError(f"[{i}].tolerationSeconds {seconds!r}: give whole seconds")
             if toleration.get("operator") == "Exists" and toleration.get("value"):
                 raise ValueError(f"[{i}]: operator 'Exists' takes no value; drop value or use operator 'Equal'")
+            # The API server's own rules for a toleration (`ValidateTolerations`), so that a pod is never refused.
+            key = str(toleration.get("key", ""))
+            if key and not is_label_key(key):
+                raise ValueError(f"[{i}].key {key!r} is not a label key ({LABEL_KEY_RULE})")
+            if not key and toleration.get("operator") != "Exists":
+                raise ValueError(f"[{i}]: a toleration without a key needs operator 'Exists' (it then tolerates "
+                                 "every taint); give the taint's key, or operator: Exists")  # fmt: skip
+            if toleration.get("operator", "Equal") == "Equal" and not is_label_value(str(toleration.get("value", ""))):
+                raise ValueError(f"[{i}].value {toleration['value']!r} is not a label value ({LABEL_VALUE_RULE})")
+            if seconds is not None and toleration.get("effect") != "NoExecute":
+                raise ValueError(f"[{i}].tolerationSeconds is only for effect 'NoExecute' (how long a pod stays on a "
+                                 "node tainted NoExecute); drop it or set effect: NoExecute")  # fmt: skip
         return value

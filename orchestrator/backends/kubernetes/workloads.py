@@ -23,6 +23,9 @@ from typing import Any
 from cona.orchestrator.backends.kubernetes.render import CONTAINER, TRAINJOB_CONTAINER
 
 INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+TRAINER_COMPONENT = "trainer"
+"""The component label of an attempt's pods (`render.labels`); a run's orchestrator pod has `orchestrator`."""
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", INSTANCE_LABEL)
 """Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
@@ -164,6 +167,9 @@ class WorkloadApi:
                    self.namespace, k.plural, name, body=options, missing_ok=True)  # fmt: skip
 
     def owns(self, pod: Any, name: str) -> bool:
-        """Whether `pod` belongs to the workload `name` (one of the kind's labels has that value)."""
+        """Whether `pod` belongs to the workload `name` (one of the kind's labels has that value) and is a trainer
+        pod: the orchestrator pod of a run named like this attempt (`R-a1`) has the instance label `R-a1` too."""
         pod_labels = pod.metadata.labels or {}
+        if pod_labels.get(COMPONENT_LABEL, TRAINER_COMPONENT) != TRAINER_COMPONENT:
+            return False
         return any(pod_labels.get(label) == name for label in self.kind.pod_labels)
