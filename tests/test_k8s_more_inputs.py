@@ -65,7 +65,8 @@ PROFILES = {
     "2x4-own-namespace": [
         "nodes=2", "gpus_per_node=4", "kubernetes.namespace=ml-team", "kubernetes.pvc=team-data.v2",
         "kubernetes.service_account=trainer-sa", "kubernetes.shm_size=1.5Gi", "kubernetes.orchestrator_memory=1.5Gi",
-        "kubernetes.orchestrator_cpu=500m", f'kubernetes.node_selector."{GKE_ACCELERATOR}"=nvidia-h100-80gb',
+        "kubernetes.orchestrator_cpu=500m", "kubernetes.trainer_cpu=8", "kubernetes.trainer_memory=64Gi",
+        f'kubernetes.node_selector."{GKE_ACCELERATOR}"=nvidia-h100-80gb',
         "kubernetes.tolerations=[{key: dedicated, operator: Equal, value: ml, effect: NoExecute, "
         "tolerationSeconds: 300}, {operator: Exists}]",
     ],
@@ -147,7 +148,16 @@ def test_a_dotted_node_selector_key_and_quantities_reach_the_pods():
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", GKE_ACCELERATOR: "nvidia-h100-80gb"}
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1.5Gi"}} in pod["volumes"]
     (container,) = pod["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "4", "memory": "64Gi"},
+                                      "requests": {"cpu": "8", "memory": "64Gi"}}  # fmt: skip
+    # A TrainJob carries them per node, where its runtime puts them on the trainer container.
+    trainjob = render_attempt(profile=_profile(*PROFILES["2x4-own-namespace"], "kubernetes.workload=trainjob"),
+                              strategy=first_strategy(profile, _job()), attempt=1, run_dir=run_dir_for(profile, "r"))  # fmt: skip
+    assert trainjob[-1]["spec"]["trainer"]["resourcesPerNode"] == container["resources"]
+    # Without them, as before: the devices only.
+    plain = render_attempt(profile=_profile(), strategy=first_strategy(_profile(), _job()), attempt=1,
+                           run_dir=run_dir_for(_profile(), "r"))  # fmt: skip
+    assert _pods(plain)[0]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
     _, job = render_submission(profile=profile, job=_job(), run="r", submitted=SUBMITTED)
     resources = job["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources == {"requests": {"cpu": "500m", "memory": "1.5Gi"}, "limits": {"memory": "1.5Gi"}}
@@ -432,3 +442,18 @@ def test_report_of_a_run_whose_orchestrator_job_failed_is_one_line_at_once(k8s, 
     with pytest.raises(BackendError, match=r"run 'tiny-1' is not running \(Job tiny-1-orch failed: .*no orchestrator"):
         remote_report("tiny-1", namespace=NS, out_dir=tmp_path / "r", wait_s=30, api_client=k8s.api_client())
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    (['kubernetes.trainer_memory="64"'], "kubernetes.trainer_memory: '64' is 64 bytes; give a unit"),
+    (["kubernetes.trainer_memory=lots"], "kubernetes.trainer_memory"),
+    (["kubernetes.trainer_cpu=eight"], "kubernetes.trainer_cpu"),
+    ([CPU, "kubernetes.node_selector={}", "kubernetes.tolerations=[]", "kubernetes.trainer_cpu=4"],
+     "the profile's devices are CPUs (gpu_resource: cpu)"),
+])  # fmt: skip
+def test_trainer_pod_requests_that_cannot_be_are_one_line(override, message):
+    from cona.orchestrator.backends.kubernetes.render import check_spec
+
+    with pytest.raises(ConfigError) as raised:
+        check_spec(_profile(*override).kubernetes)
+    assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)

@@ -136,6 +136,22 @@ def pull_policy(image: str) -> str:
     return "Always" if image_tag(image) == "latest" else "IfNotPresent"
 
 
+def trainer_resources(spec: KubernetesSpec, devices: int) -> dict[str, Any]:
+    """A trainer pod's resources: its devices as a limit (a quantity is a string in the API: the official client
+    refuses an int), and `trainer_cpu`/`trainer_memory` where the profile sets them (memory as request and limit,
+    so that a pod over it is the one killed, not a neighbour)."""
+    resources: dict[str, Any] = {"limits": {spec.gpu_resource: str(int(devices))}}
+    requests: dict[str, str] = {}
+    if spec.trainer_cpu is not None:
+        requests["cpu"] = spec.trainer_cpu
+    if spec.trainer_memory is not None:
+        requests["memory"] = spec.trainer_memory
+        resources["limits"]["memory"] = spec.trainer_memory
+    if requests:
+        resources["requests"] = requests
+    return resources
+
+
 def escape(value: str) -> str:
     """`value` as Kubernetes must see it in `command`/`args`/`env` so that it expands to itself: `$` → `$$`."""
     return value.replace("$", "$$")
@@ -201,6 +217,14 @@ def check_spec(spec: KubernetesSpec) -> None:
     if spec.shm_size is not None:
         _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
         check_memory("kubernetes.shm_size", spec.shm_size)
+    if spec.trainer_memory is not None:
+        _check("kubernetes.trainer_memory", spec.trainer_memory, _QUANTITY, 64, "a quantity such as 200Gi")
+        check_memory("kubernetes.trainer_memory", spec.trainer_memory)
+    if spec.trainer_cpu is not None:
+        _check("kubernetes.trainer_cpu", spec.trainer_cpu, _QUANTITY, 64, "a quantity such as 32 or 500m")
+        if spec.gpu_resource == "cpu":  # one resource in requests twice, with two meanings: say which one counts
+            raise ConfigError("kubernetes.trainer_cpu: the profile's devices are CPUs (gpu_resource: cpu), requested "
+                              "one per process already; leave trainer_cpu out")  # fmt: skip
     if not spec.mount_path.startswith("/"):
         raise ConfigError(f"kubernetes.mount_path: {spec.mount_path!r} is not an absolute path")
     mount = str(PurePosixPath(spec.mount_path))
@@ -324,7 +348,7 @@ def _pod_spec(
         ],
         "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
         # A quantity is a string in the API (the official client refuses an int here).
-        "resources": {"limits": {spec.gpu_resource: str(int(gpus))}},
+        "resources": trainer_resources(spec, gpus),
         "volumeMounts": mounts,
         "securityContext": dict(CONTAINER_SECURITY),
     }
@@ -492,7 +516,7 @@ def _trainjob(
                 "numNodes": nnodes,
                 "numProcPerNode": per_node,
                 # A quantity is a string in the API, as in the Indexed Job's pods.
-                "resourcesPerNode": {"limits": {spec.gpu_resource: str(int(per_node))}},
+                "resourcesPerNode": trainer_resources(spec, per_node),
                 "env": [
                     {"name": "PYTHONUNBUFFERED", "value": "1"},
                     {"name": "HOME", "value": "/tmp"},

@@ -6,7 +6,7 @@ Imports nothing of the backend itself, so loading a profile does not load the ba
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 from cona.protocol.yamlconfig import StrictModel
@@ -79,6 +79,12 @@ class KubernetesSpec(StrictModel):
     a pod that waits for something waiting does not bring (an image that cannot be pulled) is not a lost node."""
     shm_size: str | None = None
     """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""
+    trainer_cpu: str | None = None
+    """CPU request of each trainer pod (a quantity such as `32`); None: none, beyond `gpu_resource`'s limit. With
+    neither this nor `trainer_memory` the pods are BestEffort: the first evicted under memory pressure, and refused
+    in a namespace whose ResourceQuota asks every pod for requests."""
+    trainer_memory: str | None = None
+    """Memory request and limit of each trainer pod (a quantity such as `200Gi`); None: none."""
     orchestrator_cpu: str = "500m"
     """CPU request of the orchestrator pod (`cona submit`): it tails files and calls the API, a fraction of a core."""
     orchestrator_memory: str = "2Gi"
@@ -89,6 +95,14 @@ class KubernetesSpec(StrictModel):
     lease_duration_s: int = Field(default=15, ge=3, le=300)
     """How long the orchestrator's Lease lasts without renewal (renewed every third of it): after the orchestrator
     dies, a restarted one waits this long before it takes over the run."""
+
+    @pydantic.field_validator("trainer_cpu", mode="before")
+    @classmethod
+    def _cpu_count(cls, value: Any) -> Any:
+        # `trainer_cpu: 32` is a count of cores, as Kubernetes reads the quantity "32": take the number as that.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return value
 
     @pydantic.field_validator("node_selector")
     @classmethod
