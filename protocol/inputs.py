@@ -4,9 +4,9 @@
 The trainer opens its corpus through `data_files` and `check_split` (`cona.trainer.data.load_corpus`) and checks
 `model.init_from` with `check_init_from` before it starts its process group (`cona.trainer.main`); `cona run` and
 `cona profile` call `check_inputs` — the same functions, on the files' sizes — before they create a run directory,
-so an empty data file, a directory without text files, a `.bin` cut mid-token, an evaluation set larger than the
-held-out split or a model directory without config.json is refused before a run exists (a run's job is fixed once
-it does).
+so an empty data file, a directory without text files, a `.bin` cut mid-token, a tokens.bin that disagrees with
+its tokens.json (or has none), an evaluation set larger than the held-out split or a model directory without
+config.json is refused before a run exists (a run's job is fixed once it does).
 
 Every refusal is an `InputRefused`: one line naming the field or file, and in `fix` where the fix lies — a job
 field (`FIX_JOB`: the run's job cannot change, so the fix is a new run with the corrected job), the files on disk
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 TOKEN_SUFFIXES = (".bin", ".npy")
 """Token files: raw `data.token_dtype` ids (`.bin`) or a NumPy array (`.npy`)."""
 TEXT_SUFFIXES = (".txt", ".md", "")
-"""The files of a directory that are read as text (the byte-level reader, `cona data prepare`)."""
+"""The files of a directory that are read as text (the byte-level reader, `cona data prepare`), in any case."""
 TOKENS_FILE = "tokens.bin"
 TOKENS_META = "tokens.json"
 """What `cona data prepare` writes (`trainer.prepare`): the token file and its metadata, side by side."""
@@ -73,6 +74,31 @@ def missing_data_hint(path: str) -> str:
     return f"give an existing text file, directory of text files or token file: {other}"
 
 
+def corpus_files(directory: Path, suffixes: tuple[str, ...], *, compressed: tuple[str, ...] = ()) -> tuple[list[Path], list[Path]]:
+    """(the files of `directory` a reader takes, sorted by path; the entries it passes over, for a note), the one
+    rule of the trainer's readers and `cona data prepare`: files at any depth whose suffix, in any case (README.TXT),
+    is one of `suffixes`, or is after dropping one of `compressed` (`cona data prepare` reads a.txt.gz). Hidden
+    files and everything under a hidden directory are left out, unlisted: a `.git` holds files without a suffix
+    (its objects, compressed binaries) that are no corpus. A symbolic link to a file is read; one to a directory is
+    passed over (a link back up would loop), and so is a broken link or anything else that is not a file."""
+    taken: list[Path] = []
+    passed: list[Path] = []
+    # os.walk descends into no link to a directory; an unreadable directory is passed over, not silently skipped.
+    for root, dirs, names in os.walk(directory, onerror=lambda e: passed.append(Path(e.filename))):
+        base = Path(root)
+        passed.extend(base / d for d in dirs if not d.startswith(".") and (base / d).is_symlink())
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = base / name
+            suffix = path.suffix.lower()
+            if suffix in compressed:
+                suffix = Path(path.stem).suffix.lower()
+            (taken if suffix in suffixes and path.is_file() else passed).append(path)
+    return sorted(taken), sorted(passed)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFiles:
     """The files `data.path` names, as the trainer reads them (`data_files`)."""
@@ -95,26 +121,34 @@ class DataFiles:
         size)."""
         if self.fmt == "bytes":
             return sum(p.stat().st_size for p in self.files)
-        if any(p.suffix == ".npy" for p in self.files):
+        if any(p.suffix.lower() == ".npy" for p in self.files):
             return None
         return sum(p.stat().st_size // _ITEMSIZE[self.token_dtype] for p in self.files)
 
 
 def read_token_metadata(path: Path, job: JobSpec) -> dict[str, Any] | None:
     """The metadata `cona data prepare` wrote for `path` (its directory, or its tokens.bin), checked against the
-    model: None when there is none; `InputRefused` when it is unreadable or the model's vocabulary cannot hold the
-    tokenizer's ids."""
+    model: None when there is none; `InputRefused` when it is unreadable, says something impossible, or the model's
+    vocabulary cannot hold the tokenizer's ids."""
     meta_path = (path if path.is_dir() else path.parent) / TOKENS_META
     if not meta_path.exists() or (path.is_file() and path.name != TOKENS_FILE):
         return None
+    again = "run cona data prepare again"
     try:
         meta = json.loads(meta_path.read_text())
-        vocab, dtype = int(meta["vocab_size"]), str(meta["token_dtype"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputRefused(f"{meta_path}: unreadable ({e}); run cona data prepare again", fix=FIX_FILES) from None
+    except (OSError, ValueError) as e:
+        raise InputRefused(f"{meta_path}: unreadable ({e}); {again}", fix=FIX_FILES) from None
+    if not isinstance(meta, dict):
+        raise InputRefused(f"{meta_path}: not a JSON object; {again}", fix=FIX_FILES)
+    vocab, dtype, count = meta.get("vocab_size"), meta.get("token_dtype"), meta.get("num_tokens", 0)
+    for key, value in (("vocab_size", vocab), ("num_tokens", count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key == "vocab_size"):
+            raise InputRefused(f"{meta_path}: {key} {value!r} is not a {'positive' if key == 'vocab_size' else 'whole'} "
+                               f"number; {again}", fix=FIX_FILES)  # fmt: skip
     if dtype not in _ITEMSIZE:
-        raise InputRefused(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; run cona data prepare "
-                           "again", fix=FIX_FILES)  # fmt: skip
+        raise InputRefused(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; {again}", fix=FIX_FILES)
+    if dtype == "uint16" and vocab > 2**16:  # its ids would have wrapped around: the tokens are not the text's
+        raise InputRefused(f"{meta_path}: a vocabulary of {vocab} does not fit token_dtype uint16; {again}", fix=FIX_FILES)
     if vocab > job.model.vocab_size:
         raise InputRefused(
             f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of {vocab} that {meta_path.parent} "
@@ -139,12 +173,22 @@ def data_files(job: JobSpec) -> DataFiles:
         if not tokens.exists():
             raise InputRefused(f"data.path {spec.path!r}: {TOKENS_META} but no {TOKENS_FILE}; run cona data prepare "
                                "again", fix=FIX_FILES)  # fmt: skip
+        _check_prepared(tokens, meta)
         fmt, dtype, path = "tokens", str(meta["token_dtype"]), tokens
+    elif path.name == TOKENS_FILE and fmt != "bytes" and "token_dtype" not in spec.model_fields_set:
+        # What `cona data prepare` wrote, without the tokens.json that says its dtype: read as the default uint16,
+        # uint32 ids would silently become other tokens.
+        raise InputRefused(f"data.path {spec.path!r}: no {TOKENS_META} beside it, which says the dtype and vocabulary "
+                           f"cona data prepare wrote it with; copy {TOKENS_META} along or run cona data prepare "
+                           "again, or set data.token_dtype to read it as raw ids")  # fmt: skip
     if fmt == "auto":
-        fmt = "tokens" if path.is_file() and path.suffix in TOKEN_SUFFIXES else "bytes"
+        fmt = "tokens" if path.is_file() and path.suffix.lower() in TOKEN_SUFFIXES else "bytes"
     if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        files = [p for p in found if p.suffix in (TOKEN_SUFFIXES if fmt == "tokens" else TEXT_SUFFIXES)]
+        files, _ = corpus_files(path, TOKEN_SUFFIXES if fmt == "tokens" else TEXT_SUFFIXES)
+        if not files and (path / TOKENS_FILE).is_file():  # a `cona data prepare` output that lost its tokens.json
+            raise InputRefused(f"data.path {spec.path!r}: {TOKENS_FILE} but no {TOKENS_META}, which says the dtype and "
+                               f"vocabulary cona data prepare wrote it with; run cona data prepare again, or set "
+                               f"data.path to {path / TOKENS_FILE} and data.token_dtype to read it as raw ids")  # fmt: skip
         if not files:
             kind = f"token files ({', '.join(TOKEN_SUFFIXES)})" if fmt == "tokens" else "text files (.txt, .md, no suffix)"
             raise InputRefused(f"data.path {spec.path!r}: the directory holds no {kind}; put the corpus there, or "
@@ -157,10 +201,22 @@ def data_files(job: JobSpec) -> DataFiles:
     if fmt == "tokens":
         for file in files:
             size = file.stat().st_size
-            if file.suffix != ".npy" and size % _ITEMSIZE[dtype]:
+            if file.suffix.lower() != ".npy" and size % _ITEMSIZE[dtype]:
                 raise InputRefused(f"{file}: size {size} is not a multiple of {_ITEMSIZE[dtype]} bytes; check "
                                    f"data.token_dtype (now {dtype}), or whether the file was cut short")  # fmt: skip
     return DataFiles(source=spec.path, path=path, fmt=fmt, token_dtype=dtype, files=tuple(files), meta=meta)
+
+
+def _check_prepared(tokens: Path, meta: dict[str, Any]) -> None:
+    """`InputRefused` unless `tokens` holds the `num_tokens` ids of `meta`'s dtype: a file cut short by a whole
+    number of ids, or metadata of another tokenization (a copy of one beside the other's), would train on other
+    tokens than prepared, or on ids read in the wrong width, without a word."""
+    dtype, count = str(meta["token_dtype"]), meta.get("num_tokens")
+    size = tokens.stat().st_size
+    if count is not None and size != count * _ITEMSIZE[dtype]:
+        raise InputRefused(f"{tokens}: {size} bytes, but {TOKENS_META} says {count} {dtype} ids ({count * _ITEMSIZE[dtype]} "
+                           "bytes): cut short, or not the file it describes; run cona data prepare again",
+                           fix=FIX_FILES)  # fmt: skip
 
 
 def check_split(job: JobSpec, num_tokens: int, *, source: str) -> None:

