@@ -329,16 +329,22 @@ def test_a_run_that_does_not_exist_is_one_line(k8s, tmp_path, argv):
     assert all(method == "GET" for method, _ in k8s.requests_by("laptop"))
 
 
-def test_resume_goes_on_when_the_orchestrator_job_is_gone(k8s):
-    """A `--resume` deletes the old orchestrator Job before it creates the new one; when that create failed, the
-    run was left with no Job and the status its dead orchestrator mirrored last (running): it must stay
-    resumable, not answered "stop it first" (a stop that no orchestrator would carry out)."""
+def _submitted_and_running(k8s):
+    """Run `tiny-1` submitted to the emulated cluster, its mirrored status `running`; the set-up's API client."""
     namespace_objects(k8s)
     submit(render_submission(profile=_profile(), job=_job(), run="tiny-1", submitted=SUBMITTED),
            api_client=k8s.api_client())  # fmt: skip
     setup = k8s.api_client("cona-test-setup")
     client.CoreV1Api(setup).patch_namespaced_config_map(
         "tiny-1", NS, {"data": {"status.json": '{"status": "running", "run_dir": "/runs/tiny-1"}'}})
+    return setup
+
+
+def test_resume_goes_on_when_the_orchestrator_job_is_gone(k8s):
+    """A `--resume` deletes the old orchestrator Job before it creates the new one; when that create failed, the
+    run was left with no Job and the status its dead orchestrator mirrored last (running): it must stay
+    resumable, not answered "stop it first" (a stop that no orchestrator would carry out)."""
+    setup = _submitted_and_running(k8s)
     client.BatchV1Api(setup).delete_namespaced_job("tiny-1-orch", NS)
     assert "resuming run tiny-1 (running)" in resume("tiny-1", namespace=NS, api_client=k8s.api_client(), wait_s=5)
     job = client.BatchV1Api(setup).read_namespaced_job("tiny-1-orch", NS)
@@ -391,12 +397,7 @@ def test_stop_of_a_run_whose_orchestrator_job_failed_leaves_no_stop_for_the_resu
     """The orchestrator Job failed (its pod restarted past backoffLimit) while the run trained. `cona stop` said
     "asked run to stop" and left a stop request nobody carried out: the next `--resume`'s orchestrator found it
     and stopped the resumed run at once."""
-    namespace_objects(k8s)
-    submit(render_submission(profile=_profile(), job=_job(), run="tiny-1", submitted=SUBMITTED),
-           api_client=k8s.api_client())  # fmt: skip
-    setup = k8s.api_client("cona-test-setup")
-    client.CoreV1Api(setup).patch_namespaced_config_map(
-        "tiny-1", NS, {"data": {"status.json": '{"status": "running", "run_dir": "/runs/tiny-1"}'}})
+    setup = _submitted_and_running(k8s)
     k8s.set_job_status("tiny-1-orch", NS, conditions=[{"type": "Failed", "status": "True",
                        "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}])  # fmt: skip
     said = remote_stop("tiny-1", namespace=NS, api_client=k8s.api_client())
