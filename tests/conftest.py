@@ -93,3 +93,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     with open(TIMELINE, "a") as f:
         f.write(json.dumps({"test": report.nodeid, "phase": report.when, "worker": worker,
                             "start": report.start, "stop": report.stop}) + "\n")  # fmt: skip
+
+
+HOSTILE_IMAGE = "registry.example/cona:v1\"';$(id)"
+"""An image reference with shell metacharacters (the Kubernetes tests' hostile value)."""
+
+
+@pytest.fixture
+def renderer_without_image_check(monkeypatch):
+    """The profile check refuses a hostile image outright (`render.image_problem`); the tests that use this go past
+    it to show the renderer's own defence: such a value, were one to get through, stays one inert string."""
+    from cona.orchestrator.backends.kubernetes import render
+
+    assert render.image_problem(HOSTILE_IMAGE) is not None
+    monkeypatch.setattr(render, "image_problem", lambda image: None)

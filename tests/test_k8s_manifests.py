@@ -34,7 +34,7 @@ from cona.protocol.rundir import ExitCode
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
-from tests.conftest import EXAMPLES, REPO, assert_golden, run_cona
+from tests.conftest import EXAMPLES, HOSTILE_IMAGE, REPO, assert_golden, run_cona
 
 K8S_VERSION = "1.32"
 MANIFESTS = REPO / "manifests"
@@ -347,9 +347,9 @@ def test_names_are_dns_labels_for_a_long_run_name():
     assert workload_names("1st run", 1)[0] == "r-1st-run-a1"  # a Service name starts with a letter
 
 
-def test_hostile_values_stay_inert():
+def test_hostile_values_stay_inert(renderer_without_image_check):
     run_dir = f"/runs/{HOSTILE}"
-    image = "registry.example/cona:v1\"';$(id)"
+    image = HOSTILE_IMAGE
     objects = render_attempt(
         profile=_profile(image=image), strategy=MULTI_NODE, attempt=1, run_dir=run_dir, run_name=HOSTILE
     )
@@ -533,9 +533,9 @@ def test_jobset_and_trainjob_names_keep_generated_pod_names_within_63(workload):
 
 
 @pytest.mark.parametrize("workload", ["jobset", "trainjob"])
-def test_hostile_values_stay_inert_in_jobset_and_trainjob(workload):
+def test_hostile_values_stay_inert_in_jobset_and_trainjob(workload, renderer_without_image_check):
     run_dir = f"/runs/{HOSTILE}"
-    image = "registry.example/cona:v1\"';$(id)"
+    image = HOSTILE_IMAGE
     profile = _profile(workload=workload, image=image)
     objects = render_attempt(profile=profile, strategy=MULTI_NODE, attempt=1, run_dir=run_dir, run_name=HOSTILE)
     (obj,) = objects

@@ -458,3 +458,22 @@ def test_trainer_pod_requests_that_cannot_be_are_one_line(override, message):
     with pytest.raises(ConfigError) as raised:
         check_spec(_profile(*override).kubernetes)
     assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("image", ["ghcr.io/Team/cona:1", "Cona:1", "cona:-x", "ghcr.io//cona:1", "cona:1@sha256:abc",
+                                   "cona:" + "x" * 129, "registry.example/cona:v1\"';$(id)"])  # fmt: skip
+def test_an_image_reference_the_kubelet_could_not_pull_is_refused(image):
+    """The API server takes any string as an image; a malformed one would fail only when the pods pull it."""
+    from cona.orchestrator.backends.kubernetes.render import check_spec
+
+    with pytest.raises(ConfigError) as raised:
+        check_spec(_profile(f"kubernetes.image={image}").kubernetes)
+    assert "kubernetes.image" in str(raised.value) and "not an image reference" in str(raised.value)
+
+
+@pytest.mark.parametrize("image", ["nvcr.io/nvidia/pytorch:24.01-py3", "localhost:5000/cona:dev", "my_org/my__img:v1",
+                                   "ghcr.io/cona-project/cona:0.1.0@sha256:" + "b" * 64, "cona@sha256:" + "a" * 64])  # fmt: skip
+def test_image_references_of_every_form_are_taken(image):
+    from cona.orchestrator.backends.kubernetes.render import check_spec
+
+    check_spec(_profile(f"kubernetes.image={image}").kubernetes)

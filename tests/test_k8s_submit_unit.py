@@ -119,7 +119,7 @@ def test_the_example_run_in_manifests_is_what_submit_renders():
         _validate(doc)
 
 
-def test_hostile_run_names_and_values_are_refused_or_inert():
+def test_hostile_run_names_and_values_are_refused_or_inert(renderer_without_image_check):
     with pytest.raises(ConfigError, match=r"--name 'a\$\(id\)': not a DNS-1035 label"):
         _objects(run="a$(id)")
     with pytest.raises(ConfigError, match="--name"):

@@ -129,6 +129,24 @@ def image_tag(image: str) -> str | None:
     return tag if colon else None
 
 
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH}(?:/{_PATH})*(?::[\w][\w.-]{{0,127}})?"
+                    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")  # fmt: skip
+"""An image reference as registries and the kubelet parse it (the distribution project's grammar): an optional
+registry host (with a port), lowercase path components, an optional tag and an optional digest."""
+
+
+def image_problem(image: str) -> str | None:
+    """None when `image` is a reference the kubelet can pull; else what is wrong with it. The API server takes any
+    string, so a bad one (`ghcr.io/Team/cona:1`: a repository has no capitals) would fail only when an attempt's
+    pods try to pull it, `pending_timeout_s` into the run."""
+    if _IMAGE.fullmatch(image):
+        return None
+    return ("not an image reference: [registry[:port]/]repository[:tag][@digest], the repository in lowercase "
+            "letters, digits and . _ - separators, a tag of letters, digits, _ . - (not first)")
+
+
 def pull_policy(image: str) -> str:
     """The pods' `imagePullPolicy`, as Kubernetes would default it: `Always` for `:latest` (it moves, and a node's
     cached copy may be older than another's: every pod of an attempt must run the same code), else `IfNotPresent`
@@ -214,6 +232,9 @@ def check_spec(spec: KubernetesSpec) -> None:
             f"kubernetes.image: {spec.image!r} has no tag; name the version to run, e.g. "
             f"{spec.image.rstrip(':')}:0.1.0, or pin a digest (@sha256:...); ':latest' only if you mean it"
         )
+    problem = image_problem(spec.image)
+    if problem:
+        raise ConfigError(f"kubernetes.image: {spec.image!r} is {problem}")
     if spec.shm_size is not None:
         _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
         check_memory("kubernetes.shm_size", spec.shm_size)
