@@ -248,8 +248,15 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
             rows = record[section]
             _require(isinstance(rows, list) and rows, f"{where}: {section}", "must be a non-empty list of runs")
             for i, row in enumerate(rows):
-                _check_run(row, f"{where}: {section}[{i}]", model=True, published=True)
-                _check_flops(row, formula, f"{where}: {section}[{i}]")
+                try:
+                    _check_run(row, f"{where}: {section}[{i}]", model=True, published=True)
+                    _check_flops(row, formula, f"{where}: {section}[{i}]")
+                except RecordError as e:
+                    # `runs[7]` alone is hard to find in a record of dozens of runs: add the run's name, if usable.
+                    name = row.get("name") if isinstance(row, dict) else None
+                    if not (isinstance(name, str) and name.strip()):
+                        raise
+                    raise RecordError(f"{e} (the run named {name.strip()!r})") from None
     if "table_2" in record:
         spec = record["table_2"]
         _require(isinstance(spec, dict) and isinstance(spec.get("rows"), list), f"{where}: table_2",

@@ -182,3 +182,19 @@ def test_a_long_run_name_keeps_the_table_aligned(tmp_path, capsys):
     header, _, *rows = capsys.readouterr().out.splitlines()[:4]
     end = header.index("GPUs") + len("GPUs")
     assert all(row[end - 2 : end] == "32" for row in rows), [header, *rows]
+
+
+def test_a_bad_run_is_named_by_its_position_and_its_name(tmp_path):
+    """A record of dozens of runs: `runs[1]` and the run's own name, to find it by either."""
+    from benchmarks.published import RecordError, load_record
+
+    record = tmp_path / "r.yaml"
+    record.write_text(
+        "profile: slurm/profiles/a100-4x8.yaml\n"
+        "runs:\n"
+        "  - {name: ok, layers: 2, hidden: 64, heads: 4, gpus: 8, t: 1, p: 1, mbs: 1, gbs: 8, tflops: 10}\n"
+        "  - {name: 'GPT 2B, 64 GPUs', layers: 2, hidden: 64, heads: 4, gpus: 8, t: 3, p: 1, mbs: 1, gbs: 8, tflops: 10}\n"
+    )
+    with pytest.raises(RecordError) as raised:
+        load_record(record)
+    assert "runs[1].gpus" in str(raised.value) and "(the run named 'GPT 2B, 64 GPUs')" in str(raised.value)
