@@ -21,21 +21,22 @@ def _heartbeats(run_dir: RunDir, skipped: list[str]) -> tuple[list[dict[str, Any
     if run_dir.heartbeats.is_dir():
         for path in sorted(run_dir.heartbeats.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
             records = read_jsonl(path, damaged=skipped)[0]
-            usable = [b for b in records if _usable(b)]
-            skipped.extend([f"{path}: a heartbeat the typed record does not accept"] * (len(records) - len(usable)))
-            beats.extend(usable)
-            measured.extend(throughput_windows(Heartbeat.from_dict(b) for b in usable))
+            typed = [(b, hb) for b in records if (hb := _typed(b)) is not None]
+            skipped.extend([f"{path}: a heartbeat the typed record does not accept"] * (len(records) - len(typed)))
+            beats.extend(b for b, _ in typed)
+            measured.extend(throughput_windows(hb for _, hb in typed))
     return sorted(beats, key=lambda b: b.get("time", 0)), sorted(measured, key=lambda hb: hb.time)
 
 
-def _usable(record: dict[str, Any]) -> bool:
-    """A heartbeat the typed record accepts (a damaged line that still parses as JSON is skipped, as the scheduler
-    skips it)."""
+def _typed(record: dict[str, Any]) -> Heartbeat | None:
+    """The heartbeat of `record`, or None where the typed record does not accept it (a damaged line that still
+    parses as JSON is skipped, as the scheduler skips it)."""
     try:
-        Strategy.from_dict(Heartbeat.from_dict(record).strategy)
+        hb = Heartbeat.from_dict(record)
+        Strategy.from_dict(hb.strategy)
     except (TypeError, ValueError):
-        return False
-    return True
+        return None
+    return hb
 
 
 END_EVENTS = ("done", "stopped", "failed")
