@@ -322,9 +322,9 @@ class ParallelSpec(StrictModel):
     """Whether FSDP2 frees a block's gathered parameters after its forward (`trainer.fsdp`). Parameters, gradients
     and AdamW's state are sharded across data-parallel ranks either way; `false` is not replicated data
     parallelism. `true` (ZeRO-3-like): with pp = 1 each block is gathered for its forward and again for its
-    backward (the least memory). `false` (ZeRO-2-like): the gathered parameters are kept from forward to backward,
-    one all-gather fewer per block and micro-batch, and each rank holds its stage's whole fp32 parameters at the
-    peak (about 4 bytes per parameter more). Under pp they are kept either way, and the flag changes nothing."""
+    backward (the least memory). `false` (ZeRO-2-like): the gathered parameters are kept from a step's first
+    forward to its last backward, one all-gather per block and step instead of two per block and micro-batch, and
+    each rank holds its stage's whole fp32 parameters at the peak (about 4 bytes per parameter more). Under pp they are kept either way, and the flag changes nothing."""
     recompute: Literal["none", "selective", "full"] = "none"
     """What backward recomputes instead of keeping from forward (activation checkpointing):
 

@@ -188,7 +188,14 @@ class ParallelModel:
         micro_labels = labels.split(self.strategy.mbs)
         for k, (x, y) in enumerate(zip(micro_inputs, micro_labels, strict=True)):
             if self.strategy.dp > 1:  # accumulate locally; reduce-scatter once, after the last micro-batch
-                part.set_requires_gradient_sync(k == len(micro_inputs) - 1)
+                last = k == len(micro_inputs) - 1
+                part.set_requires_gradient_sync(last)
+                if not self.job.parallel.sharded_dp:
+                    # Keep the gathered parameters until the last backward, as the pipeline schedule does: FSDP2
+                    # otherwise frees them after each backward and gathers them again for the next micro-batch's
+                    # forward. One all-gather per block and step, what the cost model charges; the memory model
+                    # already holds the whole stage gathered at the peak.
+                    part.set_reshard_after_backward(last)
             with self.autocast():
                 logits = part(x)
             loss = lm_loss_sum(logits, y)
