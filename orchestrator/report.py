@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,29 @@ def _wall_end(final: bool, events: list[dict[str, Any]], beats: list[dict[str, A
     return beats[-1]["time"] if beats else None
 
 
+def _pauses(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(ended, resumed) for each time the run lay ended (stopped or failed) until a `cona run --resume`."""
+    pauses: list[tuple[float, float]] = []
+    ended: float | None = None
+    for e in events:
+        if e.get("event") in END_EVENTS:
+            ended = e["time"]
+        elif e.get("event") == "resume-run" and ended is not None:
+            pauses.append((ended, e["time"]))
+            ended = None
+    return pauses
+
+
+def _run_clock(t0: float, pauses: list[tuple[float, float]]) -> Callable[[float], float]:
+    """Seconds into the run at Unix time t: from its start, without the pauses before t (the scheduler's elapsed
+    time, which a time budget and `cona run`'s `run … after` count)."""
+
+    def run_time(t: float) -> float:
+        return t - t0 - sum(max(0.0, min(t, resumed) - ended) for ended, resumed in pauses)
+
+    return run_time
+
+
 def _noise_axis_label(policy: str, critical_batch_factor: float) -> str:
     """The noise plot shows the estimator's own value (TensorBoard's noise/estimate). The cona policy ranks with
     `critical_batch_factor` times it (blended with the prior at first), which is the B_noise `cona status` and the
@@ -82,6 +106,8 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     out_dir = out_dir or run_dir.root
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = min([e["time"] for e in events if e.get("event") == "start"] or [b["time"] for b in beats[:1]] or [0.0])
+    pauses = _pauses(events)
+    clock = _run_clock(t0, pauses)
 
     evals = [b for b in beats if b.get("val_loss") is not None]
     switches = [e for e in events if e.get("event") == "switch"]
@@ -104,13 +130,13 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     ax = axes[0]
     if evals:
-        ax.plot([b["time"] - t0 for b in evals], [b["val_loss"] for b in evals], marker="o", ms=3, label="validation loss")
+        ax.plot([clock(b["time"]) for b in evals], [b["val_loss"] for b in evals], marker="o", ms=3, label="validation loss")
     for i, s in enumerate(switches):
-        ax.axvline(s["time"] - t0, color="tab:red", ls="--", lw=1, label="switch" if i == 0 else None)
-        ax.annotate(_short(s["to"]), (s["time"] - t0, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7)
+        ax.axvline(clock(s["time"]), color="tab:red", ls="--", lw=1, label="switch" if i == 0 else None)
+        ax.annotate(_short(s["to"]), (clock(s["time"]), ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7)
     if job.target.val_perplexity:
         ax.axhline(math.log(job.target.val_perplexity), color="tab:green", ls=":", label="target")
-    ax.set(xlabel="wall time (s)", ylabel="validation loss (nats/token)", title="Validation loss")
+    ax.set(xlabel="wall time (s)" + (", without the stops" if pauses else ""), ylabel="validation loss (nats/token)", title="Validation loss")
     ax.legend(fontsize=8)
     ax = axes[1]
     if noise_series:
@@ -138,7 +164,9 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     end = _wall_end(state.final, events, beats)
     if end is not None:  # heartbeats, or a run that ended before its first
         last = beats[-1] if beats else {}
-        wall = f"{end - t0:.1f} s"
+        wall = f"{clock(end):.1f} s"
+        if paused := sum(resumed - ended for ended, resumed in pauses if resumed <= end):
+            wall += f" (without the {paused:.1f} s it lay stopped before `cona run --resume`)"
         lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; wall time: {wall}")
     if evals:
         best = min(evals, key=lambda b: b["val_loss"])
@@ -148,7 +176,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         reached = [b for b in evals if perplexity(b["val_loss"]) <= job.target.val_perplexity]
         lines.append(
             f"- target perplexity {job.target.val_perplexity}: "
-            + (f"reached at {reached[0]['time'] - t0:.1f} s, {reached[0]['samples']:,} samples" if reached else "not reached")
+            + (f"reached at {clock(reached[0]['time']):.1f} s, {reached[0]['samples']:,} samples" if reached else "not reached")
         )
     lines += ["", "## Strategies", "", "| # | from (s) | strategy | samples/s (mean) | why |", "|---|---|---|---|---|"]
     launches = [e for e in events if e.get("event") == "launch"]
@@ -156,11 +184,11 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         name = _short(e["strategy"])
         rates = per_attempt.get(e["attempt"], [])
         mean = f"{sum(rates) / len(rates):.1f}" if rates else "-"
-        lines.append(f"| {e['attempt']} | {e['time'] - t0:.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
+        lines.append(f"| {e['attempt']} | {clock(e['time']):.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
     if switches:
         lines += ["", "## Switch decisions", ""]
         for s in switches:
-            lines.append(f"- {s['time'] - t0:.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {s.get('reason', '')}")
+            lines.append(f"- {clock(s['time']):.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {s.get('reason', '')}")
     completed = [e for e in events if e["event"] == "switch-complete"]
     if completed:
         def measured(e: dict) -> str:

@@ -389,6 +389,9 @@ class RunState:
     attempts_started: int = 0
     """The highest attempt number handed out, saved before the launch so a restart never reuses a number."""
     run_started: float | None = None
+    paused_s: float = 0.0
+    """Seconds the run lay ended (stopped or failed) before a `cona run --resume` went on with it: not part of its
+    elapsed time, which a time budget (`target.max_time_s`) and `cona run`'s `run … after` count."""
     strategy_since: float | None = None
     """When the current strategy started (the policy's minimum dwell time counts from here)."""
     launched_at: float | None = None

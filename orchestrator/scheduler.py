@@ -269,7 +269,8 @@ class Scheduler:
                                     cost_s=done.cost_s, kind=done.kind.value)  # fmt: skip
 
     def _elapsed(self) -> float:
-        return time.time() - (self.state.run_started or time.time())
+        """The run's time so far, without the time it lay stopped before a `--resume`."""
+        return time.time() - (self.state.run_started or time.time()) - self.state.paused_s
 
     # ----------------------------------------------------------------------------------------------- decisions
 
@@ -405,6 +406,9 @@ class Scheduler:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
             resumed = self.state.status
             log_event(self.run_dir, "resume-run", previous_status=self.state.status)
+            # The time it lay stopped trained nothing: a time budget counts the run's time, not the calendar's.
+            if self.state.finished_at is not None:
+                self.state.paused_s += max(0.0, time.time() - self.state.finished_at)
             # The stop that ended it was served; a relaunch from a checkpoint older than the one that served it (the
             # newest found damaged) would read it as new and stop again at its first step: a wasted attempt.
             self.run_dir.control_json.unlink(missing_ok=True)

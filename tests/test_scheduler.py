@@ -262,6 +262,31 @@ def test_resuming_a_stopped_run_removes_the_served_stop(tmp_path):
     assert [e["reason"] for e in events if e["event"] == "launch"][1] == "resume of the stopped run"
 
 
+def test_a_run_resumed_days_after_its_stop_keeps_its_time_budget(tmp_path):
+    """The time a stopped run lay ended trained nothing: `target.max_time_s` and the elapsed time that `cona run`
+    prints count the run's time. Before, a run stopped overnight hit its budget at once on `--resume`."""
+    sched, backend = make_scheduler(tmp_path, "target.max_time_s=3600")
+    request_stop(sched.run_dir)
+    backend.exit_codes = {1: ExitCode.STOPPED}
+    assert sched.run().status == "stopped"
+    state = read_state(sched.run_dir)
+    ran = state.finished_at - state.run_started
+    day = 86_400.0
+    state.run_started -= 2 * day  # the stop was two days ago
+    state.finished_at -= 2 * day
+    write_state(sched.run_dir, state)
+    again = Scheduler(run_dir=sched.run_dir, profile=sched.profile, job=sched.job, poll_interval_s=0.01,
+                      backend=ScriptedBackend(run_dir=sched.run_dir, profile=sched.profile, job=sched.job))  # fmt: skip
+    again.backend.exit_codes = {1: ExitCode.STOPPED, 2: ExitCode.DONE}  # 1 found ended, as it is
+    assert again.run().status == "done"
+    events = read_events(sched.run_dir)
+    assert "time-budget" not in [e["event"] for e in events]
+    done = next(e for e in events if e["event"] == "done")
+    assert ran <= done["elapsed_s"] < ran + 60
+    # Carried in state.json: an orchestrator restarted later still leaves the pause out.
+    assert read_state(sched.run_dir).paused_s == pytest.approx(2 * day, abs=60)
+
+
 def test_a_crash_without_an_exit_record_is_still_relaunched(tmp_path):
     sched, backend = make_scheduler(tmp_path, "policy.max_restarts=1")
     backend.exit_codes = {1: ExitCode.CONFIG, 2: ExitCode.DONE}  # exit 2 from something else than the trainer's line
