@@ -15,6 +15,8 @@ from cona.orchestrator.backends.base import Attempt, AttemptStatus
 from cona.orchestrator.backends.slurm import (
     SlurmBackend,
     SlurmError,
+    SlurmJobInfo,
+    ends_by_itself,
     expand_hostlist,
     node_is_down,
     parse_sacct,
@@ -179,11 +181,12 @@ S4 = Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4)
 S2 = Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=2)
 
 
-def _exit(run: RunDir, attempt: int, submission: str, code: int, action: str, requeued: bool = False) -> None:
+def _exit(run: RunDir, attempt: int, submission: str, code: int, action: str, requeued: bool = False,
+          **more: object) -> None:  # fmt: skip
     path = run.attempt_dir(attempt) / "slurm-exit.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"code": code, "action": action, "requeued": requeued, "submission": submission,
-                                "time": time.time(), "detail": ""}))  # fmt: skip
+                                "time": time.time(), "detail": "", **more}))  # fmt: skip
 
 
 def test_launch_submits_and_writes_handoff(env):
@@ -345,6 +348,121 @@ def test_cancel_and_close(env):
     backend.cancel(attempt)  # idempotent: nothing to cancel
     backend.close()
     assert not any(c[0] == "scancel" for c in fake.calls)
+
+
+def _ending_after(backend: SlurmBackend, fake: FakeSlurm, job_id: str, queries: int, final: str | None) -> None:
+    """Slurm reports `job_id` RUNNING to the next `queries` `scontrol show job`, then `final` (None: gone)."""
+    fake.jobs[job_id] = _job(job_id, "RUNNING")
+    seen = [0]
+
+    def runner(argv, env=None):
+        if argv[:3] == ["scontrol", "show", "job"] and argv[-1] == job_id:
+            seen[0] += 1
+            if seen[0] > queries:
+                if final is None:
+                    fake.jobs.pop(job_id, None)
+                else:
+                    fake.jobs[job_id] = _job(job_id, final)
+        return fake(argv, env=env)
+
+    backend._runner = runner
+
+
+@pytest.mark.parametrize("final", ["COMPLETING", "COMPLETED", None])
+def test_close_lets_a_job_that_ends_by_itself_end_without_scancel(env, final):
+    """The run is done: its exit record says so while the batch script is still exiting. A scancel then made Slurm
+    record the finished job CANCELLED; close waits for it to leave RUNNING by itself instead."""
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, attempt.extra["submission"], 0, "done")
+    _ending_after(backend, fake, "101", 2, final)
+    backend.close()
+    assert not any(c[0] == "scancel" for c in fake.calls), fake.calls
+
+
+def test_close_cancels_a_job_that_does_not_end_within_the_grace(env):
+    backend, fake, run = env
+    backend.end_grace_s = 0.5
+    attempt = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, attempt.extra["submission"], 0, "done")
+    fake.jobs["101"] = _job("101", "RUNNING")
+    started = time.monotonic()
+    backend.close()
+    assert ["scancel", "101"] in fake.calls and time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    "action, requeued, state, restarts, sinfo",
+    [
+        ("wait", False, "RUNNING", 0, "n1|mixed\nn2|mixed\n"),  # idle after a switch: waits for a hand-off
+        ("requeue", True, "RUNNING", 0, "n1|mixed\nn2|mixed\n"),  # requeues itself
+        ("done", False, "PENDING", 1, "n1|mixed\nn2|mixed\n"),  # requeued by Slurm after it was done
+        ("done", False, "RUNNING", 1, "n1|mixed\nn2|mixed\n"),  # and started again: it idles for a hand-off
+        ("done", False, "RUNNING", 0, "n1|mixed\nn2|down*\n"),  # on a dead node: it may never end
+    ],
+)
+def test_close_cancels_at_once_a_job_that_does_not_end_by_itself(env, action, requeued, state, restarts, sinfo):
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, attempt.extra["submission"], 0, action, requeued=requeued, job_id="101", restarts=0)
+    fake.jobs["101"] = _job("101", state, restarts=restarts)
+    fake.sinfo = sinfo
+    started = time.monotonic()
+    backend.close()
+    assert ["scancel", "101"] in fake.calls and time.monotonic() - started < 1
+
+
+def test_a_resubmission_after_a_crash_lets_the_crashed_job_end_by_itself(env):
+    """The job that crashed records `exit 7` and exits 7 (Slurm: FAILED); the next attempt's resubmission waits
+    for that end instead of scancelling it, and still submits only once the job is gone."""
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, first.extra["submission"], 7, "exit")
+    _ending_after(backend, fake, "101", 2, None)
+    second = backend.launch(attempt=2, strategy=S4, previous=first)
+    assert second.backend_id == "102" and ["scancel", "101"] not in fake.calls
+    scontrol = [i for i, c in enumerate(fake.calls) if c[:3] == ["scontrol", "show", "job"]]
+    assert max(scontrol) < next(i for i, c in enumerate(fake.calls) if c[0] == "sbatch" and i > scontrol[0])
+
+
+def test_the_newest_exit_record_of_a_job_decides(env):
+    """After a relaunch in the allocation the job's newest record is the later attempt's: a `done` there ends it,
+    while the earlier attempt's `wait` no longer says anything."""
+    backend, _, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    submission = first.extra["submission"]
+    _exit(run, 1, submission, 42, "wait")
+    _exit(run, 3, "another-job", 0, "done")
+    assert backend.last_exit_record(submission)["action"] == "wait"
+    _exit(run, 2, submission, 0, "done")
+    assert backend.last_exit_record(submission)["action"] == "done"
+    assert backend.last_exit_record("") is None
+
+
+def _info(state: str = "RUNNING", restarts: int = 0, job_id: str = "5") -> SlurmJobInfo:
+    return SlurmJobInfo(job_id, state, restarts=restarts)
+
+
+@pytest.mark.parametrize(
+    "record, info, expected",
+    [
+        ({"action": "done", "time": 100.0}, _info(), True),
+        ({"action": "stop", "time": 100.0, "job_id": "5", "restarts": 0}, _info(), True),
+        ({"action": "exit", "code": 7, "time": 100.0}, _info(), True),
+        ({"action": "done", "time": 100.0}, _info("COMPLETING"), True),
+        (None, _info(), False),
+        ({"action": "wait", "time": 100.0}, _info(), False),  # idle, waiting for a hand-off
+        ({"action": "requeue", "requeued": True, "time": 100.0}, _info(), False),
+        ({"action": "requeued", "requeued": True, "time": 100.0}, _info(), False),
+        ({"action": "done", "time": 100.0}, _info("PENDING", restarts=1), False),  # requeued since
+        ({"action": "done", "time": 100.0, "restarts": 0}, _info(restarts=1), False),  # and running again
+        ({"action": "done", "time": 100.0, "job_id": "4"}, _info(), False),  # another job's record
+        ({"action": "done", "time": 60.0}, _info(), False),  # long ago: something holds it up
+        ({"action": "done"}, _info(), False),
+    ],
+)
+def test_ends_by_itself(record, info, expected):
+    assert ends_by_itself(record, info, now=110.0, grace_s=30.0) is expected
 
 
 def test_adopt(env):

@@ -368,6 +368,51 @@ def test_submitit_submission(cluster, fake_dir, tmp_path):
         r.cleanup()
 
 
+def _final_state(job_id: str, backend: SlurmBackend, timeout: float = 30) -> str:
+    """The job's state once it has ended (COMPLETING over); sacct's agrees when the cluster keeps accounting."""
+    deadline = time.monotonic() + timeout
+    while (state := _job_state(job_id)) in ("RUNNING", "PENDING", "COMPLETING") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if backend.use_sacct:  # what a user reads; slurmdbd hears of the end a moment after slurmctld
+        while (acct := backend.accounting(job_id)) is None or acct.state != state:
+            assert time.monotonic() < deadline, f"job {job_id}: sacct says {acct}, scontrol {state}"
+            time.sleep(0.3)
+    return state
+
+
+@pytest.mark.parametrize("submitit", [False, True], ids=["sbatch", "submitit"])
+def test_a_job_that_ends_by_itself_keeps_its_own_end_state(cluster, fake_dir, tmp_path, submitit):
+    """A crashed attempt's job ends FAILED and a finished run's COMPLETED, not CANCELLED: the orchestrator reads a
+    job's exit record while its batch script is still exiting, and its scancel in that window (the resubmission's
+    release, `close` at the end of the run) made Slurm record every such job CANCELLED. An EXIT trap in the setup
+    widens that window (under submitit its Python process pickles the result there) to make the race certain.
+    Under submitit only the run's end: the resubmission's release is the same code, and a job less is 5 s less."""
+    profile = load_profile(PROFILES / "local-slurm.yaml")
+    # Under submitit the setup runs in submitit's batch script as well: the job ends 1 s after the record either way.
+    slow_end = [f"trap 'sleep {0.5 if submitit else 1}' EXIT"]
+    profile = profile.model_copy(
+        update={"slurm": profile.slurm.model_copy(update={"use_submitit": submitit, "setup": slow_end})}
+    )
+    r = Run(tmp_path / "run", fake_dir, profile)
+    try:
+        ends: dict[str, str] = {}  # job id → the state Slurm must record
+        previous = None
+        if not submitit:
+            r.plan(a1="exit:7", a2="exit:0")
+            previous = r.launch(1, S2)
+            assert r.wait(previous, AttemptStatus.CRASHED).exit_code == 7
+            ends[previous.backend_id] = "FAILED"
+        else:
+            r.plan(a1="exit:0")
+        last = r.launch(len(ends) + 1, S2, previous=previous)  # after a crash: a new job once that one has ended
+        assert r.wait(last, AttemptStatus.DONE).exit_code == 0
+        ends[last.backend_id] = "COMPLETED"
+        r.backend.close()  # the scheduler's end of the run
+        assert {job: _final_state(job, r.backend) for job in ends} == ends, r.logs()
+    finally:
+        r.cleanup()
+
+
 def test_sbatch_reads_hostile_values_back_exactly(cluster, tmp_path):
     """#SBATCH values with quotes, `$(...)`, `#` and backslashes reach Slurm unchanged (and run nothing)."""
     marker = tmp_path / "pwned"

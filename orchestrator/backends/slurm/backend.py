@@ -57,6 +57,13 @@ COMMAND_TIMEOUT_S = 30
 DEFAULT_RELEASE_TIMEOUT_S = 1200
 """How long `launch` waits for a cancelled job to end (KillWait, epilog; a hung node is DOWN only after
 SlurmdTimeout, 300 s by default) before it gives up with an error."""
+DEFAULT_END_GRACE_S = 30.0
+"""How long after its exit record a job that ends by itself (`ends_by_itself`) is left to leave the queue before
+it is scancelled: the batch script still exits after writing the record (under submitit, its Python process then
+pickles the result), and a scancel in that window makes Slurm record a finished job as CANCELLED."""
+ENDING_ACTIONS = frozenset({"done", "stop", "exit"})
+"""The actions of slurm-exit.json after which the batch loop exits (the batch script's `done | stop` and `exit N`);
+after `wait` it idles for a hand-off, after `requeue`/`requeued` it runs again."""
 _JOB_VARIABLE_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 _CLIENT_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT"})
 """Client settings a user may export; kept when the job's own SLURM_* variables are dropped."""
@@ -209,6 +216,22 @@ def parse_sinfo_nodes(text: str) -> dict[str, str]:
     return states
 
 
+def ends_by_itself(record: dict[str, Any] | None, info: SlurmJobInfo, *, now: float, grace_s: float) -> bool:
+    """Whether `info`'s job is ending on its own, by `record` (the newest slurm-exit.json of its submission):
+    the batch loop wrote an action after which it exits, during the job's current run (no requeue since: same
+    restart count, not pending), at most `grace_s` seconds ago (by the record's clock; later, something holds the
+    job up and a scancel is due). Such a job is not to be scancelled while it ends: Slurm would record it
+    CANCELLED instead of COMPLETED (or FAILED with the crash's code)."""
+    if record is None or info.pending or record.get("requeued") or record.get("action") not in ENDING_ACTIONS:
+        return False
+    if str(record.get("job_id") or info.job_id) != info.job_id:
+        return False
+    if record.get("restarts", 0) != info.restarts:
+        return False
+    written = record.get("time")
+    return isinstance(written, (int, float)) and now - float(written) < grace_s
+
+
 def node_is_down(state: str) -> bool:
     """DOWN, FAIL (and DOWN+DRAIN, DOWN*, ...): the node is lost to its jobs. DRAIN alone lets jobs finish."""
     base = state.rstrip("*~#!%$@^-").lower()
@@ -224,12 +247,15 @@ class SlurmBackend(Backend):
     `profile` is the cluster profile (its `slurm:` section); `job` names the Slurm job. `use_sacct` forces the
     accounting path on or off (None: detect once). `handoff_timeout_s` is how long a job waits after a switch
     for its next attempt. `release_timeout_s` is how long a resubmission waits for the previous job, cancelled,
-    to end. `runner` runs Slurm commands (tests inject one); it gets an argv list and returns a CompletedProcess.
+    to end; `end_grace_s` how long a job that ends by itself is given to do so before it is cancelled. `runner`
+    runs Slurm commands (tests inject one); it gets an argv list and returns a CompletedProcess.
 
     Never two attempts at once: a resubmission (other node count, or the previous job ended, crashed, was
     requeued by Slurm or lost a node) first cancels the previous job and waits until Slurm reports it ended —
     no process of it left (COMPLETING over) and no requeue that could bring it back. A requeued job that starts
-    anyway finds a newer attempt's launch.json and ends without running anything (`slurm_helper.py next`).
+    anyway finds a newer attempt's launch.json and ends without running anything (`slurm_helper.py next`). A job
+    whose batch loop has recorded that it ends (done, stopped, crashed) is first given `end_grace_s` to leave
+    the queue by itself, so that `sacct` keeps its own end (COMPLETED, FAILED), not CANCELLED.
 
     No attempt ends DISRUPTED here (yet): a node failure or a preemption with PreemptMode=REQUEUE requeues the job,
     which the attempt follows as PENDING without ending; a preemption that signals the job ends it STOPPED after a
@@ -253,6 +279,7 @@ class SlurmBackend(Backend):
         use_sacct: bool | None = None,
         handoff_timeout_s: float | None = None,
         release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
+        end_grace_s: float = DEFAULT_END_GRACE_S,
         env: dict[str, str] | None = None,
         runner: Any = None,
     ) -> None:
@@ -265,9 +292,11 @@ class SlurmBackend(Backend):
             handoff_timeout_s = float(os.environ.get("CONA_HANDOFF_TIMEOUT_S", DEFAULT_HANDOFF_TIMEOUT_S))
         self.handoff_timeout_s = float(handoff_timeout_s)
         self.release_timeout_s = float(release_timeout_s)
+        self.end_grace_s = float(end_grace_s)
         self.extra_env = dict(env or {})
         self._runner = runner or _run
-        self._jobs: set[str] = set()
+        self._jobs: dict[str, str] = {}
+        """The jobs of this run that `close` releases: job id → the job's submission (which names its records)."""
 
     # -- Slurm commands ------------------------------------------------------------------------------------
 
@@ -351,6 +380,22 @@ class SlurmBackend(Backend):
     def exit_record(self, attempt: Attempt) -> dict[str, Any] | None:
         """The attempt's slurm-exit.json as written by its job, if that job has written one."""
         return self._record(attempt.number, "slurm-exit.json", attempt.extra.get("submission"))
+
+    def last_exit_record(self, submission: str) -> dict[str, Any] | None:
+        """The newest slurm-exit.json (highest attempt) of the job of `submission`: what its batch loop did last.
+        An attempt continued in place or relaunched in the allocation is recorded under its own number, so this is
+        the loop's latest decision, whichever attempt object the caller holds."""
+        if not submission:
+            return None
+        newest: tuple[int, dict[str, Any]] | None = None
+        for path in (self.run_dir.root / "attempts").glob("*/slurm-exit.json"):
+            if not path.parent.name.isdigit():
+                continue
+            number = int(path.parent.name)
+            record = self._record(number, "slurm-exit.json", submission)
+            if record is not None and (newest is None or number > newest[0]):
+                newest = (number, record)
+        return newest[1] if newest else None
 
     # -- Backend API ---------------------------------------------------------------------------------------
 
@@ -452,7 +497,7 @@ class SlurmBackend(Backend):
             # A job idling in its hand-off loop runs nothing and ends once it sees the newer attempt; any other
             # previous job may still have trainer processes, or run the attempt again after a requeue.
             idle = (self.exit_record(previous) or {}).get("action") == "wait"
-            self._release(previous.backend_id, wait=not idle)
+            self._release(previous.backend_id, wait=not idle, submission=previous.extra.get("submission"))
         extra.update(submission=secrets.token_hex(8), mode="submit")
         self.write_launch(attempt, strategy, **extra)
         if self.profile.slurm.use_submitit:
@@ -461,7 +506,7 @@ class SlurmBackend(Backend):
             job_id = self._submit_sbatch(node_counts, extra["submission"])
         extra["job_id"] = job_id
         self.write_launch(attempt, strategy, **extra)  # the same record, now with the job id
-        self._jobs.add(job_id)
+        self._jobs[job_id] = extra["submission"]
         return Attempt(attempt, strategy, backend_id=job_id, started_at=time.time(), extra=extra)
 
     def _can_relaunch_in_allocation(self, previous: Attempt, nnodes: int) -> bool:
@@ -479,8 +524,12 @@ class SlurmBackend(Backend):
         info = self.job_info(previous.backend_id)
         return info is not None and info.state == "RUNNING" and (info.num_nodes in (0, nnodes))
 
-    def _release(self, job_id: str, *, wait: bool = True) -> None:
+    def _release(self, job_id: str, *, wait: bool = True, submission: str | None = None) -> None:
         """Cancel a job of this run that is still alive (idle after a switch, requeued, or on a dead node).
+
+        A job whose batch loop recorded that it ends (`ends_by_itself`, by the records of `submission`) is
+        scancelled only if it is still alive `end_grace_s` after that record: the orchestrator reads the record
+        while the batch script is still exiting, and a scancel then makes Slurm record the finished job CANCELLED.
 
         With `wait`, return only once Slurm reports it ended: a job on a DOWN node that Slurm requeues, or one
         cancelled while its trainers checkpoint on SIGTERM, must not overlap the attempt submitted next.
@@ -488,7 +537,11 @@ class SlurmBackend(Backend):
         info = self.job_info(job_id)
         if info is None or not info.alive:
             return
-        self._cmd(["scancel", str(job_id)])
+        info, ended = self._await_own_end(job_id, info, submission)
+        if info is None or not info.alive:
+            return
+        if not ended:
+            self._cmd(["scancel", str(job_id)])
         deadline = time.monotonic() + self.release_timeout_s
         while wait:
             time.sleep(0.5)
@@ -497,11 +550,42 @@ class SlurmBackend(Backend):
                 return
             if time.monotonic() > deadline:
                 raise SlurmError(
-                    f"job {job_id} is still {info.state} {self.release_timeout_s:.0f}s after scancel; not "
-                    "submitting the next attempt beside it (cancel it, then `cona run --resume`)"
+                    f"job {job_id} is still {info.state} {self.release_timeout_s:.0f}s after "
+                    f"{'its batch script ended' if ended else 'scancel'}; not submitting the next attempt beside it "
+                    "(cancel it, then `cona run --resume`)"
                 )
             if info.pending:
                 self._cmd(["scancel", str(job_id)])  # requeued by Slurm meanwhile
+
+    def _await_own_end(
+        self, job_id: str, info: SlurmJobInfo, submission: str | None
+    ) -> tuple[SlurmJobInfo | None, bool]:
+        """While the job ends by itself (`ends_by_itself`) and is still RUNNING, wait for it, at most `end_grace_s`.
+
+        Returns the job's state then, and whether its batch script ended by itself: the job is gone, or COMPLETING
+        (its end is recorded; what is left is Slurm's cleanup, which a scancel would not hasten) with no requeue
+        since. Not for a job on a DOWN node: its batch script may be gone with the node, and it is cancelled.
+        """
+        record = self.last_exit_record(submission or "")
+
+        def ending(job: SlurmJobInfo) -> bool:
+            return ends_by_itself(record, job, now=time.time(), grace_s=self.end_grace_s)
+
+        if not ending(info) or self.down_nodes(info.nodes):
+            return info, False
+        deadline = time.monotonic() + self.end_grace_s  # also bounded by our clock: a node's may run ahead
+        current: SlurmJobInfo | None = info
+        while (
+            current is not None
+            and current.state in RUNNING_STATES - {"COMPLETING"}
+            and ending(current)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            current = self.job_info(job_id)
+        if current is None or not current.alive:
+            return current, True
+        return current, current.state == "COMPLETING" and ending(current)
 
     def submission_env(self) -> dict[str, str]:
         """The environment sbatch passes on to the job (`--export=ALL`).
@@ -697,14 +781,15 @@ class SlurmBackend(Backend):
     def adopt(self, attempt: Attempt) -> bool:
         alive = not self.poll(attempt).status.finished
         if alive and attempt.backend_id:
-            self._jobs.add(attempt.backend_id)
+            self._jobs[attempt.backend_id] = str(attempt.extra.get("submission") or "")
         return alive
 
     def close(self) -> None:
-        """Cancel this run's jobs that are still alive (an allocation idling after the last attempt)."""
-        for job_id in sorted(self._jobs):
+        """Cancel this run's jobs that are still alive (an allocation idling after the last attempt); a job whose
+        batch loop recorded its end is first left to end by itself (`_release`)."""
+        for job_id, submission in sorted(self._jobs.items()):
             with contextlib.suppress(SlurmError):
-                self._release(job_id, wait=False)
+                self._release(job_id, wait=False, submission=submission)
         self._jobs.clear()
 
 
