@@ -86,17 +86,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         f"{memory_hint(profile, candidates)}{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     from cona.orchestrator.throughput import ThroughputModel
 
-    ties = ties_with_best(ranked)
     throughput = ThroughputModel(candidates=ranked)
     calibrated = None
     if measured is not None:
         # The measurements calibrate every layout (`ThroughputModel`): rank by those times, as `cona run --measured`
-        # will, and show each one's source beside the cost model's prediction.
+        # will, and show each one's source beside the cost model's prediction; ≈best on the same times.
         throughput.absorb(measured[0].measured)
         calibrated = {c.strategy: throughput.estimate(c) for c in ranked}
         order = sorted(ranked, key=lambda c: (calibrated[c.strategy][0], c.iter_time_s))
+        ties = ties_with_best(ranked, time_s=lambda c: calibrated[c.strategy][0])
     else:
         order = ranked
+        ties = ties_with_best(ranked)
     shown = order if args.top <= 0 else order[: args.top]
     rejected = [c for c in candidates if not c.feasible] if args.all else []
     if args.json:

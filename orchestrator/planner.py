@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from cona.orchestrator.costmodel import MODEL_ERROR, Attention, Prediction, predict
@@ -353,15 +354,20 @@ def rank_by_iter_time(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(feasible, key=lambda c: (c.iter_time_s, -c.samples_per_s, c.pp, c.tp, c.dp, c.mbs, c.gbs))
 
 
-def ties_with_best(ranked: list[Candidate], *, error: float = MODEL_ERROR) -> set[Strategy]:
+def ties_with_best(
+    ranked: list[Candidate], *, error: float = MODEL_ERROR, time_s: Callable[[Candidate], float] | None = None
+) -> set[Strategy]:  # fmt: skip
     """The feasible strategies whose predicted time is within the model's own error of the fastest at their gbs.
 
     Candidates of one global batch train the same samples per step, so only they compete; among them, the
-    model cannot tell apart predictions closer than its error (`costmodel.MODEL_ERROR`)."""
+    model cannot tell apart predictions closer than its error (`costmodel.MODEL_ERROR`). `time_s`: the times to
+    compare instead of the predictions (`cona plan --measured` ranks by calibrated ones: a strategy measured far
+    slower than the fastest of its batch is no tie with it, whatever the cost model predicted)."""
+    time_of = time_s or (lambda c: c.iter_time_s)
     best: dict[int, float] = {}
     for c in ranked:
-        best[c.gbs] = min(best.get(c.gbs, float("inf")), c.iter_time_s)
-    return {c.strategy for c in ranked if c.iter_time_s <= best[c.gbs] * (1 + error)}
+        best[c.gbs] = min(best.get(c.gbs, float("inf")), time_of(c))
+    return {c.strategy for c in ranked if time_of(c) <= best[c.gbs] * (1 + error)}
 
 
 def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None = None) -> Candidate:

@@ -31,7 +31,7 @@ from typing import Any
 from cona.orchestrator.job import Job, job_to_dict
 from cona.orchestrator.planner import Candidate
 from cona.orchestrator.profile import ClusterProfile
-from cona.orchestrator.throughput import checked_measurement
+from cona.orchestrator.throughput import checked_measurements
 from cona.protocol.rundir import RunDir, atomic_write_text
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -47,6 +47,20 @@ PROFILE_FIELDS = ("backend", "gpus_per_node", "accelerator", "network")
 """The profile's fields a measured step time depends on (not the node count: the strategies name their world)."""
 JOB_FIELDS = ("model", "parallel", "heartbeat.gradient_stats", "heartbeat.adam_stats")
 """The job's fields a measured step time depends on (not the data, optimizer, batch bounds or policy)."""
+UNCOMPARED = ("job.model.preset", "job.model.init_from")
+"""Fields of `JOB_FIELDS`' sections that name the model or say where its first weights come from, not what a step
+computes (the preset's dimensions are compared, filled in): the same model spelled out, or a run that starts from
+an exported checkpoint, keeps the measurements. Left out of new records and ignored in older ones."""
+
+
+def _comparable(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """`fingerprint` without the `UNCOMPARED` fields (a copy)."""
+    out = dict(fingerprint)
+    for dotted in UNCOMPARED:
+        key, _, field = dotted.rpartition(".")
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k != field}
+    return out
 
 
 @dataclasses.dataclass
@@ -76,7 +90,7 @@ def fingerprint(profile: ClusterProfile, job: Job) -> dict[str, Any]:
         for part in dotted.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         out[f"job.{dotted}"] = value
-    return out
+    return _comparable(out)
 
 
 def _first_difference(a: Any, b: Any, path: str) -> str | None:
@@ -92,9 +106,9 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
 
 def check_compatible(record: MeasuredRecord, source: Path, profile: ClusterProfile, job: Job) -> None:
     """Raise ConfigError (one line) when `record` was measured on another machine or model than this run's."""
-    here = fingerprint(profile, job)
-    for key in sorted(set(record.fingerprint) | set(here)):
-        difference = _first_difference(record.fingerprint.get(key), here.get(key), key)
+    here, there = fingerprint(profile, job), _comparable(record.fingerprint)
+    for key in sorted(set(there) | set(here)):
+        difference = _first_difference(there.get(key), here.get(key), key)
         if difference:
             raise ConfigError(
                 f"--measured {source}: measured on another setup ({difference}); profile this one with "
@@ -122,7 +136,7 @@ def load_measured(path: str | Path) -> tuple[MeasuredRecord, Path]:
     try:
         data = json.loads(source.read_text(encoding="utf-8"))
         record = MeasuredRecord(
-            measured=[checked_measurement(e) for e in data["measured"]], fingerprint=dict(data["fingerprint"]),
+            measured=checked_measurements(data["measured"]), fingerprint=dict(data["fingerprint"]),
             profile=str(data.get("profile", "")), created=float(data.get("created", 0.0)),
         )  # fmt: skip
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
@@ -215,6 +229,7 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
                 raise ConfigError(f"--strategies entry {i} ({text.strip()!r}): {e}") from None
         if not chosen:
             raise ConfigError("--strategies names no strategy; e.g. 'dp=4,tp=1,pp=1,mbs=8,gbs=32'")
+        _check_worth_measuring(chosen, job)
     else:
         chosen = pick_strategies(candidates, base_gbs=job.batch.base_gbs, top=DEFAULT_TOP if top is None else top)
     interval = job.heartbeat.interval_steps
@@ -232,6 +247,27 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
     spec["eval"] = {**spec["eval"], "interval_samples": end + 1}
     spec["checkpoint"] = {**spec["checkpoint"], "interval_steps": steps * len(chosen) + 1}
     return job_from_dict(spec, source="cona profile"), chosen, steps
+
+
+def _check_worth_measuring(chosen: list[Strategy], job: Job) -> None:
+    """ConfigError (one line) for a `--strategies` entry whose measurement no run could use: one named twice (the
+    second visit is one more warm-up and the same numbers), or one outside the job's micro- and global batches, which
+    a run never ranks and the cost model therefore never predicts, so its step time calibrates nothing (a strategy
+    that cannot run at all is the schedule's to refuse, in its words)."""
+    batches = job.batch.candidate_gbs()
+    for i, s in enumerate(chosen):
+        if s in chosen[:i]:
+            raise ConfigError(f"--strategies entry {i} ({s}) repeats entry {chosen.index(s)}: each strategy is "
+                              "measured once; drop one")  # fmt: skip
+        if s.mbs not in job.batch.mbs_choices:
+            problem = f"mbs={s.mbs} is not among batch.mbs_choices {job.batch.mbs_choices}"
+        elif s.gbs not in batches:
+            problem = (f"gbs={s.gbs} is not among the global batches a run ranks {batches} (batch.gbs_choices, or "
+                       "the powers of two within the batch bounds and batch.base_gbs)")  # fmt: skip
+        else:
+            continue
+        raise ConfigError(f"--strategies entry {i} ({s}): {problem}, so a run never ranks it and its step time "
+                          "would calibrate nothing; name one that `cona plan` lists")  # fmt: skip
 
 
 def finish_profile(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: Any) -> str:

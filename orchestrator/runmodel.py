@@ -129,6 +129,10 @@ class RunModel:
         """Fold attempt `attempt`'s heartbeats in; returns the switches they completed."""
         completed = []
         measured_before = measures_throughput(self.windows_in_attempt)
+        # The windows that time `strategy`: an elastic attempt that started on another node count than planned
+        # writes the other strategy's before the backend says so (`Scheduler._started_as`), and those step times
+        # are not this one's (nor its warm-up).
+        timing = strategy.to_dict()
         for hb in beats:
             self.live.step, self.live.samples = hb.step, hb.samples
             if hb.train_loss is not None:
@@ -140,7 +144,7 @@ class RunModel:
                 if done is not None:
                     completed.append(done)
                 continue
-            if timed_window(hb):
+            if timed_window(hb) and hb.strategy == timing:
                 # The windows after a launch's warm-up ones (compilation, allocations, first collectives) count.
                 self.windows_in_attempt += 1
                 if measures_throughput(self.windows_in_attempt):

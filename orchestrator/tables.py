@@ -85,8 +85,9 @@ def print_plan(
     close = {gbs: n for gbs, n in by_gbs.items() if n > 1}
     if close:
         listed = ", ".join(f"{n} at gbs {gbs}" for gbs, n in sorted(close.items()))
+        fastest = "fastest strategy" if calibrated is None else "fastest calibrated time"
         console.print(
-            f"≈best: within the cost model's error ({MODEL_ERROR:.0%}, docs/costmodel.md) of the fastest strategy of "
+            f"≈best: within the cost model's error ({MODEL_ERROR:.0%}, docs/costmodel.md) of the {fastest} of "
             f"its global batch ({listed}); the model cannot rank these, `cona run` measures them."
         )
     if rejected:

@@ -10,12 +10,16 @@ scales both and keeps ranking small batches as it did; the calibration is theref
 per layout (dp, tp, pp), from the strategies of that layout that ran:
 
 1. the strategy itself was measured: its own measured time;
-2. its layout was measured at two or more predicted times (another gbs or micro-batch, cheap to visit with the
-   in-place switch): F and k by least squares (F ≥ 0; k at least a tenth of the mean measured/predicted);
-3. its layout was measured at one predicted time: k from the layouts where it is known (the geometric mean; the
-   cost model's own 1.0 when none is), and the excess over k · predicted as the fixed cost F. Attributing the
-   unexplained time to the fixed cost is the optimistic reading for larger batches: the policy then tries one,
-   and its measurement settles F and k (tier 2). A measured time below k · predicted is scaled instead (F = 0);
+2. its layout was measured at two or more global batches (cheap to visit with the in-place switch) whose predicted
+   times differ: F and k by least squares over all its measured strategies (F ≥ 0; k at least a tenth of the mean
+   measured/predicted);
+3. its layout was measured at one global batch (one strategy, or several micro-batches of that batch: they train
+   the same samples per step, so what tells their predicted times apart is the micro-batches' efficiency, not the
+   work per sample, and they cannot separate a per-step from a per-sample cost): k from the layouts where it is
+   known (the geometric mean; the cost model's own 1.0 when none is), and the excess of the mean measured time
+   over k · the mean prediction as the fixed cost F. Attributing the unexplained time to the fixed cost is the
+   optimistic reading for larger batches: the policy then tries one, and its measurement settles F and k (tier 2).
+   A measured time below k · predicted is scaled instead (F = 0);
 4. the layout never ran: the mean F and the geometric-mean k of the measured layouts (0 and 1 when none).
 
 Each measured time is the median of the last `window` observations: heartbeat step times are already window
@@ -32,7 +36,8 @@ import dataclasses
 import math
 import statistics
 from collections import deque
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
 
 from cona.orchestrator.planner import Candidate
 from cona.protocol.strategy import Strategy
@@ -42,7 +47,7 @@ Source = Literal["measured", "layout", "degrees", "calibrated", "none"]
 """Which tier produced an estimate: `measured` (1), `layout` (2: fitted on this layout), `degrees` (3: one
 measured point of this layout), `calibrated` (4: other layouts' calibration), `none` (no prediction)."""
 DISTINCT = 1.05
-"""Predicted times that differ by less than this factor are one point for the affine fit."""
+"""Global batches whose (mean) predicted times differ by less than this factor are one batch for the affine fit."""
 MIN_SCALE_FRACTION = 0.1
 """k is kept at least this fraction of the mean measured/predicted of the layout's points (a fit whose time does
 not grow with the work would make every larger batch free)."""
@@ -61,26 +66,44 @@ class Affine:
         return self.fixed_s + self.scale * predicted_s
 
 
-def fit_affine(points: list[tuple[float, float]], *, prior_scale: float) -> Affine:
-    """The affine calibration of (predicted, measured) points of one layout (module docstring, tiers 2 and 3)."""
-    assert points, "fit_affine needs at least one point"
-    predicted = [p for p, _ in points]
-    if len(points) >= 2 and max(predicted) > DISTINCT * min(predicted):
-        n = len(points)
-        mp = sum(predicted) / n
-        mt = sum(t for _, t in points) / n
-        sxx = sum((p - mp) ** 2 for p in predicted)
-        k = sum((p - mp) * (t - mt) for p, t in points) / sxx
+class Point(NamedTuple):
+    """One measured strategy of a layout, as the affine fit sees it."""
+
+    predicted_s: float
+    measured_s: float
+    gbs: int
+
+
+def separates_costs(points: list[Point]) -> bool:
+    """Whether `points` can tell a fixed cost per step from a per-sample one: two or more global batches whose mean
+    predicted times differ by `DISTINCT`. Micro-batches of one global batch cannot (module docstring, tier 3)."""
+    by_batch: dict[int, list[float]] = {}
+    for point in points:
+        by_batch.setdefault(point.gbs, []).append(point.predicted_s)
+    means = [sum(p) / len(p) for p in by_batch.values()]
+    return len(means) >= 2 and max(means) > DISTINCT * min(means)
+
+
+def fit_affine(measured: Sequence[tuple[float, float, int]], *, prior_scale: float) -> Affine:
+    """The affine calibration of (predicted, measured, gbs) points of one layout (module docstring, tiers 2 and 3)."""
+    assert measured, "fit_affine needs at least one point"
+    points = [Point(*point) for point in measured]
+    n = len(points)
+    if separates_costs(points):
+        mp = sum(p for p, _, _ in points) / n
+        mt = sum(t for _, t, _ in points) / n
+        sxx = sum((p - mp) ** 2 for p, _, _ in points)
+        k = sum((p - mp) * (t - mt) for p, t, _ in points) / sxx
         fixed = mt - k * mp
         if fixed < 0:  # no fixed cost: the least-squares scale through the origin
-            fixed, k = 0.0, sum(t * p for p, t in points) / sum(p * p for p in predicted)
-        floor = MIN_SCALE_FRACTION * sum(t / p for p, t in points) / n
+            fixed, k = 0.0, sum(t * p for p, t, _ in points) / sum(p * p for p, _, _ in points)
+        floor = MIN_SCALE_FRACTION * sum(t / p for p, t, _ in points) / n
         if k < floor:
             k = floor
-            fixed = max(0.0, sum(t - k * p for p, t in points) / n)
+            fixed = max(0.0, sum(t - k * p for p, t, _ in points) / n)
         return Affine(fixed, k, True)
-    p = sum(predicted) / len(points)
-    t = sum(t for _, t in points) / len(points)
+    p = sum(p for p, _, _ in points) / n
+    t = sum(t for _, t, _ in points) / n
     if t > prior_scale * p:
         return Affine(t - prior_scale * p, prior_scale, False)
     return Affine(0.0, t / p, False)
@@ -106,15 +129,52 @@ def usable_step_time(step_time_s: float | None) -> bool:
     return step_time_s is not None and math.isfinite(step_time_s) and step_time_s > 0
 
 
+def _number(value: Any) -> bool:
+    """A JSON number: not a bool (`true` would read as 1 s), not a string."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
     """One entry of `ThroughputModel.to_dict()["measured"]` read back from a file (`absorb`'s input), checked: a
-    strategy and at least one positive, finite step time; ValueError/KeyError/TypeError naming what is wrong
-    otherwise."""
+    strategy, at least one positive, finite step time, a `count` (when given) of at least that many observations
+    and a `predicted_s` (when given) that is a positive, finite time or null; ValueError/KeyError/TypeError naming
+    the strategy and the field otherwise. The model divides by `predicted_s` and the policy reads `count`: a bad
+    one broke a run at its first save, far from the file it came from."""
     strategy = Strategy.from_dict(entry["strategy"])
-    times = [float(t) for t in entry["times"]]
-    if not times or not all(usable_step_time(t) for t in times):
-        raise ValueError(f"{strategy.short()}: step times must be positive and finite, got {times}")
-    return {**entry, "strategy": strategy.to_dict(), "times": times}
+    raw = entry["times"]
+    if not isinstance(raw, list) or not raw or not all(_number(t) and usable_step_time(float(t)) for t in raw):
+        raise ValueError(f"{strategy.short()}: step times must be positive and finite, got {raw!r}"[:300])
+    times = [float(t) for t in raw]
+    checked = {**entry, "strategy": strategy.to_dict(), "times": times}
+    if "count" in entry:
+        count = entry["count"]
+        if not (_number(count) and float(count).is_integer() and count >= len(times)):
+            raise ValueError(f"{strategy.short()}: count must be an integer of at least its {len(times)} step times "
+                             f"(the observations behind them), got {count!r}"[:300])  # fmt: skip
+        checked["count"] = int(count)
+    predicted = entry.get("predicted_s")
+    if predicted is not None:
+        if not (_number(predicted) and usable_step_time(float(predicted))):
+            raise ValueError(f"{strategy.short()}: predicted_s must be a positive, finite number or null, got "
+                             f"{predicted!r}"[:300])  # fmt: skip
+        checked["predicted_s"] = float(predicted)
+    return checked
+
+
+def checked_measurements(entries: Any) -> list[dict[str, Any]]:
+    """A whole `measured` list read back from a file, each entry `checked_measurement`, and no strategy twice: which
+    of two would count is an accident of their order (`absorb` keeps the last), so the file is refused instead."""
+    if not isinstance(entries, list):
+        raise TypeError(f"`measured` must be a list of measured strategies, got {type(entries).__name__}")
+    checked: list[dict[str, Any]] = []
+    first: dict[Strategy, int] = {}
+    for i, entry in enumerate(entries):
+        checked.append(checked_measurement(entry))
+        strategy = Strategy.from_dict(checked[-1]["strategy"])
+        if strategy in first:
+            raise ValueError(f"entries {first[strategy]} and {i} both measure {strategy.short()}; keep one")
+        first[strategy] = i
+    return checked
 
 
 class _Measurement:
@@ -198,12 +258,12 @@ class ThroughputModel:
 
     # ------------------------------------------------------------------------------------------ estimating
 
-    def _points(self) -> dict[tuple[int, int, int], list[tuple[float, float]]]:
-        """(predicted, measured) of every measured strategy with a prediction, by layout (dp, tp, pp)."""
-        points: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+    def _points(self) -> dict[tuple[int, int, int], list[Point]]:
+        """(predicted, measured, gbs) of every measured strategy with a prediction, by layout (dp, tp, pp)."""
+        points: dict[tuple[int, int, int], list[Point]] = {}
         for s, m in self._measured.items():
             if m.predicted_s is not None and m.predicted_s > 0:
-                points.setdefault(s.layout(), []).append((m.predicted_s, m.time_s))
+                points.setdefault(s.layout(), []).append(Point(m.predicted_s, m.time_s, s.gbs))
         return points
 
     def calibration(self) -> tuple[dict[tuple[int, int, int], Affine], Affine]:
@@ -298,12 +358,18 @@ class ThroughputModel:
             times = [float(t) for t in entry.get("times", []) if t is not None and usable_step_time(float(t))]
             if not times:
                 continue
+            # The record's own prediction only for a strategy this model has none for (not a candidate here), and
+            # only a usable one: calibration_factor and model_error divide by it (a state.json edited by hand).
             predicted = entry.get("predicted_s")
+            if not (_number(predicted) and usable_step_time(float(predicted))):
+                predicted = None
             m = _Measurement(
                 window=self.window,
                 predicted_s=self._predicted.get(strategy, None if predicted is None else float(predicted)),
             )
             m.times.extend(times)
-            m.count = int(entry.get("count", len(times)))
+            # At least the times it holds: the policy counts observations before it trusts a probe's time.
+            count = entry.get("count")
+            m.count = max(len(times), int(count) if _number(count) and math.isfinite(count) else 0)
             self._measured[strategy] = m
             self._version += 1

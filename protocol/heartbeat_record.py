@@ -131,8 +131,10 @@ time is far above the steady one and would drag a strategy's measured samples/s 
 
 def timed_window(hb: Heartbeat) -> bool:
     """Whether `hb` is a periodic record with a step time: a window of training steps. Special records (start,
-    resume, eval, checkpoint, hold, exit) time nothing, and a window before the first step reports 0."""
-    return hb.event is None and hb.step_time_s is not None and hb.step_time_s > 0
+    resume, eval, checkpoint, hold, exit) time nothing, a window before the first step reports 0, and a step time
+    that is no time (JSON reads `Infinity`) is no window either: counted as an attempt's warm-up window, it would let
+    the real warm-up window in as a measurement (the throughput model ignores it all the same)."""
+    return hb.event is None and hb.step_time_s is not None and math.isfinite(hb.step_time_s) and hb.step_time_s > 0
 
 
 def measures_throughput(window: int) -> bool:

@@ -109,7 +109,7 @@ def test_a_fixed_cost_makes_a_larger_batch_faster_per_sample_after_one_measureme
 
 
 def test_fit_keeps_a_positive_per_sample_cost():
-    points = [(0.1, 0.5), (0.2, 0.5), (0.4, 0.49)]  # flat (noise): not "a larger batch is free"
+    points = [(0.1, 0.5, 16), (0.2, 0.5, 32), (0.4, 0.49, 64)]  # flat (noise): not "a larger batch is free"
     fit = fit_affine(points, prior_scale=1.0)
     assert fit.determined and fit.scale > 0
     assert fit.time_s(0.8) > fit.time_s(0.4)
