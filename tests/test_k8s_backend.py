@@ -8,6 +8,7 @@ The emulator has no controllers, so each test plays the Job, JobSet or Trainer c
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -298,6 +299,32 @@ def test_an_unschedulable_pod_past_the_pending_timeout_is_reported_once_and_wait
     assert [requests[i][1] for i in deletes] == [f"/apis/batch/v1/namespaces/{NS}/jobs/exp1-a1",
                                                  f"/api/v1/namespaces/{NS}/services/exp1-a1"]  # fmt: skip
     assert ("GET", f"/api/v1/namespaces/{NS}/pods/exp1-a1-0-abcde/log") in requests[: deletes[0]]
+
+
+@pytest.mark.parametrize("workload", ["indexed-job", "jobset"])
+def test_runs_whose_directories_differ_only_in_case_hold_their_own_lease_and_workloads(k8s, tmp_path, workload):
+    """`runs/Exp1` and `runs/exp1` on one PVC: each run takes its own Lease and creates its own attempt objects, and
+    cancelling one's attempt leaves the other's running (their names were one lower-cased name)."""
+    mount = tmp_path / "runs"
+    profile = _profile(mount, workload)
+    backends = {}
+    for run in ("exp1", "Exp1"):
+        run_dir = RunDir(mount / run)
+        run_dir.root.mkdir(parents=True)
+        backends[run] = KubernetesBackend(run_dir=run_dir, profile=profile, api_client=k8s.api_client())
+    leases = [backend.exclusion() for backend in backends.values()]
+    assert leases[0].name == "exp1" and re.fullmatch(r"exp1-[0-9a-f]{8}", leases[1].name)
+    for lease in leases:
+        lease.wait_s = 1.0  # the same name would wait for the other's Lease, then fail
+        lease.acquire()
+    try:
+        attempts = {run: _launch(backend) for run, backend in backends.items()}
+        assert attempts["exp1"].backend_id == "exp1-a1" != attempts["Exp1"].backend_id
+        backends["Exp1"].cancel(attempts["Exp1"])
+        assert backends["exp1"].poll(attempts["exp1"]).status is AttemptStatus.PENDING  # still there, no pods yet
+    finally:
+        for lease in leases:
+            lease.release()
 
 
 def test_cancel_deletes_the_job_and_the_service_and_is_idempotent(k8s, setup):

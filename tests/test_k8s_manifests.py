@@ -344,7 +344,35 @@ def test_names_are_dns_labels_for_a_long_run_name():
                 assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
         names.add(_job(objects)["metadata"]["name"])
     assert len(names) == 2, "a shortened name keeps a hash of the whole run name"
-    assert workload_names("1st run", 1)[0] == "r-1st-run-a1"  # a Service name starts with a letter
+    # A Service name starts with a letter; a name that had to be changed ends in a hash of the run's (`r-1st-run`
+    # would be another run's).
+    assert re.fullmatch(r"r-1st-run-[0-9a-f]{8}-a1", workload_names("1st run", 1)[0])
+    assert workload_names("r-1st-run", 1)[0] == "r-1st-run-a1"
+
+
+@pytest.mark.parametrize("workload", ["indexed-job", "jobset", "trainjob"])
+def test_run_directories_whose_names_differ_only_in_case_get_distinct_objects(workload):
+    """Names are lower case: `runs/Exp1` and `runs/exp1` got the same workloads, Service and Lease, so one run
+    could adopt or delete the other's. A name that lowering or replacing changed keeps a hash of the original;
+    one that is already a DNS label stays as it was (existing runs keep their names)."""
+    limit = MAX_NAME if workload == "indexed-job" else MAX_JOBSET_NAME
+    rendered = {}
+    for run in ("exp1", "Exp1", "EXP1", "exp_1", "exp-1", "exp.1"):
+        objects = render_attempt(profile=_profile(workload=workload), strategy=MULTI_NODE, attempt=1,
+                                 run_dir=f"/runs/{run}")  # fmt: skip
+        for obj in objects:
+            _validate(obj)
+            assert DNS_1035.fullmatch(obj["metadata"]["name"]) and len(obj["metadata"]["name"]) <= limit
+        rendered[run] = {obj["metadata"]["name"] for obj in objects}
+        assert workload_names(run, 1, limit)[0] in rendered[run]
+    assert rendered["exp1"] == {"exp1-a1"} and rendered["exp-1"] == {"exp-1-a1"}
+    names = [name for run_names in rendered.values() for name in run_names]
+    assert len(set(names)) == len(rendered), rendered
+    assert all(re.fullmatch(r"exp-?1-[0-9a-f]{8}-a1", name) for name in names if name not in ("exp1-a1", "exp-1-a1"))
+    # A long name is shortened with the hash as before: two differing only in case still differ.
+    long = [render_attempt(profile=_profile(workload=workload), strategy=MULTI_NODE, attempt=1,
+                           run_dir=f"/runs/{run}")[-1]["metadata"]["name"] for run in ("x" * 60, "X" + "x" * 59)]  # fmt: skip
+    assert long[0] != long[1] and all(len(name) <= limit for name in long)
 
 
 def test_hostile_values_stay_inert(renderer_without_image_check):
@@ -439,6 +467,22 @@ def test_rendered_jobset_and_trainjob_golden_and_valid_against_their_crds(worklo
     (doc,) = docs
     _validate(doc)
     assert STANDARD_LABELS | {"cona.dev/run", "cona.dev/attempt"} <= set(doc["metadata"]["labels"])
+
+
+def test_pull_secrets_and_priority_class_golden_and_valid_for_every_kind():
+    """A private registry's Secrets and a PriorityClass in the pod of each kind (a TrainJob's pods take no priority
+    class: its runtimePatches cannot set one); every object still validates, strictly or against its CRD."""
+    texts = []
+    for workload in WORKLOAD_KINDS:
+        fields = {"workload": workload, "image_pull_secrets": ["regcred", "mirror.pull-2"]}
+        if workload != "trainjob":
+            fields["priority_class"] = "ml-high"
+        text = render_text(profile=_profile(**fields), strategy=MULTI_NODE, run_dir="/runs/golden-run")
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                _validate(doc)
+        texts.append(text)
+    _golden("pull-secrets-and-priority.yaml", "".join(texts))
 
 
 @pytest.mark.parametrize("workload", ["jobset", "trainjob"])

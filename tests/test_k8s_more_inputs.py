@@ -66,6 +66,7 @@ PROFILES = {
         "nodes=2", "gpus_per_node=4", "kubernetes.namespace=ml-team", "kubernetes.pvc=team-data.v2",
         "kubernetes.service_account=trainer-sa", "kubernetes.shm_size=1.5Gi", "kubernetes.orchestrator_memory=1.5Gi",
         "kubernetes.orchestrator_cpu=500m", "kubernetes.trainer_cpu=8", "kubernetes.trainer_memory=64Gi",
+        "kubernetes.image_pull_secrets=[team-registry, mirror.pull-2]",
         f'kubernetes.node_selector."{GKE_ACCELERATOR}"=nvidia-h100-80gb',
         "kubernetes.tolerations=[{key: dedicated, operator: Equal, value: ml, effect: NoExecute, "
         "tolerationSeconds: 300}, {operator: Exists}]",
@@ -131,6 +132,8 @@ def test_every_example_job_renders_valid_objects_on_other_profiles(name, workloa
         assert [o["metadata"]["name"] for o in attempt][-1] == workload_names(run, 1, limit)[0]
         for pod in _pods(attempt) + _pods(submission):
             assert pod["serviceAccountName"] == spec.service_account
+            assert pod.get("imagePullSecrets", []) == [{"name": name} for name in spec.image_pull_secrets]
+            assert pod.get("priorityClassName") == spec.priority_class
             claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
             assert claims == [spec.pvc]
         for pod in _pods(attempt):
@@ -201,6 +204,91 @@ def test_selectors_and_tolerations_the_api_server_would_refuse_are_one_line(over
     with pytest.raises(ConfigError) as info:
         _profile(override)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+# ---- a private registry and a priority class ------------------------------------------------------------------------
+
+PRIVATE = ("kubernetes.image_pull_secrets=[regcred, mirror.pull-2]", "kubernetes.priority_class=ml-high")
+
+
+@pytest.mark.parametrize("workload", ["indexed-job", "jobset", "trainjob"])
+def test_pull_secrets_and_the_priority_class_reach_every_pod_cona_creates(workload):
+    """Every pod of a run pulls the image with the profile's Secrets and is scheduled with its PriorityClass: the
+    trainer pods of each workload kind and the orchestrator pod (a TrainJob's pods take no priority class)."""
+    private = PRIVATE if workload != "trainjob" else PRIVATE[:1]
+    profile = _profile(*private, f"kubernetes.workload={workload}")
+    objects = render_attempt(profile=profile, strategy=first_strategy(profile, _job()), attempt=1,
+                             run_dir=run_dir_for(profile, "r"))  # fmt: skip
+    objects += render_submission(profile=profile, job=_job(), run="r", submitted=SUBMITTED)
+    for obj in objects:
+        _validate(obj)
+    pods = _pods(objects)
+    assert len(pods) == 2  # the attempt's trainer pods' template, the orchestrator's
+    for pod in pods:
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror.pull-2"}]
+        assert pod.get("priorityClassName") == ("ml-high" if workload != "trainjob" else None)
+    # Without them, the pods have neither field (the cluster's defaults apply).
+    plain = _profile(f"kubernetes.workload={workload}")
+    objects = render_attempt(profile=plain, strategy=first_strategy(plain, _job()), attempt=1,
+                             run_dir=run_dir_for(plain, "r"))  # fmt: skip
+    objects += render_submission(profile=plain, job=_job(), run="r", submitted=SUBMITTED)
+    assert not any({"imagePullSecrets", "priorityClassName"} & set(pod) for pod in _pods(objects))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["kubernetes.image_pull_secrets=[Regcred]"],
+         "field 'kubernetes.image_pull_secrets': [0] 'Regcred' is not a DNS-1123 subdomain"),
+        (["kubernetes.image_pull_secrets=[regcred, reg_cred]"], "[1] 'reg_cred' is not a DNS-1123 subdomain"),
+        (["kubernetes.image_pull_secrets=[regcred, regcred]"], "[1] 'regcred' is listed twice; list each Secret once"),
+        ([f"kubernetes.image_pull_secrets=[{'a' * 254}]"], "is not a DNS-1123 subdomain (at most 253"),
+        (["kubernetes.image_pull_secrets=regcred"], "field 'kubernetes.image_pull_secrets': Input should be a valid list"),
+        (["kubernetes.priority_class=High Priority"],
+         "field 'kubernetes.priority_class': 'High Priority' is not a DNS-1123 subdomain"),
+        (["kubernetes.priority_class=high", "kubernetes.workload=trainjob"],
+         "priority_class 'high' cannot reach a TrainJob's pods"),
+    ],
+)  # fmt: skip
+def test_pull_secrets_and_priority_classes_that_cannot_be_are_one_line_when_the_profile_loads(override, message):
+    with pytest.raises(ConfigError) as info:
+        _profile(*override)
+    text = str(info.value)
+    assert message in text and "\n" not in text, text
+    assert ("give the name of" in text or "list each Secret once" in text or "leave priority_class out" in text
+            or "valid list" in text), text  # what to do
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"image_pull_secrets": ["a b"]}, "kubernetes.image_pull_secrets: [0] 'a b' is not a DNS-1123 subdomain"),
+        ({"priority_class": "$(id)"}, "kubernetes.priority_class: '$(id)' is not a DNS-1123 subdomain"),
+        ({"priority_class": "high", "workload": "trainjob"}, "kubernetes.priority_class: 'high' cannot reach a TrainJob"),
+    ],
+)  # fmt: skip
+def test_the_renderers_refuse_them_in_a_spec_built_without_validation(fields, message):
+    profile = _profile()
+    profile = profile.model_copy(update={"kubernetes": profile.kubernetes.model_copy(update=fields)})
+    for render in (
+        lambda: render_attempt(profile=profile, strategy=first_strategy(profile, _job()), attempt=1, run_dir="/runs/r"),
+        lambda: render_submission(profile=profile, job=_job(), run="r", submitted=SUBMITTED),
+    ):
+        with pytest.raises(ConfigError) as info:
+            render()
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_submit_with_pull_secrets_reads_no_secret(k8s):
+    """`cona submit` checks the PVC and ServiceAccount but not the pull Secrets: reading a Secret gives its contents,
+    which the submitter's Role does not grant. The Secrets are named in the orchestrator Job's pod as rendered."""
+    namespace_objects(k8s)  # no Secret at all
+    objects = render_submission(profile=_profile(*PRIVATE), job=_job(), run="private", submitted=SUBMITTED)
+    assert submit(objects, api_client=k8s.api_client()) == ("private", NS)
+    assert not any("secrets" in path for _, path in k8s.backend_requests())
+    pod = client.BatchV1Api(k8s.api_client("reader")).read_namespaced_job("private-orch", NS).spec.template.spec
+    assert [ref.name for ref in pod.image_pull_secrets] == ["regcred", "mirror.pull-2"]
+    assert pod.priority_class_name == "ml-high"
 
 
 @pytest.mark.parametrize("image", ["ghcr.io/cona-project/cona", "localhost:5000/cona", "cona:"])

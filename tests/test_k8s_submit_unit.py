@@ -102,6 +102,18 @@ def test_submission_golden_and_valid():
     assert "nodeSelector" not in pod and "nvidia.com/gpu" not in json.dumps(container["resources"])
 
 
+def test_submission_with_pull_secrets_and_priority_golden_and_valid():
+    """The orchestrator pod pulls the image as the trainer pods do and has their priority."""
+    objects = _objects(image_pull_secrets=["regcred"], priority_class="ml-high")
+    for obj in objects:
+        _validate(obj)
+    _golden("submit-pull-secrets-and-priority.yaml", dump_objects(objects))
+    pod = objects[1]["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["priorityClassName"] == "ml-high"
+    profile = yaml.safe_load(objects[0]["data"]["profile.yaml"])["kubernetes"]  # what the orchestrator renders from
+    assert (profile["image_pull_secrets"], profile["priority_class"]) == (["regcred"], "ml-high")
+
+
 def test_the_example_run_in_manifests_is_what_submit_renders():
     """manifests/examples/run.yaml is `cona submit --dry-run` of the example profile; it must not drift."""
     out = run_cona("submit", "--profile", str(K8S_PROFILE), "--job", str(JOB), "--name", "tiny-gpt-example",

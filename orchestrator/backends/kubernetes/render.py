@@ -13,8 +13,9 @@ PVC. `kubernetes.workload` picks the kind:
   (`torch-distributed`), which sets torchrun's `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
   `PET_MASTER_ADDR` (`<trainjob>-node-0-0.<trainjob>`) and `PET_MASTER_PORT` (29500): torchrun reads them as its
   defaults, so the command names neither nodes nor rendezvous (static rendezvous on pod 0). The PVC, `/dev/shm`,
-  security contexts, service account, node selector and tolerations go through `spec.runtimePatches` (the only
-  pod-level override the v1alpha1 CRD offers).
+  security contexts, service account, image pull secrets, node selector and tolerations go through
+  `spec.runtimePatches` (the only pod-level override the v1alpha1 CRD offers; it has no priority class, which is
+  why `kubernetes.priority_class` is refused with this kind).
 
 The command of the first two kinds:
 
@@ -49,6 +50,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from cona.orchestrator.backends.kubernetes.spec import priority_class_problem, pull_secrets_problem
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode
 from cona.protocol.yamlconfig import ConfigError
@@ -179,13 +181,19 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()[:8]
 
 
-def dns_name(value: str, limit: int = MAX_NAME) -> str:
+def dns_name(value: str, limit: int = MAX_NAME, *, distinct: bool = True) -> str:
     """A DNS-1035 label (lower-case letters, digits, `-`; starts with a letter) of at most `limit` characters for
-    `value`: other characters become `-`; a name that had to be shortened ends in a hash of the original."""
+    `value`: upper case is lowered, other characters become `-`, `r-` goes before a first character that is no
+    letter. The one place run names become Kubernetes names (the workloads of `workload_names`, the Lease).
+
+    Distinct values give distinct names: a value that is already such a label is its own name; any other ends in a
+    hash of the original, whether it was shortened or only changed, so run directories `Exp1` and `exp1` (or `a_b`
+    and `a-b`) never share a workload or a Lease, where one run would adopt or delete the other's. `distinct=False`
+    adds the hash only to a shortened name: for a name the API server keeps unique itself (`runobjects.run_name`)."""
     name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", value.lower())).strip("-")
     if not name or not name[0].isalpha():
         name = f"r-{name}".rstrip("-")
-    if len(name) > limit:
+    if len(name) > limit or (distinct and name != value):
         name = f"{name[: limit - 9].rstrip('-')}-{_digest(value)}"
     return name
 
@@ -224,6 +232,13 @@ def check_spec(spec: KubernetesSpec) -> None:
         shown = spec.image.encode("unicode_escape").decode()
         raise ConfigError(f"kubernetes.image: {shown!r} is empty or contains whitespace or a control character")
     _check("kubernetes.trainer_runtime", spec.trainer_runtime, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
+    # Checked when the profile loads too (`spec.py`); again here for a spec built or changed without validation.
+    problem = pull_secrets_problem(spec.image_pull_secrets)
+    if problem:
+        raise ConfigError(f"kubernetes.image_pull_secrets: {problem}")
+    problem = priority_class_problem(spec.priority_class, spec.workload)
+    if problem:
+        raise ConfigError(f"kubernetes.priority_class: {problem}")
     tag = image_tag(spec.image)
     if not tag:
         # Kubernetes would take `:latest`, which moves: the nodes of one attempt, or one attempt and the next,
@@ -334,8 +349,19 @@ POD_SECURITY = {
 }
 
 
+def pod_fields(spec: KubernetesSpec) -> dict[str, Any]:
+    """The pod-level fields every pod cona creates takes from the profile, trainer or orchestrator (absent when
+    unset): its priority class and image pull secrets."""
+    fields: dict[str, Any] = {}
+    if spec.priority_class is not None:
+        fields["priorityClassName"] = spec.priority_class
+    if spec.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": name} for name in spec.image_pull_secrets]
+    return fields
+
+
 def _placement_fields(spec: KubernetesSpec) -> dict[str, Any]:
-    """The pod's node selector and tolerations from the profile (absent when empty)."""
+    """The trainer pod's node selector and tolerations from the profile (absent when empty)."""
     fields: dict[str, Any] = {}
     if spec.node_selector:
         fields["nodeSelector"] = dict(spec.node_selector)
@@ -381,6 +407,7 @@ def _pod_spec(
         "securityContext": dict(POD_SECURITY),
         "containers": [container],
         "volumes": volumes,
+        **pod_fields(spec),
         **_placement_fields(spec),
     })  # fmt: skip
     return pod
@@ -522,6 +549,8 @@ def _trainjob(
             {"name": TRAINJOB_CONTAINER, "volumeMounts": mounts, "securityContext": dict(CONTAINER_SECURITY)}
         ],
         "volumes": volumes,
+        # Pull secrets only: `check_spec` refuses a priority class here (runtimePatches cannot set one).
+        **pod_fields(spec),
         **_placement_fields(spec),
     }
     return {

@@ -31,6 +31,7 @@ from cona.orchestrator.backends.kubernetes.render import (
     dns_name,
     escape,
     label_value,
+    pod_fields,
     pull_policy,
 )
 from cona.protocol.yamlconfig import ConfigError
@@ -71,8 +72,12 @@ workloads it creates."""
 
 
 def run_name(value: str) -> str:
-    """The Kubernetes name of a run (and its directory's name): `value` as a DNS-1035 label of ≤ 40 characters."""
-    return dns_name(value, RUN_NAME_MAX)
+    """The Kubernetes name of a run (and its directory's name): `value` as a DNS-1035 label of ≤ 40 characters.
+
+    Readable, without the hash `dns_name` gives a changed name (only a shortened one has it): the name is the run's
+    ConfigMap's, which the API server keeps unique (a second run of the name is refused, `remote.submit`, never
+    adopted), and `cona status/stop/report` take it as typed."""
+    return dns_name(value, RUN_NAME_MAX, distinct=False)
 
 
 def orchestrator_job_name(run: str) -> str:
@@ -202,6 +207,8 @@ def render_orchestrator_job(*, spec: KubernetesSpec, run: str, run_dir: str) -> 
             {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
             {"name": "tmp", "emptyDir": {}},
         ],
+        # The trainer pods' priority (a lower orchestrator would be preempted first) and pull secrets (same image).
+        **pod_fields(spec),
     }
     return {
         "apiVersion": "batch/v1",

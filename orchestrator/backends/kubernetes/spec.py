@@ -18,6 +18,7 @@ _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 LABEL_KEY_RULE = "an optional DNS prefix and '/', then at most 63 of A-Z a-z 0-9 - _ . with a letter or digit at both ends"
 LABEL_VALUE_RULE = "empty, or at most 63 of A-Z a-z 0-9 - _ . with a letter or digit at both ends"
+DNS_SUBDOMAIN_RULE = "a DNS-1123 subdomain (at most 253 lower-case letters, digits, '-' and '.', a letter or digit first and last)"
 
 
 def is_label_key(key: str) -> bool:
@@ -26,6 +27,38 @@ def is_label_key(key: str) -> bool:
     if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix)):
         return False
     return len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
+
+
+def is_dns_subdomain(value: str) -> bool:
+    """Whether `value` is a DNS-1123 subdomain (≤ 253 characters), as the name of a Secret or PriorityClass must be."""
+    return len(value) <= 253 and bool(_DNS_SUBDOMAIN.fullmatch(value))
+
+
+def pull_secrets_problem(names: list[str]) -> str | None:
+    """What is wrong with `image_pull_secrets` (the first problem, in one line), or None."""
+    for i, name in enumerate(names):
+        if not is_dns_subdomain(name):
+            return (f"[{i}] {name!r} is not {DNS_SUBDOMAIN_RULE}; give the name of a docker-registry Secret in the "
+                    "run's namespace (kubectl -n NS get secrets)")  # fmt: skip
+        if name in names[:i]:
+            return f"[{i}] {name!r} is listed twice; list each Secret once"
+    return None
+
+
+def priority_class_problem(priority_class: str | None, workload: str | None = None) -> str | None:
+    """What is wrong with `priority_class` (for `workload`, when given), in one line, or None."""
+    if priority_class is None:
+        return None
+    if not is_dns_subdomain(priority_class):
+        return (f"{priority_class!r} is not {DNS_SUBDOMAIN_RULE}; give the name of one of the cluster's "
+                "PriorityClasses (kubectl get priorityclasses)")  # fmt: skip
+    if workload == "trainjob":
+        # Trainer v1alpha1's `runtimePatches`, the only pod-level override a TrainJob has, has no priorityClassName:
+        # rendered anyway, the API server would refuse the TrainJob (unknown field) or drop it silently.
+        return (f"{priority_class!r} cannot reach a TrainJob's pods (Trainer v1alpha1's runtimePatches have no "
+                "priorityClassName); set priorityClassName in the trainer_runtime's pod template and leave "
+                "priority_class out, or use workload indexed-job or jobset")  # fmt: skip
+    return None
 
 
 def is_label_value(value: str) -> bool:
@@ -95,6 +128,47 @@ class KubernetesSpec(StrictModel):
     lease_duration_s: int = Field(default=15, ge=3, le=300)
     """How long the orchestrator's Lease lasts without renewal (renewed every third of it): after the orchestrator
     dies, a restarted one waits this long before it takes over the run."""
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """Names of docker-registry Secrets (type `kubernetes.io/dockerconfigjson`, in `namespace`) that the kubelet
+    pulls `image` with from a private registry: every pod cona creates (the trainer pods of every workload kind,
+    the orchestrator pod of `cona submit`) lists them as `imagePullSecrets`. Each a DNS-1123 subdomain, listed once.
+    Empty: the pods pull with the service account's own pull secrets, if it has any, else anonymously. `cona
+    submit` does not check that they exist (reading Secrets would give the submitter their contents): a missing or
+    wrong one shows as `ImagePullBackOff`, which fails the run past `pending_timeout_s`."""
+    priority_class: str | None = None
+    """PriorityClass of every pod cona creates (`priorityClassName`; a DNS-1123 subdomain naming one of the
+    cluster's, `kubectl get priorityclasses`): on a shared cluster it decides which pods the scheduler preempts for
+    which. A trainer pod preempted by a higher one ends its attempt as disrupted; the next attempt resumes from the
+    last complete checkpoint without counting as a failure. None: the cluster's default (its `globalDefault` class,
+    else priority 0). Not with `workload: trainjob`, whose pod-level override (`runtimePatches`) cannot set it: give
+    the ClusterTrainingRuntime's pod template a priorityClassName instead."""
+
+    @pydantic.field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets(cls, value: list[str]) -> list[str]:
+        # The API server takes any name here (a typo fails only when the kubelet pulls); checked as it would check
+        # a Secret's own name, so that a name no Secret can have is said at once.
+        problem = pull_secrets_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @pydantic.field_validator("priority_class")
+    @classmethod
+    def _priority_class_name(cls, value: str | None) -> str | None:
+        problem = priority_class_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _priority_class(self) -> KubernetesSpec:
+        # After the fields (it depends on `workload` too), so its error is reported for the section: it names the
+        # field itself.
+        problem = priority_class_problem(self.priority_class, self.workload)
+        if problem:
+            raise ValueError(f"priority_class {problem}")
+        return self
 
     @pydantic.field_validator("trainer_cpu", mode="before")
     @classmethod
