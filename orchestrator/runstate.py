@@ -16,7 +16,7 @@ from cona.orchestrator.backends.base import Attempt
 from cona.orchestrator.job import Job, job_from_dict, job_to_dict
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
-from cona.orchestrator.throughput import checked_measurement
+from cona.orchestrator.throughput import checked_measurements
 from cona.protocol.heartbeat_record import NOTICE_EVENTS
 from cona.protocol.rundir import (
     RunDir,
@@ -137,7 +137,7 @@ def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
         return []
     measured = load_yaml(run_dir.run_yaml).get("measured") or []
     try:  # what `ThroughputModel.absorb` reads
-        measured = [checked_measurement(entry) for entry in measured]
+        measured = checked_measurements(measured)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{run_dir.run_yaml}: its `measured` step times are damaged ({type(e).__name__}: {e}); "
                           "remove the `measured` section to start without them") from None  # fmt: skip

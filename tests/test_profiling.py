@@ -159,7 +159,8 @@ def test_the_measurements_are_stored_with_the_run(tmp_path, setup):
     create_run(run_dir=plain, profile=profile, job=job)
     assert stored_measurements(plain) == []
     for damaged in ([{"strategy": {"dp": 4}, "times": [0.1]}], [{"times": [0.1]}], "x", 3,
-                    [{"strategy": Strategy(4, 1, 1, 4, 16).to_dict(), "times": ["slow"]}]):  # fmt: skip
+                    [{"strategy": Strategy(4, 1, 1, 4, 16).to_dict(), "times": ["slow"]}],
+                    measured + measured):  # a strategy twice: which one counts would be an accident  # fmt: skip
         bad = RunDir(tmp_path / f"bad-{len(str(damaged))}-{type(damaged).__name__}")
         create_run(run_dir=bad, profile=profile, job=job)
         document = bad.run_yaml.read_text() + yaml.safe_dump({"measured": damaged})
