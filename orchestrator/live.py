@@ -30,9 +30,31 @@ if TYPE_CHECKING:
     from cona.protocol.strategy import Strategy
 
 
+NOT_MEASURED = "—"
+"""What the live line and `cona status` show for a value that is undefined: samples/s and the time to target while the
+current attempt has not measured its throughput yet (after a launch, a switch or a resume, until its first window
+after warm-up), and any number that is NaN, infinite or negative where it cannot be (`_defined`)."""
+
+
+def _defined(value: Any, *, signed: bool = False) -> float | None:
+    """`value` when it is a number that can be shown, else None (shown as `NOT_MEASURED`): finite and, unless
+    `signed`, not negative. The one rule for the live line, `cona status` and its JSON: state.json may hold what an
+    older cona, a diverged run (a NaN loss) or a hand edit left there, and a negative time to target or a NaN noise
+    scale would read as a measurement."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value) if signed or value >= 0 else None
+
+
+def _shown(value: float | None, spec: str) -> str:
+    """`value` formatted with `spec`, or `NOT_MEASURED` for None (pass it through `_defined` first)."""
+    return NOT_MEASURED if value is None else format(value, spec)
+
+
 def _duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
+    seconds = _defined(seconds)
+    if seconds is None:
+        return NOT_MEASURED
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
@@ -41,30 +63,26 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds}s"
 
 
-NOT_MEASURED = "—"
-"""What the live line shows for samples/s and the time to target while the current attempt has not measured its
-throughput yet (after a launch, a switch or a resume, until its first window after warm-up)."""
-
-
 def status_line(live: LiveStatus | dict[str, Any]) -> str:
     """One line: step, samples, loss, perplexity, noise scale, current and best strategy, time to target."""
     get = live.get if isinstance(live, dict) else lambda k, d=None: getattr(live, k, d)
     parts = [f"attempt {get('attempt')}", f"step {get('step')}", f"samples {get('samples'):,}"]
     if get("train_loss") is not None:
-        parts.append(f"loss {get('train_loss'):.3f}")
+        parts.append(f"loss {_shown(_defined(get('train_loss'), signed=True), '.3f')}")
     if get("val_perplexity") is not None:
-        parts.append(f"val ppl {get('val_perplexity'):.2f}")
+        parts.append(f"val ppl {_shown(_defined(get('val_perplexity')), '.2f')}")
     noise = get("noise_scale")
-    parts.append(f"B_noise {noise:.0f} ({get('noise_source')})" if noise is not None else "B_noise prior")
+    parts.append(f"B_noise {_shown(_defined(noise), '.0f')} ({get('noise_source')})" if noise is not None
+                 else "B_noise prior")  # fmt: skip
     parts.append(f"on {get('strategy')}")
     # None until the attempt's first measured window (`RunModel.attempt_started`): "—", not the previous attempt's.
-    rate, eta = get("samples_per_s"), get("eta_s")
+    rate = _defined(get("samples_per_s"))
     parts.append(f"{rate:.0f} samples/s" if rate else f"{NOT_MEASURED} samples/s")
-    best, gain = get("best"), get("best_gain")
+    best, gain = get("best"), _defined(get("best_gain"), signed=True)
     if best and best != get("strategy") and gain is not None:
         parts.append(f"best {best} ({gain:+.0%})")
     parts.append(f"switches {get('switches')}")
-    parts.append(f"ETA {NOT_MEASURED if eta is None else _duration(eta)}")
+    parts.append(f"ETA {_duration(get('eta_s'))}")
     return " | ".join(parts)
 
 
@@ -313,15 +331,15 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "strategy": current.strategy.to_dict() if current else None,
         "step": live.get("step", 0),
         "samples": live.get("samples", 0),
-        "train_loss": live.get("train_loss"),
-        "val_loss": live.get("val_loss"),
-        "val_perplexity": live.get("val_perplexity"),
+        "train_loss": _defined(live.get("train_loss"), signed=True),
+        "val_loss": _defined(live.get("val_loss"), signed=True),
+        "val_perplexity": _defined(live.get("val_perplexity")),
         "target_val_perplexity": job.target.val_perplexity,
-        "noise_scale": live.get("noise_scale"),
+        "noise_scale": _defined(live.get("noise_scale")),
         "noise_source": live.get("noise_source", "prior"),
-        "samples_per_s": live.get("samples_per_s"),
+        "samples_per_s": _defined(live.get("samples_per_s")),
         # The last estimate state.json holds outlives the run: an ended run has nothing left to wait for.
-        "eta_s": None if state.final else live.get("eta_s"),
+        "eta_s": None if state.final else _defined(live.get("eta_s")),
         "switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
         ],
@@ -403,10 +421,10 @@ def print_status(summary: dict[str, Any]) -> None:
     target = summary.get("target_val_perplexity")
     print(
         f"progress   step {summary['step']}, {summary['samples']:,} samples, val perplexity "
-        f"{f'{ppl:.2f}' if ppl else 'n/a'}" + (f" (target {target})" if target else "")
+        f"{_shown(_defined(ppl), '.2f')}" + (f" (target {target})" if target else "")
     )
-    noise = summary.get("noise_scale")
-    print(f"noise      B_noise {f'{noise:.1f}' if noise else 'n/a'} ({summary.get('noise_source')})")
+    noise = _defined(summary.get("noise_scale"))
+    print(f"noise      B_noise {_shown(noise or None, '.1f')} ({summary.get('noise_source')})")
     print(f"switches   {len(summary['switches'])}")
     for s in summary["switches"]:
         print(f"           {_switch_line(s['from'], s['to'], s['reason'])}")

@@ -109,14 +109,18 @@ class NoiseScaleEstimator:
         if small is None or big is None or b_small is None or b_big is None:
             return None
         values = (float(small), float(b_small), float(big), float(b_big))
-        if not all(math.isfinite(v) for v in values) or small < 0 or big < 0:
+        # A zero squared norm is no gradient measured (Adam's preconditioned norms before the optimizer has state,
+        # a skipped step): it scales both averages alike, so folded in it would count towards `min_updates` and the
+        # stability window without moving the estimate — one real record would look stable.
+        if not all(math.isfinite(v) for v in values) or small <= 0 or big <= 0:
             return None
         if not 0 < b_small < b_big:  # dp = 1 without micro-batch statistics: the two batches coincide
             return None
         return values
 
     def update(self, hb: Heartbeat) -> None:
-        """Fold one heartbeat in; records without gradient statistics (or with B_small ≥ B_big) are skipped."""
+        """Fold one heartbeat in; records without usable gradient statistics (none, a zero, negative or non-finite
+        squared norm, B_small ≥ B_big, or estimates that overflow) are skipped."""
         stats = self._stats(hb)
         if stats is None:
             self._num_skipped += 1
@@ -125,6 +129,11 @@ class NoiseScaleEstimator:
         grad_sqnorm, trace_sigma = two_batch_estimates(
             small_sqnorm=small, small_batch=b_small, big_sqnorm=big, big_batch=b_big
         )
+        if not (math.isfinite(grad_sqnorm) and math.isfinite(trace_sigma)):
+            # Finite norms near the float limit overflow B·|G|²: an inf (or inf − inf = NaN) folded into an average
+            # stays there for the rest of the run, and the estimate with it.
+            self._num_skipped += 1
+            return
         beta = self.ema
         self._ema_grad_sqnorm = beta * self._ema_grad_sqnorm + (1.0 - beta) * grad_sqnorm
         self._ema_trace_sigma = beta * self._ema_trace_sigma + (1.0 - beta) * trace_sigma
@@ -162,12 +171,13 @@ class NoiseScaleEstimator:
 
     @property
     def value(self) -> float | None:
-        """B_noise = tr Σ / |G|² in samples, or None until both averages are positive."""
+        """B_noise = tr Σ / |G|² in samples, or None until both averages are positive (and while their ratio is not a
+        positive finite number: it can underflow to 0 or overflow)."""
         g2, trace = self.grad_sqnorm, self.trace_sigma
         if g2 is None or trace is None or g2 <= 0 or trace <= 0:
             return None
         result = trace / g2
-        return result if math.isfinite(result) else None
+        return result if 0 < result < math.inf else None
 
     @property
     def relative_spread(self) -> float | None:
@@ -215,12 +225,18 @@ class NoiseScaleEstimator:
             stable_window=int(data.get("stable_window", DEFAULT_STABLE_WINDOW)),
             stable_tolerance=float(data.get("stable_tolerance", DEFAULT_STABLE_TOLERANCE)),
         )
-        est._num_updates = int(data.get("num_updates", 0))
         est._num_skipped = int(data.get("num_skipped", 0))
-        est._ema_grad_sqnorm = float(data.get("ema_grad_sqnorm", 0.0))
-        est._ema_trace_sigma = float(data.get("ema_trace_sigma", 0.0))
+        sums = (float(data.get("ema_grad_sqnorm", 0.0)), float(data.get("ema_trace_sigma", 0.0)))
+        if not all(math.isfinite(v) for v in sums):
+            # A NaN or inf average (a state.json edited, or written by a cona that folded such records in) would keep
+            # the estimate undefined for good: the averages start over and fill from the next records, while the
+            # policy ranks with its last trusted value meanwhile (`ConaPolicy.noise_scale_used`).
+            return est
+        est._num_updates = int(data.get("num_updates", 0))
+        est._ema_grad_sqnorm, est._ema_trace_sigma = sums
         for v in data.get("recent", []):
-            est._recent.append(None if v is None else float(v))
+            # Only what `value` can return: a 0 would divide the stability check by zero, a NaN never compare.
+            est._recent.append(float(v) if isinstance(v, int | float) and 0 < v < math.inf else None)
         return est
 
     def __repr__(self) -> str:

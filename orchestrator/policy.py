@@ -48,6 +48,10 @@ PROBE_OBSERVATIONS = 3
 """Heartbeats measured on a probed strategy before the rule judges it."""
 MAX_HORIZON_GROWTH = 2.0
 """Largest factor by which the expected B_noise over the horizon may exceed today's: an extrapolation, kept short."""
+MAX_NOISE_SCALE = 1e15
+"""Largest B_noise cona ranks with, in samples: far above any batch a run trains, so it changes no ranking, but an
+estimate near the float limit times `critical_batch_factor` (or the horizon's growth) would overflow to inf, and R
+is undefined there (`progress_rate` refuses it)."""
 
 
 @dataclasses.dataclass
@@ -212,6 +216,14 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+def _positive(x: Any) -> float | None:
+    """`x` as a float when it is a positive finite number (what a B_noise can be), else None: for values read back
+    from state.json, which may be null, NaN, inf, negative or not a number at all."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x < math.inf:
+        return None
+    return float(x)
+
+
 class Policy(abc.ABC):
     """The interface the scheduler uses."""
 
@@ -331,6 +343,7 @@ class ConaPolicy(Policy):
         self._probing: Strategy | None = None  # the strategy being probed, until it has been measured
         self._waive = False  # a probe was just measured: the next evaluation may leave it at once
         self._history: list[tuple[int, float]] = []  # (samples, B_noise used) while the estimate is trusted
+        self._last_estimate: float | None = None  # the estimator's latest defined value once it counts (weight > 0)
         self._wins: dict[Strategy, int] = {}
         self._noise_weight = 0.0
         self._last_current: Strategy | None = None
@@ -368,14 +381,22 @@ class ConaPolicy(Policy):
         return self.start_batch is not None and self._noise_weight < 1
 
     def noise_scale_used(self, estimate: float | None) -> float:
-        """B_noise for ranking: the prior, the estimate, or their geometric blend at the current weight."""
-        if estimate is None or estimate <= 0 or not math.isfinite(estimate) or self._noise_weight <= 0:
-            return self.prior_noise_scale
+        """B_noise for ranking: the prior, the estimate, or their geometric blend at the current weight; at most
+        `MAX_NOISE_SCALE`.
+
+        An undefined estimate (None, or not a positive finite number) once the estimate counts is replaced by its last
+        defined value, not by the prior: the estimator's value is undefined when the |G|² average is ≤ 0, that is when
+        noise dominates the gradient, and the prior — a guess made before training — would pull to small batches
+        exactly then (the weight never moves back, see the class docstring)."""
+        if _positive(estimate) is None:
+            estimate = self._last_estimate
+        if estimate is None or self._noise_weight <= 0:
+            return min(MAX_NOISE_SCALE, self.prior_noise_scale)
         estimate *= self.critical_batch_factor
         w = self._noise_weight
-        if w >= 1:
-            return estimate
-        return math.exp((1 - w) * math.log(self.prior_noise_scale) + w * math.log(estimate))
+        if w < 1:
+            estimate = math.exp((1 - w) * math.log(self.prior_noise_scale) + w * math.log(estimate))
+        return min(MAX_NOISE_SCALE, estimate)
 
     def horizon_s(self, remaining_time_s: float | None) -> float:
         """H: the remaining time, capped at `horizon_intervals` decision intervals."""
@@ -401,7 +422,7 @@ class ConaPolicy(Policy):
         """B_noise expected halfway through the next `advance_samples` samples (the horizon's mean, to first order),
         from the fitted growth; at most `MAX_HORIZON_GROWTH` × today's."""
         growth = math.exp(min(math.log(MAX_HORIZON_GROWTH), self.growth_per_sample() * max(0.0, advance_samples) / 2))
-        return noise * growth
+        return min(MAX_NOISE_SCALE, noise * growth)
 
     def threshold(self, *, horizon_s: float, switch_cost_s: float) -> float | None:
         """(1 + δ)·H/(H − C_sw), or None when H ≤ C_sw (no switch can pay back)."""
@@ -500,7 +521,8 @@ class ConaPolicy(Policy):
             return None
         r, best = max(unmeasured, key=lambda rc: rc[0])
         cost = ctx.switch_cost_s(best.strategy)
-        if r < PROBE_MARGIN * r_cur or 2 * cost > PROBE_BUDGET * horizon:
+        # H = 0 (the target or the samples budget reached) leaves nothing to gain, even from a free switch (0 > 0).
+        if r < PROBE_MARGIN * r_cur or horizon <= 0 or 2 * cost > PROBE_BUDGET * horizon:
             return None
         self._probes_used += 1
         self._probing = best.strategy
@@ -521,18 +543,23 @@ class ConaPolicy(Policy):
         if ctx.current != self._last_current:
             self._wins = {}
             self._last_current = ctx.current
-        estimate = _finite(ctx.noise_scale)
-        if estimate is not None and estimate > 0 and ctx.noise_stable:
+        estimate = _positive(ctx.noise_scale)
+        if estimate is not None and ctx.noise_stable:
             self._noise_weight = min(1.0, self._noise_weight + 1.0 / self.blend_evaluations)
+        if estimate is not None and self._noise_weight > 0:
+            self._last_estimate = estimate
+        # Undefined now but counted before: ranked with the last defined estimate (`noise_scale_used`).
+        held = estimate is None and self._noise_weight > 0 and self._last_estimate is not None
         noise = self.noise_scale_used(estimate)
-        if estimate is None or estimate <= 0 or self._noise_weight <= 0:
+        if self._noise_weight <= 0 or (estimate is None and not held):
             source = "prior"
         else:
             source = "estimate" if self._noise_weight >= 1 else "blend"
 
         if source == "estimate":
-            self._history.append((int(ctx.samples), noise))
-            del self._history[:-GROWTH_HISTORY]
+            if not held:  # a held value is no new measurement: it would flatten the fitted growth
+                self._history.append((int(ctx.samples), noise))
+                del self._history[:-GROWTH_HISTORY]
             if self.noise_monotone:  # a dip below an earlier trusted estimate is noise: B_noise grows in training
                 self._peak = max(self._peak, noise)
                 noise = self._peak
@@ -571,15 +598,26 @@ class ConaPolicy(Policy):
             "dwell_s": ctx.now - ctx.last_switch_time,
             "min_dwell_s": self.min_dwell_s,
         }
-        noise_text = f"B_noise={_fmt(noise)} ({source}{'; batch held until it is measured' if hold else ''})"
+        noise_text = (f"B_noise={_fmt(noise)} ({source}{'; the last defined estimate' if held else ''}"
+                      f"{'; batch held until it is measured' if hold else ''})")  # fmt: skip
 
         current = current_candidate
+        horizon = self.horizon_s(ctx.remaining_time_s)
         if current is None:
             # The running strategy is not among the feasible candidates (the devices changed, or it was started
-            # by hand): no comparison is possible, and staying on it is not an option the planner endorses.
+            # by hand): no comparison is possible, and staying on it is not an option the planner endorses — unless
+            # the run ends before the switch could be done (H ≤ C_sw): then it only costs time.
             self._wins = {}
+            cost = ctx.switch_cost_s(best.strategy)
+            metrics.update(R_current=None, ratio=None, threshold=None, wins=0, H_s=horizon, switch_cost_s=cost)
+            if self.threshold(horizon_s=horizon, switch_cost_s=cost) is None:
+                return Decision(
+                    None,
+                    f"stay on {ctx.current.short()}: it is not a feasible candidate here, but horizon "
+                    f"H={_fmt(horizon)}s ≤ switch cost {_fmt(cost)}s to {best.strategy.short()}; {noise_text}",
+                    metrics,
+                )
             self._switches += 1
-            metrics.update(R_current=None, ratio=None, threshold=None, wins=0)
             return Decision(
                 best.strategy,
                 f"switch {ctx.current.short()} → {best.strategy.short()}: the current strategy is not a feasible "
@@ -588,7 +626,6 @@ class ConaPolicy(Policy):
             )
 
         r_cur = rate[current]
-        horizon = self.horizon_s(ctx.remaining_time_s)
         costs: dict[Strategy, float] = {}
 
         def cost_of(s: Strategy) -> float:
@@ -630,7 +667,9 @@ class ConaPolicy(Policy):
             return Decision(
                 None, f"stay on {ctx.current.short()}: best R={_fmt(r_best)} at {noise_text}", metrics
             )
-        if threshold is None:
+        # The best candidate's switch may not pay back (H ≤ C_sw) while an equivalent one's cheaper switch does:
+        # its wins count (above), so this stays only when nothing won.
+        if not wins and threshold is None:
             return Decision(
                 None,
                 f"stay on {ctx.current.short()}: best {best.strategy.short()} ({gain}) but horizon "
@@ -687,6 +726,7 @@ class ConaPolicy(Policy):
             "switches": self._switches,
             "noise_history": [[n, b] for n, b in self._history],
             "noise_peak": self._peak,
+            "last_estimate": self._last_estimate,
             "probes_used": self._probes_used,
             "probing": self._probing.to_dict() if self._probing else None,
         }
@@ -694,13 +734,25 @@ class ConaPolicy(Policy):
     def from_dict(self, data: dict[str, Any]) -> ConaPolicy:
         super().from_dict(data)
         self._wins = {Strategy.parse(s): int(n) for s, n in (data.get("wins") or {}).items()}
-        self._noise_weight = min(1.0, max(0.0, float(data.get("noise_weight", 0.0))))
+        self._noise_weight = min(1.0, _positive(data.get("noise_weight")) or 0.0)
         last = data.get("last_current")
         self._last_current = Strategy.from_dict(last) if last else None
         self._evaluations = int(data.get("evaluations", 0))
         self._switches = int(data.get("switches", 0))
-        self._history = [(int(n), float(b)) for n, b in data.get("noise_history") or [] if float(b) > 0]
-        self._peak = float(data.get("noise_peak", 0.0))
+        # The noise state may come from an older cona (no `noise_peak`, `last_estimate`) or carry odd values (null,
+        # NaN, inf): each entry is kept only as a positive finite number, and what is missing is rebuilt from what is
+        # there, so a restart neither crashes nor drops the floor and the fallback that the run had.
+        self._history = []
+        for entry in data.get("noise_history") or []:
+            value = _positive(entry[1]) if isinstance(entry, list | tuple) and len(entry) == 2 else None
+            if value is not None and isinstance(entry[0], int | float) and math.isfinite(entry[0]):
+                self._history.append((int(entry[0]), min(MAX_NOISE_SCALE, value)))
+        trusted = [b for _, b in self._history]
+        self._peak = min(MAX_NOISE_SCALE, max([_positive(data.get("noise_peak")) or 0.0, *trusted]))
+        last_estimate = _positive(data.get("last_estimate"))
+        if last_estimate is None and trusted:  # the history holds the estimate times the critical-batch factor
+            last_estimate = trusted[-1] / self.critical_batch_factor
+        self._last_estimate = last_estimate if self._noise_weight > 0 else None
         self._probes_used = int(data.get("probes_used", 0))
         probing = data.get("probing")
         self._probing = Strategy.from_dict(probing) if probing else None

@@ -23,6 +23,7 @@ from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchCosts, SwitchKind
 from cona.orchestrator.throughput import ThroughputModel
 from cona.protocol.heartbeat_record import (
+    MAX_LOSS_FOR_PERPLEXITY,
     Heartbeat,
     HeartbeatEvent,
     measures_throughput,
@@ -198,11 +199,16 @@ class RunModel:
     def remaining_time_s(self, strategy: Strategy, *, elapsed_s: float) -> float | None:
         """Estimated seconds to the target (samples, perplexity or time budget, whichever comes first) on
         `strategy`, `elapsed_s` into the run."""
+        target = self.job.target.val_perplexity
+        latest = self.val_history[-1].get("val_loss") if self.val_history else None
+        if target and isinstance(latest, int | float) and latest <= math.log(target):
+            # Reached (at the first evaluation, too, where the fit below has no two points): the trainer stops at
+            # that evaluation, and a switch decided now would have nothing left to gain.
+            return 0.0
         rate = self.throughput.samples_per_s_of(strategy)
         estimates = []
         if rate and rate > 0:
             estimates.append(max(0, self.job.target.max_samples - self.live.samples) / rate)
-        target = self.job.target.val_perplexity
         # The first evaluation (untrained model) would make the loss look like it falls far faster than it does.
         history = [h for h in self.val_history if h["samples"] > 0]
         if target and len(history) >= 2 and rate and rate > 0:
@@ -212,7 +218,11 @@ class RunModel:
             (a, b) = history[-2], history[-1]
             drop = a["val_loss"] - b["val_loss"]
             gap = b["val_loss"] - math.log(target)
-            if drop > 0 and gap > 0 and b["samples"] > a["samples"]:
+            # A diverged evaluation (a loss that is inf or NaN, or above `MAX_LOSS_FOR_PERPLEXITY`: far worse than a
+            # uniform guess over any vocabulary) says nothing about the rate of progress: its drop to the next one
+            # would put the target at hand.
+            diverged = not (a["val_loss"] <= MAX_LOSS_FOR_PERPLEXITY and b["val_loss"] <= MAX_LOSS_FOR_PERPLEXITY)
+            if drop > 0 and gap > 0 and b["samples"] > a["samples"] and not diverged:
                 slope = drop / math.log(b["samples"] / a["samples"])
                 samples_at_target = b["samples"] * math.exp(min(gap / slope, 20.0))
                 estimates.append(max(0.0, samples_at_target - self.live.samples) / rate)
