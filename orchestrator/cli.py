@@ -45,6 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from cona.orchestrator.job import load_job
     from cona.orchestrator.planner import (
         batch_hint,
+        device_hint,
         enumerate_candidates,
         memory_hint,
         rank_by_iter_time,
@@ -81,8 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # An elastic run starts on fewer nodes when nothing fits on all of them (`cona render` shows which).
         elastic = (f"the profile is elastic (min_nodes={profile.min_nodes}): a run starts on the largest node count "
                    "where a strategy fits, `--profile-set nodes=K` plans K nodes; ") if is_elastic(profile) else ""  # fmt: skip
+        devices = device_hint(profile, job, profile.num_gpus, gbs_values, "--gbs" if args.gbs else "batch.max_gbs")
         raise UserError(f"no feasible strategy for {job.name} on {profile.name}{at} among {len(candidates)} "
-                        f"candidates on all {profile.num_gpus} devices; {batch_hint(profile, job, profile.num_gpus, gbs_values)}"
+                        f"candidates on all {profile.num_gpus} devices; {devices}"
+                        f"{batch_hint(profile, job, profile.num_gpus, gbs_values)}"
                         f"{memory_hint(profile, candidates)}{elastic}run `cona plan --all` to see why each is rejected")  # fmt: skip
     from cona.orchestrator.throughput import ThroughputModel
 

@@ -26,6 +26,7 @@ trainer's kernels; the efficiencies in the profiles are fitted to published meas
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from cona.orchestrator.job import Job
@@ -138,24 +139,49 @@ def elementwise_elements_per_token(model: ModelSpec, tp: int, attention: Attenti
 
 def collective_time(
     *, nbytes: float, ranks: int, per_node: int, kind: Literal["all_reduce", "gather"], intra: tuple[float, float],
-    inter: tuple[float, float],
+    inter: tuple[float, float], nodes: int | None = None,
 ) -> float:
-    """Seconds of one ring collective of `nbytes` over `ranks` devices, `per_node` of them on each node.
+    """Seconds of one ring collective of `nbytes` over `ranks` devices, `per_node` of them on each node, on `nodes`
+    nodes (default: as few as hold `per_node` each; more when the group straddles node boundaries).
 
     All-gather and reduce-scatter move (n−1)/n of the buffer through every device, all-reduce twice that. A group
     inside one node runs at NVLink speed; a group that spans nodes runs at each device's share of its node's NICs,
-    because every device of the node is in some group communicating at the same time. (A hierarchical collective
+    because every device of the node is in some group communicating at the same time, and never faster than the
+    links inside the node, which its ring crosses too (PCIe-only nodes with fast NICs). (A hierarchical collective
     could do better when several of the group's devices share a node; measured large-scale sharded data
     parallelism does not: docs/costmodel.md.) `intra`/`inter` are (bytes/s per device, latency per step)."""
     if ranks <= 1:
         return 0.0
     factor = 2.0 if kind == "all_reduce" else 1.0
     k = max(1, min(per_node, ranks))
-    nodes = -(-ranks // k)
+    nodes = nodes or -(-ranks // k)
     (intra_bw, intra_lat), (inter_bw, inter_lat) = intra, inter
     if nodes == 1:
         return factor * (ranks - 1) * (nbytes / ranks / intra_bw + intra_lat)
-    return factor * ((ranks - 1) / ranks * nbytes / inter_bw + (k - 1) * intra_lat + (nodes - 1) * inter_lat)
+    ring_bw = min(inter_bw, intra_bw) if k > 1 else inter_bw
+    return factor * ((ranks - 1) / ranks * nbytes / ring_bw + (k - 1) * intra_lat + (nodes - 1) * inter_lat)
+
+
+def data_parallel_nodes(*, dp: int, tp: int, pp: int, gpus_per_node: int) -> int:
+    """Nodes that the data-parallel group spanning the most of them lies on.
+
+    Ranks are pp-major and tp-minor (`trainer.distributed.build_mesh`): stage s holds the dp·tp consecutive ranks
+    from s·dp·tp, and each of its dp groups is dp ranks tp apart. When dp·tp neither divides gpus_per_node nor is
+    a multiple of it, some stages start inside a node and their groups straddle a boundary: on two racks of 72
+    with dp·tp = 16, stage 4 holds ranks 64–79, and its gradient collectives cross the network although 16 ranks
+    fit in one rack."""
+    g = gpus_per_node
+    if dp <= 1:
+        return 1
+    if tp >= g:  # tp groups fill whole nodes (`feasibility.layout_problem`): every dp peer on nodes of its own
+        return dp
+    stage = dp * tp
+    if g % stage == 0:  # every stage inside one node
+        return 1
+    last = (dp - 1) * tp  # the group's last rank, from its first
+    # Stages start at the same offsets into a node every g / gcd(stage, g) stages: those cover every group.
+    starts = (s * stage for s in range(min(pp, g // math.gcd(stage, g))))
+    return max((start + last) // g - start // g + 1 for start in starts)
 
 
 def predict(
@@ -236,11 +262,12 @@ def predict(
         stage_params = (model.num_params / pp) / tp
         units = layers_per_stage * chunks + 1  # one FSDP unit per block, plus the stage's root
         gathers = 2 * num_micro if (pp == 1 and par.sharded_dp) else 1
-        dp_per_node = max(1, gpus // tp) if tp < gpus else 1  # dp peers are tp ranks apart
+        # dp peers are tp ranks apart: gpus/tp of them on a node, unless a stage straddles a node boundary.
+        dp_nodes = data_parallel_nodes(dp=dp, tp=tp, pp=pp, gpus_per_node=gpus)
 
         def collective(nbytes: float) -> float:
-            return collective_time(nbytes=nbytes, ranks=dp, per_node=dp_per_node, kind="gather", intra=intra,
-                                   inter=inter)  # fmt: skip
+            return collective_time(nbytes=nbytes, ranks=dp, per_node=-(-dp // dp_nodes), kind="gather", intra=intra,
+                                   inter=inter, nodes=dp_nodes)  # fmt: skip
 
         # The latency of every unit's collective; the bandwidth term is the same however the buffer is split.
         latency = (gathers + 1) * (units - 1) * collective(0.0)

@@ -332,19 +332,58 @@ def memory_hint(profile: ClusterProfile, candidates: list[Candidate]) -> str:
     if not predicted or any(c.feasible for c in candidates):
         return ""
     smallest = min(predicted, key=lambda c: c.memory_gb)
-    need, have = _gb_apart(smallest.memory_gb * 1e9, profile.accelerator.memory_bytes)
-    return (f"every strategy the layout and batch rules allow needs more than accelerator.memory="
-            f"{profile.accelerator.memory!r} ({have} GB) per device, the least {need} GB "
-            f"({smallest.strategy.short()}): give devices with more memory, parallel.recompute=full (activations "
-            "recomputed in backward) if it is not, or a smaller model or model.seq_len; ")
+    usable = profile.accelerator.memory_bytes
+    need, have = _gb_apart(smallest.memory_gb * 1e9, usable)
+    head = (f"every strategy the layout and batch rules allow needs more than accelerator.memory="
+            f"{profile.accelerator.memory!r} ({have} GB) per device, the least {need} GB ({smallest.strategy.short()})")
+    # Parameters, gradients and optimizer states do not shrink with recompute or the sequence: when even the fewest
+    # of them exceed the device, naming those would send the user after a change that cannot fit the model.
+    states = min(c.prediction.model_state_bytes for c in predicted if c.prediction is not None)
+    if states > usable:
+        return (f"{head}, and the parameters, gradients and optimizer states alone need at least "
+                f"{_gb_apart(states, usable)[0]} GB per device in every one: give more devices (FSDP shards them "
+                "over the data-parallel replicas), devices with more memory, or a smaller model; ")  # fmt: skip
+    return (f"{head}: give devices with more memory, parallel.recompute=full (activations recomputed in backward) if "
+            "it is not, or a smaller model or model.seq_len; ")  # fmt: skip
+
+
+def device_hint(profile: ClusterProfile, job: Job, devices: int, gbs_values: list[int] | None,
+                batch_field: str = "batch.max_gbs") -> str:  # fmt: skip
+    """When nothing is feasible because `devices` are more than any layout of the job can use, say how many it can
+    and what to change ('' when that is not the cause; otherwise a clause ending in '; ' to go before the next one).
+    `batch_field` names what sets the largest of `gbs_values` (default: all of the job's candidate batches).
+
+    A layout uses dp·tp·pp devices with dp·mbs at most the largest global batch (gbs is a multiple of it), and tp
+    and pp bounded by the model (`layout_reason`): tiny-llama (2 key/value heads, 4 layers, gbs ≤ 128 in
+    micro-batches of 2 or more) uses at most 64·2·4 = 512 devices, so on 128 nodes of 8 every candidate is rejected
+    for a reason that names no device count at all."""
+    dp_max = max(gbs_values or job.batch.candidate_gbs()) // min(job.batch.mbs_choices)
+    # tp divides the heads (`feasibility.layout_problem`); uneven stages count, as the planner may split them so.
+    layouts = [(tp * pp, tp, pp) for tp in _divisors(job.model.num_heads) for pp in range(1, job.model.num_layers + 1)
+               if not layout_reason(job=job, profile=profile, dp=dp_max, tp=tp, pp=pp, uneven=True)]  # fmt: skip
+    model_ranks, tp, pp = max(layouts, default=(0, 0, 0))
+    usable = dp_max * model_ranks
+    if devices <= usable:
+        return ""
+    # An elastic run starts on the largest node count of its range that can start: its lower end is what to lower.
+    per_node, nodes = profile.gpus_per_node, "min_nodes" if profile.min_nodes is not None else "nodes"
+    change = (f"set {nodes} to at most {usable // per_node} (--profile-set {nodes}={usable // per_node})"
+              if usable >= per_node else
+              f"set gpus_per_node to at most {usable} (--profile-set gpus_per_node={usable})")  # fmt: skip
+    why = (f"dp ≤ {dp_max} replicas of mbs ≥ {min(job.batch.mbs_choices)} in the largest global batch, tp ≤ {tp}, "
+           f"pp ≤ {pp}") if usable else "no tp and pp pass the model's layout rules"  # fmt: skip
+    return (f"{devices} devices are more than {job.name} can use, at most {usable} devices ({why}): {change}, or "
+            f"raise {batch_field}; ")  # fmt: skip
 
 
 def no_feasible_strategy(profile: ClusterProfile, job: Job) -> str:
     """What a run says when no strategy of any world it plans for is feasible: `cona render`/`submit`/`run` before
     the run exists (`cli.first_strategy`) and its scheduler after (a resumed run, the Kubernetes orchestrator),
-    in the same words, with the usual cause when it is that (`batch_hint`)."""
+    in the same words, with the usual cause when it is that (`device_hint`, `batch_hint`, `memory_hint`)."""
     memory = memory_hint(profile, enumerate_candidates(profile=profile, job=job))
-    return (f"no feasible strategy for {job.name} on {profile.name}; "
+    # The smallest world of an elastic range: a run would start there if it were small enough.
+    fewest = (profile.min_nodes or profile.nodes) * profile.gpus_per_node
+    return (f"no feasible strategy for {job.name} on {profile.name}; {device_hint(profile, job, fewest, None)}"
             f"{batch_hint(profile, job, profile.num_gpus, None)}{memory}run `cona plan --all` to see why")  # fmt: skip
 
 
@@ -381,6 +420,7 @@ def static_choice(*, profile: ClusterProfile, job: Job, num_devices: int | None 
         devices = num_devices or profile.num_gpus
         raise ValueError(
             f"no feasible strategy at batch.base_gbs={job.batch.base_gbs} on {devices} devices; "
+            f"{device_hint(profile, job, devices, [job.batch.base_gbs], 'batch.base_gbs')}"
             f"{batch_hint(profile, job, devices, [job.batch.base_gbs])}reasons: {'; '.join(reasons[:3])}"
         )
     return ranked[0]
