@@ -579,3 +579,28 @@ def test_an_attempt_continued_in_place_is_watched_in_the_same_job(env):
     assert backend.poll(second).status is AttemptStatus.RUNNING
     _exit(run, 2, first.extra["submission"], 0, "done")
     assert backend.poll(second).status is AttemptStatus.DONE
+
+
+def test_a_checkpoint_slower_than_the_pre_timeout_signal_is_said_once(tmp_path, capsys):
+    """At 10 MB/s a 1.3B model's checkpoint (15.8 GB) takes ~26 minutes: started at the signal 300 s before the
+    time limit, it is killed half-written and every time limit loses the work since the previous checkpoint. The
+    run goes on (the bandwidth is the user's estimate), with one warning line that says what to raise."""
+    from cona.orchestrator.backends.slurm.backend import save_outlasts_signal
+    from cona.orchestrator.job import load_job
+
+    from tests.conftest import EXAMPLES
+
+    profile = load_profile(PROFILES / "a100-4x8.yaml")
+    job = load_job(EXAMPLES / "gpt3-1.3b.yaml")
+    assert save_outlasts_signal(profile, job) is None  # 7.9 s at the profile's 2 GB/s
+    slow = profile.model_copy(update={"storage": profile.storage.model_copy(update={"write_bandwidth": "10 MB/s"})})
+    for n in range(2):  # an orchestrator builds its backend again after a restart: said once per process
+        SlurmBackend(run_dir=RunDir(tmp_path / f"run{n}"), profile=slow, job=job, runner=FakeSlurm())
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cona: warning: a checkpoint of 1.32B parameters (15.8 GB)")
+    assert "storage.write_bandwidth 10 MB/s" in err and "slurm.signal_before_timeout_s=300" in err
+    assert "raise signal_before_timeout_s to at least 3,158" in err
+    # With the lead at the save's length or more, or no pre-timeout signal at all, nothing is said.
+    ample = slow.model_copy(update={"slurm": slow.slurm.model_copy(update={"signal_before_timeout_s": 3200})})
+    silent = slow.model_copy(update={"slurm": slow.slurm.model_copy(update={"signal_before_timeout_s": 0})})
+    assert save_outlasts_signal(ample, job) is None and save_outlasts_signal(silent, job) is None

@@ -40,8 +40,8 @@ from cona.orchestrator.backends.slurm.script import (
 )
 from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
-from cona.orchestrator.profile import ClusterProfile
-from cona.orchestrator.switchcost import SwitchKind
+from cona.orchestrator.profile import ClusterProfile, parse_bytes
+from cona.orchestrator.switchcost import SwitchKind, checkpoint_bytes
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode, RunDir, read_json
 from cona.protocol.strategy import Strategy
@@ -232,6 +232,31 @@ def ends_by_itself(record: dict[str, Any] | None, info: SlurmJobInfo, *, now: fl
     return isinstance(written, (int, float)) and now - float(written) < grace_s
 
 
+def save_outlasts_signal(profile: ClusterProfile, job: Job) -> str | None:
+    """Why a checkpoint started at the pre-timeout signal cannot finish before the time limit, or None.
+
+    The trainer checkpoints when SIGUSR1 comes `slurm.signal_before_timeout_s` before `slurm.time_limit`; Slurm
+    ends the job at the limit (SIGTERM, then SIGKILL after its KillWait). A save the profile's own storage bandwidth
+    puts above that lead is killed half-written, and the requeued job resumes from the previous checkpoint: the
+    work since then is lost at every time limit. Said, not refused: the bandwidth is the user's estimate."""
+    lead = profile.slurm.signal_before_timeout_s if profile.slurm is not None else 0
+    if lead <= 0:
+        return None  # no pre-timeout checkpoint asked for: nothing is promised at the limit
+    size = checkpoint_bytes(job)
+    save_s = size / parse_bytes(profile.storage.write_bandwidth, per_second=True)
+    if save_s <= lead:
+        return None
+    return (f"a checkpoint of {job.model.num_params / 1e9:.3g}B parameters ({size / 1e9:.3g} GB) takes about "
+            f"{save_s:,.0f} s at storage.write_bandwidth {profile.storage.write_bandwidth}, longer than "
+            f"slurm.signal_before_timeout_s={lead}: a job that reaches slurm.time_limit is killed while it saves and "
+            f"resumes from its previous checkpoint; raise signal_before_timeout_s to at least {2 * save_s:,.0f} "
+            "(or correct storage.write_bandwidth)")  # fmt: skip
+
+
+_said: set[str] = set()
+"""The warnings this process printed (an orchestrator builds its backend again after a restart of the loop)."""
+
+
 def node_is_down(state: str) -> bool:
     """DOWN, FAIL (and DOWN+DRAIN, DOWN*, ...): the node is lost to its jobs. DRAIN alone lets jobs finish."""
     base = state.rstrip("*~#!%$@^-").lower()
@@ -297,6 +322,10 @@ class SlurmBackend(Backend):
         self._runner = runner or _run
         self._jobs: dict[str, str] = {}
         """The jobs of this run that `close` releases: job id → the job's submission (which names its records)."""
+        warning = save_outlasts_signal(profile, job) if job is not None else None
+        if warning and warning not in _said:
+            _said.add(warning)
+            print(f"cona: warning: {warning}", file=sys.stderr, flush=True)
 
     # -- Slurm commands ------------------------------------------------------------------------------------
 
