@@ -16,8 +16,9 @@ each newer directory it skips; a file whose CRC-32 no longer matches (a flipped 
 DCP would load it without a word) or a DCP read error falls back to the next older one. Each rank computes the
 CRC-32 of the shards it wrote itself, while they are still in its page cache, and checks the same ones before a
 load (not after an in-place switch, whose processes checksummed those bytes moments before); checkpoints of
-earlier versions, without "crc32", are checked by size only. After a save, only the newest
-`checkpoint.keep` complete checkpoints are kept, and older incomplete directories are deleted.
+earlier versions, without "crc32", are checked by size only. After a save, only it and the `checkpoint.keep` - 1
+complete checkpoints before it are kept, and older incomplete directories are deleted (later ones, which a resume
+passed over as damaged, are left for a re-save of their step).
 
 Saving a step that already has a complete checkpoint (a run that finishes right after a checkpoint it served during
 a hold) never removes the complete one first: the new one is written beside it, as `checkpoints/.resave-step-<N>`,
@@ -140,11 +141,30 @@ def _state(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
     optim_sd: dict[str, Any] = {}
     keys = []
     for part, optimizer in zip(parts, optimizers, strict=True):
+        fresh = not optimizer.state
         m, o = get_state_dict(part, optimizer, options=_OPTIONS)
+        if fresh:
+            # get_state_dict fills an empty optimizer's state by taking a step with zero gradients at lr 0: AdamW's
+            # moments stay zero, but its `step` becomes 1. Saved at step 0 (`--max-steps 0`) that count was kept by
+            # these processes and by every resume, so the first real update's bias correction was that of step 2
+            # (about 3/4 of the size). Back to 0, the state is exactly that of an AdamW that never stepped.
+            _reset_step_counts(optimizer)
+            m, o = get_state_dict(part, optimizer, options=_OPTIONS)
         model_sd.update(m)
         optim_sd.update(o)
         keys.append((list(m), list(o)))
     return {"model": model_sd, "optim": optim_sd}, keys
+
+
+def _reset_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Set every parameter's `step` in `optimizer`'s state to 0 (in place: the tensors stay those it holds)."""
+    with torch.no_grad():
+        for param_state in optimizer.state.values():
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                param_state["step"] = 0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -337,8 +357,14 @@ def _device(parts: list[torch.nn.Module]) -> torch.device:
 
 
 def prune_checkpoints(run_dir: RunDir, *, keep: int, newest: Path) -> None:
-    """Keep the newest `keep` complete checkpoints; drop incomplete directories older than `newest`."""
-    complete = run_dir.complete_checkpoints()
+    """Keep `newest` and the `keep - 1` complete checkpoints before it; drop incomplete directories older than it.
+
+    Checkpoints of later steps than `newest` are neither counted nor removed: they exist only when this attempt
+    resumed from an older one because they would not load (a shard failing its CRC-32, a DCP read error). Counted
+    by name they outranked the one just written, and with `keep: 1` it was removed at once — the run was left with
+    only the damaged one (and an in-place switch with nothing to resume). Kept, they are replaced when training
+    reaches their step again (a re-save), or skipped again by a resume that finds them still damaged."""
+    complete = [p for p in run_dir.complete_checkpoints() if p.name <= newest.name]
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for partial in run_dir.incomplete_checkpoints():
@@ -356,10 +382,13 @@ TRAINER_STATE_VERSION = 1
 """The `version` in trainer_state.json; a checkpoint with a larger one was written by a newer cona."""
 
 
-def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str | None:
+def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any], seed: int | None = None) -> str | None:
     """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
     or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
-    it would train on from someone else's weights (or fail deep inside DCP), and skipping it would hide the mix-up."""
+    it would train on from someone else's weights (or fail deep inside DCP), and skipping it would hide the mix-up.
+    With `seed` (the trainer's resume; not `cona export`, which reads only the model) a checkpoint of another seed
+    is refused too: the sample order is a function of the seed, so it would go on with another data order, samples
+    of the epoch seen twice and others never, while the samples log still audits clean."""
     state_file = path / TRAINER_STATE
     try:
         state = json.loads(state_file.read_text())
@@ -372,6 +401,10 @@ def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any]) -> str |
     other = state.get("job_name")
     if isinstance(other, str) and other and other != job_name:
         return f"{state_file}: a checkpoint of job {other!r}, not of this job {job_name!r}; {fix}"
+    other_seed = state.get("seed")
+    if seed is not None and type(other_seed) is int and other_seed != seed:
+        return (f"{state_file}: a checkpoint of seed {other_seed}, not of this job's seed {seed} (the seed fixes the "
+                f"data order); set seed: {other_seed} to resume it, or {fix}")
     recorded = state.get("model")
     if isinstance(recorded, dict):
         differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])

@@ -19,6 +19,7 @@ exits at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import resource
 import time
@@ -210,8 +211,9 @@ class Trainer:
         if self.is_rank0:
             found = ckpt.resume_candidates(self.run_dir, self._notices)
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
-            model = self.job.model.model_dump(mode="json")
-            foreign = next((r for p in found if (r := ckpt.foreign_reason(p, job_name=self.job.name, model=model))), None)
+            refusal = functools.partial(ckpt.foreign_reason, job_name=self.job.name,
+                                        model=self.job.model.model_dump(mode="json"), seed=self.job.seed)  # fmt: skip
+            foreign = next((r for p in found if (r := refusal(p))), None)
             shared = [([str(p) for p in found], bool(marked), foreign)]
         dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
         paths, had_marked, foreign = shared[0]

@@ -1,0 +1,135 @@
+"""Checkpoint rules found by a bug hunt (`trainer.checkpoint`), each in one process (a gloo world of one).
+
+- A checkpoint at step 0 (`--max-steps 0`: the initial weights) leaves AdamW as if it never stepped, in the
+  processes that saved it and in a resume: the first update is bit-identical to a run that never checkpointed.
+- A save after the resume fell back past a damaged newer checkpoint keeps the one it wrote, whatever `keep`.
+- A checkpoint of another seed (another data order) is refused in one line naming the seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cona.protocol.job import JobSpec, load_job
+from cona.protocol.rundir import RunDir
+from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
+from cona.trainer import checkpoint as ckpt
+from cona.trainer.data import Corpus, load_corpus
+from cona.trainer.distributed import init_distributed
+from cona.trainer.train import Trainer
+
+try:
+    from tests.trainer_helpers import write_job
+except ImportError:  # tests/ is not a package here
+    from trainer_helpers import write_job
+
+ONE = Strategy.parse("dp=1,tp=1,pp=1,mbs=8,gbs=16")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[JobSpec, Corpus]:
+    init_distributed()
+    job = load_job(write_job(tmp_path_factory.mktemp("job")), [])
+    return job, load_corpus(job)
+
+
+def _trainer(run: Path, job: JobSpec, corpus: Corpus) -> Trainer:
+    run.mkdir(parents=True, exist_ok=True)
+    return Trainer(job=job, strategy=ONE, run_dir=RunDir(run), attempt=0, env=init_distributed(), corpus=corpus)
+
+
+def _params(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_a_checkpoint_at_step_0_leaves_adam_as_if_it_never_stepped(tmp_path, tiny):
+    """get_state_dict filled the empty AdamW state with one zero-gradient step, leaving `step` at 1 in the live
+    optimizer and in the checkpoint: the first real update then had step 2's bias correction (about 3/4 its size),
+    so a run checkpointed at step 0 — and every resume of that checkpoint — trained otherwise than one that was not."""
+    job, corpus = tiny
+    reference = _trainer(tmp_path / "reference", job, corpus)
+    reference.resume()
+    for _ in range(2):
+        reference.step()
+
+    saved = _trainer(tmp_path / "saved", job, corpus)
+    saved.resume()
+    saved.save()
+    state = ckpt.read_checkpoint_tensors(RunDir(tmp_path / "saved").checkpoint_dir(0))
+    steps = {key: float(value) for key, value in state.items() if key.startswith("optim.state.") and key.endswith(".step")}
+    assert steps and set(steps.values()) == {0.0}, steps
+    for _ in range(2):
+        saved.step()
+    for got, want in zip(_params(saved), _params(reference), strict=True):
+        assert torch.equal(got, want), "a checkpoint at step 0 changed the updates after it"
+
+    resumed = _trainer(tmp_path / "saved", job, corpus)  # a relaunch: the step-0 checkpoint is the only one
+    resumed.resume()
+    assert resumed.loaded_step == 0
+    for _ in range(2):
+        resumed.step()
+    for got, want in zip(_params(resumed), _params(reference), strict=True):
+        assert torch.equal(got, want), "a resume from a checkpoint at step 0 trained otherwise"
+
+
+def test_a_save_after_falling_back_past_a_damaged_checkpoint_keeps_what_it_wrote(tmp_path):
+    """Steps 8 and 12 saved, 12's shard then damaged on storage (same size, its CRC-32 fails): the resume falls back
+    to 8 and trains on. Its save at step 9 under `keep: 1` removed step 9 itself (12 outranked it by name), leaving
+    only the damaged 12: the next resume had no checkpoint to load."""
+    init_distributed()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    run = RunDir(tmp_path)
+
+    def save(step: int, keep: int) -> None:
+        net(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.save_checkpoint(run, step=step, parts=[net], optimizers=[optimizer], trainer_state={"step": step},
+                             keep=keep)  # fmt: skip
+
+    save(8, keep=3)
+    save(12, keep=3)
+    shard = run.checkpoint_dir(12) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    save(9, keep=1)
+    assert ckpt.verify_checkpoint(run.checkpoint_dir(9)) is None, "the checkpoint just written was removed"
+    assert not run.checkpoint_dir(8).exists()  # `keep: 1` counts from the newest save down
+    assert run.checkpoint_dir(12).exists()  # not this attempt's to remove: a re-save of step 12 replaces it
+
+    # What the next resume does: 12 fails its checksum, 9 loads.
+    loaded = None
+    for path in ckpt.resume_candidates(run):
+        try:
+            loaded = ckpt.load_checkpoint(path, parts=[net], optimizers=[optimizer])["step"]
+            break
+        except ckpt.CheckpointLoadError as e:
+            assert "fails its CRC-32 check" in str(e)
+    assert loaded == 9
+
+
+def test_a_checkpoint_of_another_seed_is_refused_naming_the_seed(tmp_path, tiny):
+    """The sample order is a function of (seed, sample index): resuming another seed's checkpoint went on silently
+    with another order — samples of the epoch trained twice, others never — while the samples log audited clean,
+    and every later checkpoint still claimed the old seed."""
+    job, corpus = tiny
+    first = _trainer(tmp_path / "run", job, corpus)
+    first.resume()
+    first.save()
+    other = job.model_copy(update={"seed": job.seed + 1})
+    with pytest.raises(ConfigError) as refused:
+        _trainer(tmp_path / "run", other, corpus).resume()
+    state_file = RunDir(tmp_path / "run").checkpoint_dir(0) / "trainer_state.json"
+    line = str(refused.value)
+    assert line.startswith(f"{state_file}: a checkpoint of seed {job.seed}, not of this job's seed {job.seed + 1}")
+    assert f"set seed: {job.seed} to resume it" in line and "\n" not in line
+    same = _trainer(tmp_path / "run", job, corpus)
+    same.resume()
+    assert same.loaded_step == 0
