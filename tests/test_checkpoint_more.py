@@ -133,3 +133,31 @@ def test_a_checkpoint_of_another_seed_is_refused_naming_the_seed(tmp_path, tiny)
     same = _trainer(tmp_path / "run", job, corpus)
     same.resume()
     assert same.loaded_step == 0
+
+
+def test_a_checkpoint_of_other_data_is_refused_naming_both_sizes(tmp_path, tiny):
+    """The sample order is a function of the training split's length: a resume on a re-prepared or edited corpus,
+    or under another `data.val_fraction`, went on silently in another order (samples trained twice or never)."""
+    job, corpus = tiny
+    first = _trainer(tmp_path / "run", job, corpus)
+    first.resume()
+    first.save()
+    state_file = RunDir(tmp_path / "run").checkpoint_dir(0) / "trainer_state.json"
+    import json
+
+    assert json.loads(state_file.read_text())["data_tokens"] == [len(corpus.train), len(corpus.val)]
+    moved = job.model_copy(update={"data": job.data.model_copy(update={"val_fraction": job.data.val_fraction * 2})})
+    other = load_corpus(moved)
+    with pytest.raises(ConfigError) as refused:
+        _trainer(tmp_path / "run", moved, other).resume()
+    line = str(refused.value)
+    assert line.startswith(f"{state_file}: a checkpoint trained on {len(corpus.train):,} training and "
+                           f"{len(corpus.val):,} validation tokens, but data.path now gives {len(other.train):,}")
+    assert "restore the data the run started with" in line and "\n" not in line
+    # A checkpoint of an earlier cona (no record of its data) is not refused for it.
+    state = json.loads(state_file.read_text())
+    del state["data_tokens"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "trainer_state.json").write_text(json.dumps(state))
+    assert ckpt.foreign_reason(tmp_path / "old", job_name=job.name, model=state["model"], seed=job.seed,
+                               data_tokens=[len(other.train), len(other.val)]) is None  # fmt: skip

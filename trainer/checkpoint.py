@@ -382,13 +382,17 @@ TRAINER_STATE_VERSION = 1
 """The `version` in trainer_state.json; a checkpoint with a larger one was written by a newer cona."""
 
 
-def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any], seed: int | None = None) -> str | None:
+def foreign_reason(
+    path: Path, *, job_name: str, model: dict[str, Any], seed: int | None = None, data_tokens: list[int] | None = None
+) -> str | None:
     """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
     or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
     it would train on from someone else's weights (or fail deep inside DCP), and skipping it would hide the mix-up.
     With `seed` (the trainer's resume; not `cona export`, which reads only the model) a checkpoint of another seed
     is refused too: the sample order is a function of the seed, so it would go on with another data order, samples
-    of the epoch seen twice and others never, while the samples log still audits clean."""
+    of the epoch seen twice and others never, while the samples log still audits clean. With `data_tokens` (the
+    corpus's [training, validation] tokens) a checkpoint that recorded other sizes is refused for the same reason:
+    the data changed under the run (a re-prepared or edited file, another `data.val_fraction`)."""
     state_file = path / TRAINER_STATE
     try:
         state = json.loads(state_file.read_text())
@@ -405,6 +409,11 @@ def foreign_reason(path: Path, *, job_name: str, model: dict[str, Any], seed: in
     if seed is not None and type(other_seed) is int and other_seed != seed:
         return (f"{state_file}: a checkpoint of seed {other_seed}, not of this job's seed {seed} (the seed fixes the "
                 f"data order); set seed: {other_seed} to resume it, or {fix}")
+    trained = state.get("data_tokens")
+    if data_tokens is not None and isinstance(trained, list) and len(trained) == 2 and trained != data_tokens:
+        return (f"{state_file}: a checkpoint trained on {trained[0]:,} training and {trained[1]:,} validation tokens, "
+                f"but data.path now gives {data_tokens[0]:,} and {data_tokens[1]:,} (the sample order depends on "
+                f"them: samples would be trained twice or never); restore the data the run started with, or {fix}")
     recorded = state.get("model")
     if isinstance(recorded, dict):
         differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])

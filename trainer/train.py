@@ -112,6 +112,10 @@ class TrainerState:
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The model section of the job (`ModelSpec`, resolved): makes the checkpoint self-describing, so `cona export`
     needs no job file."""
+    data_tokens: list[int] = dataclasses.field(default_factory=list)
+    """[training, validation] tokens of the data it trained on (empty in checkpoints of earlier cona): the sample
+    order is a function of the training split's length, so a resume on changed data is refused
+    (`checkpoint.foreign_reason`)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -145,7 +149,8 @@ class Trainer:
         self.batcher = Batcher(self.job, self.corpus)
         self.model = ParallelModel(self.job, self.strategy, self.env, init_from=self._init_from())
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
-                                  job_name=self.job.name, model=self.job.model.model_dump(mode="json"))  # fmt: skip
+                                  job_name=self.job.name, model=self.job.model.model_dump(mode="json"),
+                                  data_tokens=self._data_tokens())  # fmt: skip
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
@@ -181,6 +186,10 @@ class Trainer:
 
     # Start-up -------------------------------------------------------------------------------------------------
 
+    def _data_tokens(self) -> list[int]:
+        """[training, validation] tokens of the corpus: what `TrainerState.data_tokens` records."""
+        return [len(self.corpus.train), len(self.corpus.val)]
+
     def _init_from(self) -> str | None:
         """`model.init_from` when the run has no complete checkpoint yet (rank 0 decides for all), else None: a
         resumed run continues from its own checkpoint."""
@@ -212,7 +221,8 @@ class Trainer:
             found = ckpt.resume_candidates(self.run_dir, self._notices)
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
             refusal = functools.partial(ckpt.foreign_reason, job_name=self.job.name,
-                                        model=self.job.model.model_dump(mode="json"), seed=self.job.seed)  # fmt: skip
+                                        model=self.job.model.model_dump(mode="json"), seed=self.job.seed,
+                                        data_tokens=self._data_tokens())  # fmt: skip
             foreign = next((r for p in found if (r := refusal(p))), None)
             shared = [([str(p) for p in found], bool(marked), foreign)]
         dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
@@ -242,6 +252,7 @@ class Trainer:
                 self._at_switch_point = self.state.decision_due and self.state.strategy == self.strategy.to_dict()
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
                 self.state.model = self.job.model.model_dump(mode="json")
+                self.state.data_tokens = self._data_tokens()  # the same (checked above), or a pre-check checkpoint's
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
