@@ -24,7 +24,7 @@ from typing import Any
 from cona.orchestrator.job import Job, PolicySpec
 from cona.orchestrator.planner import Candidate, static_choice, strategy_reason
 from cona.orchestrator.profile import ClusterProfile
-from cona.orchestrator.throughput import ThroughputModel
+from cona.orchestrator.throughput import ThroughputModel, positive_number
 from cona.protocol.lr import lr_scale_factor
 from cona.protocol.strategy import Strategy
 
@@ -216,14 +216,6 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _positive(x: Any) -> float | None:
-    """`x` as a float when it is a positive finite number (what a B_noise can be), else None: for values read back
-    from state.json, which may be null, NaN, inf, negative or not a number at all."""
-    if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x < math.inf:
-        return None
-    return float(x)
-
-
 class Policy(abc.ABC):
     """The interface the scheduler uses."""
 
@@ -388,7 +380,7 @@ class ConaPolicy(Policy):
         defined value, not by the prior: the estimator's value is undefined when the |G|² average is ≤ 0, that is when
         noise dominates the gradient, and the prior — a guess made before training — would pull to small batches
         exactly then (the weight never moves back, see the class docstring)."""
-        if _positive(estimate) is None:
+        if positive_number(estimate) is None:
             estimate = self._last_estimate
         if estimate is None or self._noise_weight <= 0:
             return min(MAX_NOISE_SCALE, self.prior_noise_scale)
@@ -543,7 +535,7 @@ class ConaPolicy(Policy):
         if ctx.current != self._last_current:
             self._wins = {}
             self._last_current = ctx.current
-        estimate = _positive(ctx.noise_scale)
+        estimate = positive_number(ctx.noise_scale)
         if estimate is not None and ctx.noise_stable:
             self._noise_weight = min(1.0, self._noise_weight + 1.0 / self.blend_evaluations)
         if estimate is not None and self._noise_weight > 0:
@@ -734,7 +726,7 @@ class ConaPolicy(Policy):
     def from_dict(self, data: dict[str, Any]) -> ConaPolicy:
         super().from_dict(data)
         self._wins = {Strategy.parse(s): int(n) for s, n in (data.get("wins") or {}).items()}
-        self._noise_weight = min(1.0, _positive(data.get("noise_weight")) or 0.0)
+        self._noise_weight = min(1.0, positive_number(data.get("noise_weight")) or 0.0)
         last = data.get("last_current")
         self._last_current = Strategy.from_dict(last) if last else None
         self._evaluations = int(data.get("evaluations", 0))
@@ -744,12 +736,12 @@ class ConaPolicy(Policy):
         # there, so a restart neither crashes nor drops the floor and the fallback that the run had.
         self._history = []
         for entry in data.get("noise_history") or []:
-            value = _positive(entry[1]) if isinstance(entry, list | tuple) and len(entry) == 2 else None
+            value = positive_number(entry[1]) if isinstance(entry, list | tuple) and len(entry) == 2 else None
             if value is not None and isinstance(entry[0], int | float) and math.isfinite(entry[0]):
                 self._history.append((int(entry[0]), min(MAX_NOISE_SCALE, value)))
         trusted = [b for _, b in self._history]
-        self._peak = min(MAX_NOISE_SCALE, max([_positive(data.get("noise_peak")) or 0.0, *trusted]))
-        last_estimate = _positive(data.get("last_estimate"))
+        self._peak = min(MAX_NOISE_SCALE, max([positive_number(data.get("noise_peak")) or 0.0, *trusted]))
+        last_estimate = positive_number(data.get("last_estimate"))
         if last_estimate is None and trusted:  # the history holds the estimate times the critical-batch factor
             last_estimate = trusted[-1] / self.critical_batch_factor
         self._last_estimate = last_estimate if self._noise_weight > 0 else None

@@ -50,12 +50,15 @@ def checkpoint_bytes(job: Job) -> float:
     return float(CHECKPOINT_BYTES_PER_PARAM * job.model.num_params)
 
 
+def checkpoint_save_s(job: Job, profile: ClusterProfile) -> float:
+    """Seconds one checkpoint of `job` takes to write at the profile's `storage.write_bandwidth`."""
+    return checkpoint_bytes(job) / parse_bytes(profile.storage.write_bandwidth, per_second=True)
+
+
 def predicted_switch_cost_s(*, job: Job, profile: ClusterProfile, overhead_s: float, step_time_s: float) -> float:
     """Seconds a switch costs by the formula in the module docstring; `overhead_s` is the backend's part."""
-    size = checkpoint_bytes(job)
-    save = size / parse_bytes(profile.storage.write_bandwidth, per_second=True)
-    load = size / parse_bytes(profile.storage.read_bandwidth, per_second=True)
-    return 0.5 * max(0.0, step_time_s) + save + overhead_s + load
+    load = checkpoint_bytes(job) / parse_bytes(profile.storage.read_bandwidth, per_second=True)
+    return 0.5 * max(0.0, step_time_s) + checkpoint_save_s(job, profile) + overhead_s + load
 
 
 class SwitchCosts:

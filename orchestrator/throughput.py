@@ -134,6 +134,13 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def positive_number(value: Any) -> float | None:
+    """`value` as a float when it is a positive, finite JSON number, else None: for what is read back from a file
+    (a step time or prediction of `cona profile`'s records, a noise scale in state.json), which may be null, a
+    bool, a string, NaN, infinite or negative."""
+    return float(value) if _number(value) and 0 < value < math.inf else None
+
+
 def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
     """One entry of `ThroughputModel.to_dict()["measured"]` read back from a file (`absorb`'s input), checked: a
     strategy, at least one positive, finite step time, a `count` (when given) of at least that many observations
@@ -142,7 +149,7 @@ def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
     one broke a run at its first save, far from the file it came from."""
     strategy = Strategy.from_dict(entry["strategy"])
     raw = entry["times"]
-    if not isinstance(raw, list) or not raw or not all(_number(t) and usable_step_time(float(t)) for t in raw):
+    if not isinstance(raw, list) or not raw or not all(positive_number(t) is not None for t in raw):
         raise ValueError(f"{strategy.short()}: step times must be positive and finite, got {raw!r}"[:300])
     times = [float(t) for t in raw]
     checked = {**entry, "strategy": strategy.to_dict(), "times": times}
@@ -154,7 +161,7 @@ def checked_measurement(entry: dict[str, Any]) -> dict[str, Any]:
         checked["count"] = int(count)
     predicted = entry.get("predicted_s")
     if predicted is not None:
-        if not (_number(predicted) and usable_step_time(float(predicted))):
+        if positive_number(predicted) is None:
             raise ValueError(f"{strategy.short()}: predicted_s must be a positive, finite number or null, got "
                              f"{predicted!r}"[:300])  # fmt: skip
         checked["predicted_s"] = float(predicted)
@@ -361,7 +368,7 @@ class ThroughputModel:
             # The record's own prediction only for a strategy this model has none for (not a candidate here), and
             # only a usable one: calibration_factor and model_error divide by it (a state.json edited by hand).
             predicted = entry.get("predicted_s")
-            if not (_number(predicted) and usable_step_time(float(predicted))):
+            if positive_number(predicted) is None:
                 predicted = None
             m = _Measurement(
                 window=self.window,

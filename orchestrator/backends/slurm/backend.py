@@ -40,8 +40,8 @@ from cona.orchestrator.backends.slurm.script import (
 )
 from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
-from cona.orchestrator.profile import ClusterProfile, parse_bytes
-from cona.orchestrator.switchcost import SwitchKind, checkpoint_bytes
+from cona.orchestrator.profile import ClusterProfile
+from cona.orchestrator.switchcost import SwitchKind, checkpoint_bytes, checkpoint_save_s
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode, RunDir, read_json
 from cona.protocol.strategy import Strategy
@@ -242,11 +242,10 @@ def save_outlasts_signal(profile: ClusterProfile, job: Job) -> str | None:
     lead = profile.slurm.signal_before_timeout_s if profile.slurm is not None else 0
     if lead <= 0:
         return None  # no pre-timeout checkpoint asked for: nothing is promised at the limit
-    size = checkpoint_bytes(job)
-    save_s = size / parse_bytes(profile.storage.write_bandwidth, per_second=True)
+    save_s = checkpoint_save_s(job, profile)
     if save_s <= lead:
         return None
-    return (f"a checkpoint of {job.model.num_params / 1e9:.3g}B parameters ({size / 1e9:.3g} GB) takes about "
+    return (f"a checkpoint of {job.model.num_params / 1e9:.3g}B parameters ({checkpoint_bytes(job) / 1e9:.3g} GB) takes about "
             f"{save_s:,.0f} s at storage.write_bandwidth {profile.storage.write_bandwidth}, longer than "
             f"slurm.signal_before_timeout_s={lead}: a job that reaches slurm.time_limit is killed while it saves and "
             f"resumes from its previous checkpoint; raise signal_before_timeout_s to at least {2 * save_s:,.0f} "
