@@ -4,6 +4,7 @@
   processes that saved it and in a resume: the first update is bit-identical to a run that never checkpointed.
 - A save after the resume fell back past a damaged newer checkpoint keeps the one it wrote, whatever `keep`.
 - A checkpoint of another seed (another data order) is refused in one line naming the seed.
+- A step-0 checkpoint written by earlier cona (AdamW `step` 1) resumes as one that never stepped.
 """
 
 from __future__ import annotations
@@ -161,3 +162,30 @@ def test_a_checkpoint_of_other_data_is_refused_naming_both_sizes(tmp_path, tiny)
     (tmp_path / "old" / "trainer_state.json").write_text(json.dumps(state))
     assert ckpt.foreign_reason(tmp_path / "old", job_name=job.name, model=state["model"], seed=job.seed,
                                data_tokens=[len(other.train), len(other.val)]) is None  # fmt: skip
+
+
+def test_a_step_0_checkpoint_of_earlier_code_resumes_as_if_adam_never_stepped(tmp_path, tiny, monkeypatch):
+    """Earlier cona saved a step-0 checkpoint with AdamW's `step` at 1 (it did not reset get_state_dict's fill);
+    a resume of such a checkpoint still trains exactly as a run that never checkpointed."""
+    job, corpus = tiny
+    reference = _trainer(tmp_path / "reference", job, corpus)
+    reference.resume()
+    for _ in range(2):
+        reference.step()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "_reset_step_counts", lambda optimizer: None)  # the earlier save
+        old = _trainer(tmp_path / "old", job, corpus)
+        old.resume()
+        old.save()
+    state = ckpt.read_checkpoint_tensors(RunDir(tmp_path / "old").checkpoint_dir(0))
+    steps = {float(v) for k, v in state.items() if k.startswith("optim.state.") and k.endswith(".step")}
+    assert steps == {1.0}, "the earlier save no longer reproduced: this test checks nothing"
+
+    resumed = _trainer(tmp_path / "old", job, corpus)
+    resumed.resume()
+    assert resumed.loaded_step == 0
+    for _ in range(2):
+        resumed.step()
+    for got, want in zip(_params(resumed), _params(reference), strict=True):
+        assert torch.equal(got, want), "a resume of an earlier step-0 checkpoint trained otherwise"

@@ -529,7 +529,14 @@ def load_checkpoint(
             optim_state_dict={k: state["optim"][k] for k in optim_keys},
             options=_OPTIONS,
         )
-    return json.loads((path / TRAINER_STATE).read_text())
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    if trainer_state.get("step") == 0:
+        # Nothing was trained before a step-0 checkpoint, but one written by cona before `_state` reset the counts
+        # holds AdamW's `step` at 1 (get_state_dict's zero-gradient fill): without this its first update would get
+        # step 2's bias correction. The moments are zero either way, so 0 is exactly the state it should hold.
+        for optimizer in optimizers:
+            _reset_step_counts(optimizer)
+    return trainer_state
 
 
 def read_checkpoint_tensors(path: Path | str) -> dict[str, Any]:
