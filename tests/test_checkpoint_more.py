@@ -4,13 +4,16 @@
   processes that saved it and in a resume: the first update is bit-identical to a run that never checkpointed.
 - A save after the resume fell back past a damaged newer checkpoint keeps the one it wrote, whatever `keep`.
 - A checkpoint of another seed (another data order) is refused in one line naming the seed.
+- So is a checkpoint of another corpus of the same length (a sampled fingerprint of each split).
 - A step-0 checkpoint written by earlier cona (AdamW `step` 1) resumes as one that never stepped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cona.protocol.job import JobSpec, load_job
@@ -18,7 +21,7 @@ from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 from cona.trainer import checkpoint as ckpt
-from cona.trainer.data import Corpus, load_corpus
+from cona.trainer.data import Corpus, TokenSequence, load_corpus
 from cona.trainer.distributed import init_distributed
 from cona.trainer.train import Trainer
 
@@ -162,6 +165,30 @@ def test_a_checkpoint_of_other_data_is_refused_naming_both_sizes(tmp_path, tiny)
     (tmp_path / "old" / "trainer_state.json").write_text(json.dumps(state))
     assert ckpt.foreign_reason(tmp_path / "old", job_name=job.name, model=state["model"], seed=job.seed,
                                data_tokens=[len(other.train), len(other.val)]) is None  # fmt: skip
+
+
+def test_a_checkpoint_of_another_corpus_of_the_same_length_is_refused(tmp_path, tiny):
+    """Token counts alone let another corpus of the same length through (a re-prepared file with another tokenizer
+    of the same size, an in-place edit): the sampled fingerprint of each split is recorded and compared."""
+    job, corpus = tiny
+    first = _trainer(tmp_path / "run", job, corpus)
+    first.resume()
+    first.save()
+    train = corpus.train.slice(0, len(corpus.train))
+    edited = train.copy()
+    edited[len(edited) // 2 :] = edited[len(edited) // 2 :][::-1]  # the same tokens, half of them in another order
+    for split, other in (("training", dataclasses.replace(corpus, train=TokenSequence([edited.astype(np.uint8)]))),
+                         ("validation", dataclasses.replace(corpus, val=TokenSequence([np.zeros(len(corpus.val), np.uint8)])))):  # fmt: skip
+        assert [len(other.train), len(other.val)] == [len(corpus.train), len(corpus.val)]
+        with pytest.raises(ConfigError) as refused:
+            _trainer(tmp_path / "run", job, other).resume()
+        line = str(refused.value)
+        assert f"data.path's {split} tokens have the same count but other content" in line and "\n" not in line
+    # The same tokens held in another dtype (a .npy of int32 for a .bin of uint8) are the same data.
+    same = dataclasses.replace(corpus, train=TokenSequence([train.astype(np.int32)]))
+    resumed = _trainer(tmp_path / "run", job, same)
+    resumed.resume()
+    assert resumed.loaded_step == 0
 
 
 def test_a_step_0_checkpoint_of_earlier_code_resumes_as_if_adam_never_stepped(tmp_path, tiny, monkeypatch):

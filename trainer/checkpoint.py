@@ -383,7 +383,13 @@ TRAINER_STATE_VERSION = 1
 
 
 def foreign_reason(
-    path: Path, *, job_name: str, model: dict[str, Any], seed: int | None = None, data_tokens: list[int] | None = None
+    path: Path,
+    *,
+    job_name: str,
+    model: dict[str, Any],
+    seed: int | None = None,
+    data_tokens: list[int] | None = None,
+    data_crc32: list[int] | None = None,
 ) -> str | None:
     """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
     or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
@@ -392,7 +398,8 @@ def foreign_reason(
     is refused too: the sample order is a function of the seed, so it would go on with another data order, samples
     of the epoch seen twice and others never, while the samples log still audits clean. With `data_tokens` (the
     corpus's [training, validation] tokens) a checkpoint that recorded other sizes is refused for the same reason:
-    the data changed under the run (a re-prepared or edited file, another `data.val_fraction`)."""
+    the data changed under the run (a re-prepared or edited file, another `data.val_fraction`); with `data_crc32`
+    (their sampled fingerprints) so is another corpus of the same sizes."""
     state_file = path / TRAINER_STATE
     try:
         state = json.loads(state_file.read_text())
@@ -414,6 +421,11 @@ def foreign_reason(
         return (f"{state_file}: a checkpoint trained on {trained[0]:,} training and {trained[1]:,} validation tokens, "
                 f"but data.path now gives {data_tokens[0]:,} and {data_tokens[1]:,} (the sample order depends on "
                 f"them: samples would be trained twice or never); restore the data the run started with, or {fix}")
+    sampled = state.get("data_crc32")
+    if data_crc32 is not None and isinstance(sampled, list) and len(sampled) == 2 and sampled != data_crc32:
+        split = "training" if sampled[0] != data_crc32[0] else "validation"
+        return (f"{state_file}: a checkpoint trained on other data: data.path's {split} tokens have the same count "
+                f"but other content (another or edited corpus); restore the data the run started with, or {fix}")
     recorded = state.get("model")
     if isinstance(recorded, dict):
         differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])

@@ -116,6 +116,9 @@ class TrainerState:
     """[training, validation] tokens of the data it trained on (empty in checkpoints of earlier cona): the sample
     order is a function of the training split's length, so a resume on changed data is refused
     (`checkpoint.foreign_reason`)."""
+    data_crc32: list[int] = dataclasses.field(default_factory=list)
+    """[training, validation] fingerprints of that data (`TokenSequence.sample_crc32`; empty in checkpoints of
+    earlier cona): another corpus of the same length is refused as well."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -148,9 +151,10 @@ class Trainer:
         self.is_rank0 = self.rank == 0
         self.batcher = Batcher(self.job, self.corpus)
         self.model = ParallelModel(self.job, self.strategy, self.env, init_from=self._init_from())
+        self._data_crc32 = [self.corpus.train.sample_crc32(), self.corpus.val.sample_crc32()]
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
                                   job_name=self.job.name, model=self.job.model.model_dump(mode="json"),
-                                  data_tokens=self._data_tokens())  # fmt: skip
+                                  data_tokens=self._data_tokens(), data_crc32=self._data_crc32)  # fmt: skip
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
@@ -222,7 +226,7 @@ class Trainer:
             marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
             refusal = functools.partial(ckpt.foreign_reason, job_name=self.job.name,
                                         model=self.job.model.model_dump(mode="json"), seed=self.job.seed,
-                                        data_tokens=self._data_tokens())  # fmt: skip
+                                        data_tokens=self._data_tokens(), data_crc32=self._data_crc32)  # fmt: skip
             foreign = next((r for p in found if (r := refusal(p))), None)
             shared = [([str(p) for p in found], bool(marked), foreign)]
         dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
@@ -252,7 +256,8 @@ class Trainer:
                 self._at_switch_point = self.state.decision_due and self.state.strategy == self.strategy.to_dict()
                 self.state.attempt, self.state.strategy = self.attempt, self.strategy.to_dict()
                 self.state.model = self.job.model.model_dump(mode="json")
-                self.state.data_tokens = self._data_tokens()  # the same (checked above), or a pre-check checkpoint's
+                # The same (checked above), or those of a checkpoint from before the check.
+                self.state.data_tokens, self.state.data_crc32 = self._data_tokens(), self._data_crc32
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:
