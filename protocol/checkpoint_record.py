@@ -23,7 +23,15 @@ _STATE_NUMBERS = ("lr", "time", "elapsed_s")
 def checkpoint_problem(path: Path) -> str | None:
     """None if `path` is a complete checkpoint whose records are intact; else why a resume passes over it (one
     line): no or an unreadable COMPLETE marker, a file it lists missing or of another size, trainer_state.json
-    unreadable or its counters not numbers."""
+    unreadable or its counters not numbers; a directory or file this user may not read, named with what to do."""
+    try:
+        return _problem(path)
+    except OSError as e:  # no permission (a run directory shared between users): not damage, and fixable
+        where = e.filename or path
+        return f"cannot read {where} ({e.strerror or type(e).__name__}); give this user read access to {path} to resume from it"
+
+
+def _problem(path: Path) -> str | None:
     marker = path / COMPLETE_MARKER
     if not marker.exists():
         return "no COMPLETE marker (it was being written when the trainer stopped)"

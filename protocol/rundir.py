@@ -370,6 +370,16 @@ class SwitchPoints:
         return any(start < point <= end for point in self.samples)
 
 
+def _marked(path: Path) -> bool:
+    """Whether the checkpoint directory `path` holds its COMPLETE marker. One this user may not look into counts as
+    marked: it may be complete, and listed it reaches the resume's checks, which name it and say what to do (left
+    out, it would be passed over without a word, or taken for a partial save to delete)."""
+    try:
+        return (path / COMPLETE_MARKER).exists()
+    except OSError:
+        return True
+
+
 @dataclasses.dataclass
 class RunDir:
     """Paths and small helpers of one run directory."""
@@ -451,14 +461,14 @@ class RunDir:
         """Complete checkpoint directories, oldest first (a directory without its marker is not complete)."""
         if not self.checkpoints.is_dir():
             return []
-        found = [p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and (p / COMPLETE_MARKER).exists()]
+        found = [p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and _marked(p)]
         return sorted(found, key=lambda p: p.name)
 
     def incomplete_checkpoints(self) -> list[Path]:
         if not self.checkpoints.is_dir():
             return []
         return sorted(
-            p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and not (p / COMPLETE_MARKER).exists()
+            p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and not _marked(p)
         )
 
     def latest_checkpoint(self) -> Path | None:
@@ -472,7 +482,7 @@ class RunDir:
         if not self.checkpoints.is_dir():
             return False
         names = ("step-", ".resave-step-", ".replaced-step-")
-        return any(p.name.startswith(names) and (p / COMPLETE_MARKER).exists() for p in self.checkpoints.iterdir())
+        return any(p.name.startswith(names) and _marked(p) for p in self.checkpoints.iterdir())
 
     def recorded_progress(self) -> tuple[int, int]:
         """From the heartbeats of every attempt: the most samples the run reached, and the most it ever had in a

@@ -6,6 +6,7 @@
 - A checkpoint of another seed (another data order) is refused in one line naming the seed.
 - So is a checkpoint of another corpus of the same length (a sampled fingerprint of each split).
 - A step-0 checkpoint written by earlier cona (AdamW `step` 1) resumes as one that never stepped.
+- A checkpoint this user may not read is passed over with a one-line warning saying what to do.
 """
 
 from __future__ import annotations
@@ -216,3 +217,42 @@ def test_a_step_0_checkpoint_of_earlier_code_resumes_as_if_adam_never_stepped(tm
         resumed.step()
     for got, want in zip(_params(resumed), _params(reference), strict=True):
         assert torch.equal(got, want), "a resume of an earlier step-0 checkpoint trained otherwise"
+
+
+
+def test_a_checkpoint_this_user_may_not_read_is_passed_over_naming_it(tmp_path, tiny, monkeypatch, capsys):
+    """A step directory without read permission (a run directory shared between users) raised PermissionError on
+    rank 0 inside the resume's scan: a traceback there, and the other ranks left waiting in a collective. It is
+    listed, passed over with a one-line warning that says what to do, and the resume loads the one before it.
+    (Simulated: as root, which the tests may run as, chmod 000 does not stop a read.)"""
+    import errno
+    import pathlib
+
+    from cona.orchestrator.live import newest_intact_checkpoint
+
+    job, corpus = tiny
+    first = _trainer(tmp_path / "run", job, corpus)
+    first.resume()
+    first.save()
+    first.step()
+    first.save()
+    run = RunDir(tmp_path / "run")
+    locked = run.checkpoint_dir(1)
+    assert run.complete_checkpoints() == [run.checkpoint_dir(0), locked]
+    real_stat = pathlib.Path.stat
+
+    def stat(self, *args, **kwargs):
+        if str(self).startswith(str(locked) + "/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    assert run.complete_checkpoints() == [run.checkpoint_dir(0), locked]  # listed, not taken for a partial save
+    assert locked not in run.incomplete_checkpoints()
+    intact, passed = newest_intact_checkpoint(run)
+    assert intact == run.checkpoint_dir(0) and [p["path"] for p in passed] == [str(locked)]
+    resumed = _trainer(tmp_path / "run", job, corpus)
+    resumed.resume()
+    assert resumed.loaded_step == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if str(locked) in line]
+    assert len(warned) == 1 and "Permission denied" in warned[0] and f"give this user read access to {locked}" in warned[0]

@@ -33,7 +33,6 @@ from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, HeartbeatEv
 from cona.protocol.job import JobSpec
 from cona.protocol.lr import job_learning_rate
 from cona.protocol.rundir import (
-    COMPLETE_MARKER,
     HOLD_TIMEOUT_REASON,
     MAX_STEPS_REASON,
     ExitCode,
@@ -223,7 +222,7 @@ class Trainer:
         shared: list[Any] = [None]
         if self.is_rank0:
             found = ckpt.resume_candidates(self.run_dir, self._notices)
-            marked = [p for p in self.run_dir.checkpoints.glob("step-*") if (p / COMPLETE_MARKER).exists()]
+            marked = self.run_dir.complete_checkpoints()
             refusal = functools.partial(ckpt.foreign_reason, job_name=self.job.name,
                                         model=self.job.model.model_dump(mode="json"), seed=self.job.seed,
                                         data_tokens=self._data_tokens(), data_crc32=self._data_crc32)  # fmt: skip
