@@ -5,7 +5,7 @@
 
 Runs the job under `cona run --policy fixed:<strategy>` for a spread of strategies (every layout of the profile's
 devices at a small and a large batch), reads each one's measured step time (the scheduler's median over its last
-heartbeat windows, `state.json`), then fits the profile's accelerator and network constants — `peak_tflops`,
+heartbeat windows, of its undisturbed ones after a load spike, `state.json`), then fits the profile's accelerator and network constants — `peak_tflops`,
 `memory_bandwidth`, `microbatch_overhead_ms`, `intra_node_bandwidth`, `intra_node_latency_us` — by least squares
 on log(measured/predicted) (a multiplicative coordinate search). Prints measured against predicted before and after
 and the fitted values; writes benchmarks/results/fit-<profile>.json. `--measured` refits from a saved JSON without

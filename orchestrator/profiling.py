@@ -280,7 +280,7 @@ def finish_profile(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state:
     lines = ["strategy              heartbeats  predicted   measured  measured/predicted  samples/s"]
     for e in measured:
         s = Strategy.from_dict(e["strategy"])
-        t = float(e["time_s"])  # the median `ThroughputModel.to_dict` writes beside the times
+        t = float(e["time_s"])  # the time `ThroughputModel.to_dict` writes beside the times (`throughput.undisturbed_time_s`)
         predicted = e.get("predicted_s")
         ratio = f"{t / predicted:.2f}" if predicted else "—"
         shown = f"{predicted:.4f} s" if predicted else "—"

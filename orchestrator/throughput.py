@@ -11,21 +11,37 @@ per layout (dp, tp, pp), from the strategies of that layout that ran:
 
 1. the strategy itself was measured: its own measured time;
 2. its layout was measured at two or more global batches (cheap to visit with the in-place switch) whose predicted
-   times differ: F and k by least squares over all its measured strategies (F ≥ 0; k at least a tenth of the mean
-   measured/predicted);
+   times differ: F and k by least squares over its measured strategies (F ≥ 0; k at least a tenth of the
+   geometric-mean measured/predicted), leaving out a strategy measured during a load spike (below);
 3. its layout was measured at one global batch (one strategy, or several micro-batches of that batch: they train
    the same samples per step, so what tells their predicted times apart is the micro-batches' efficiency, not the
    work per sample, and they cannot separate a per-step from a per-sample cost): k from the layouts where it is
-   known (the geometric mean; the cost model's own 1.0 when none is), and the excess of the mean measured time
-   over k · the mean prediction as the fixed cost F. Attributing the unexplained time to the fixed cost is the
-   optimistic reading for larger batches: the policy then tries one, and its measurement settles F and k (tier 2).
-   A measured time below k · predicted is scaled instead (F = 0);
-4. the layout never ran: the mean F and the geometric-mean k of the measured layouts (0 and 1 when none).
+   known (their median, on a log scale; the cost model's own 1.0 when none is), and the median excess of the
+   measured times over k · their predictions as the fixed cost F. Attributing the unexplained time to the fixed
+   cost is the optimistic reading for larger batches: the policy then tries one, and its measurement settles F and
+   k (tier 2). Measured times below k · predicted are scaled instead (F = 0, k their median measured/predicted);
+4. the layout never ran: the median F and the median k (on a log scale) of the measured layouts (0 and 1 when
+   none).
 
-Each measured time is the median of the last `window` observations: heartbeat step times are already window
-means, but the first windows after a launch (allocation, first collectives, compilation) and checkpoint or
-evaluation hiccups produce outliers that a median ignores and a mean would not. The median also follows a real
-change in speed once half the window has seen it.
+Each measured time is the median of the last `window` observations (unless a load spike covers half of them,
+below): heartbeat step times are already window means, but the first windows after a launch (allocation, first
+collectives, compilation) and checkpoint or evaluation hiccups produce outliers that a median ignores and a mean
+would not. The median also follows a real change in speed once half the window has seen it.
+
+Robust to a load spike. On a shared machine a strategy can be measured while something else runs, 2–3 times
+slower for a while; a spike only ever slows a step down. Without care that one strategy moved the calibration of
+every other: the least-squares line through its layout's points, and the mean fixed cost and scale that other
+layouts borrow. So, changing nothing where the measurements are consistent:
+- per strategy, when half or more of its windows are disturbed (the median above `DISTURBED` × the lower quartile),
+  its time is the median of the undisturbed ones (`undisturbed_time_s`);
+- per layout (tier 2), a strategy measured more than `DISTURBED` times slower than the line through its layout's
+  other strategies, which agree with that line, is left out of the fit, one at a time while those others still
+  determine the layout and are most of its strategies (two batches cannot tell which one was slowed);
+- across strategies and layouts (tiers 3 and 4), medians instead of means, and for scales medians of logarithms:
+  ratios combine geometrically (a 2× and a 0.5× scale borrow 1×), and for two values the median is their
+  (geometric) mean, so it differs only where there is a third value to outvote an outlier.
+A strategy slowed in every window keeps that as its own measured time (tier 1): nothing tells a spike that lasted
+all its windows from its speed.
 
 Torch-free.
 """
@@ -49,8 +65,12 @@ measured point of this layout), `calibrated` (4: other layouts' calibration), `n
 DISTINCT = 1.05
 """Global batches whose (mean) predicted times differ by less than this factor are one batch for the affine fit."""
 MIN_SCALE_FRACTION = 0.1
-"""k is kept at least this fraction of the mean measured/predicted of the layout's points (a fit whose time does
-not grow with the work would make every larger batch free)."""
+"""k is kept at least this fraction of the geometric-mean measured/predicted of the layout's points (a fit whose
+time does not grow with the work would make every larger batch free)."""
+DISTURBED = 1.5
+"""A step time more than this factor above what the strategy's other windows, or its layout's other strategies,
+say is taken as measured during a load spike (module docstring): well above window noise (a few percent) and the
+affine fit's error within a layout, below the 2–3× of a shared machine's spikes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,29 +108,98 @@ def fit_affine(measured: Sequence[tuple[float, float, int]], *, prior_scale: flo
     """The affine calibration of (predicted, measured, gbs) points of one layout (module docstring, tiers 2 and 3)."""
     assert measured, "fit_affine needs at least one point"
     points = [Point(*point) for point in measured]
-    n = len(points)
     if separates_costs(points):
-        mp = sum(p for p, _, _ in points) / n
-        mt = sum(t for _, t, _ in points) / n
-        sxx = sum((p - mp) ** 2 for p, _, _ in points)
-        k = sum((p - mp) * (t - mt) for p, t, _ in points) / sxx
-        fixed = mt - k * mp
-        if fixed < 0:  # no fixed cost: the least-squares scale through the origin
-            fixed, k = 0.0, sum(t * p for p, t, _ in points) / sum(p * p for p, _, _ in points)
-        floor = MIN_SCALE_FRACTION * sum(t / p for p, t, _ in points) / n
-        if k < floor:
-            k = floor
-            fixed = max(0.0, sum(t - k * p for p, t, _ in points) / n)
-        return Affine(fixed, k, True)
-    p = sum(p for p, _, _ in points) / n
-    t = sum(t for _, t, _ in points) / n
-    if t > prior_scale * p:
-        return Affine(t - prior_scale * p, prior_scale, False)
-    return Affine(0.0, t / p, False)
+        return _fit_line(_undisturbed_points(points))
+    # Medians: one micro-batch variant measured during a spike must not set the fixed cost of the layout.
+    fixed = statistics.median(t - prior_scale * p for p, t, _ in points)
+    if fixed > 0:
+        return Affine(fixed, prior_scale, False)
+    return Affine(0.0, _log_median([t / p for p, t, _ in points]), False)
+
+
+def _fit_line(points: list[Point]) -> Affine:
+    """Least squares F + k · predicted through `points`, which separate the costs (F ≥ 0, k at least its floor)."""
+    n = len(points)
+    mp = sum(p for p, _, _ in points) / n
+    mt = sum(t for _, t, _ in points) / n
+    sxx = sum((p - mp) ** 2 for p, _, _ in points)
+    k = sum((p - mp) * (t - mt) for p, t, _ in points) / sxx
+    fixed = mt - k * mp
+    if fixed < 0:  # no fixed cost: the least-squares scale through the origin
+        fixed, k = 0.0, sum(t * p for p, t, _ in points) / sum(p * p for p, _, _ in points)
+    floor = MIN_SCALE_FRACTION * _geometric_mean([t / p for p, t, _ in points])
+    if k < floor:
+        k = floor
+        fixed = max(0.0, sum(t - k * p for p, t, _ in points) / n)
+    return Affine(fixed, k, True)
+
+
+def _undisturbed_points(points: list[Point]) -> list[Point]:
+    """`points` less those measured during a load spike (module docstring), one at a time while the rest are most
+    of `points` and still separate the costs.
+
+    A point is left out when it is more than `DISTURBED` times slower than the least-squares line through the
+    others and those others agree with their line (each within `DISTURBED` of it, either way): least squares lets
+    one slowed point bend the line of all, the line of the others is not bent by it. A slowed point at the largest
+    or smallest batch bends the line so far that a consistent point at the other end can look slowed against the
+    line of the rest too, but then that rest, which holds the slowed point, does not agree with its line: the
+    candidate that leaves the most consistent rest (the smallest largest log residual) goes, and of two that
+    leave an exact rest (any two points are on their own line) the one further above its line. Measurements
+    consistent up to their noise leave nothing out: the fit is then least squares over all of them."""
+    kept = list(points)
+    while 2 * (len(kept) - 1) > len(points):
+        best: tuple[float, float, int] | None = None
+        for i, point in enumerate(kept):
+            others = kept[:i] + kept[i + 1 :]
+            if not separates_costs(others):
+                continue
+            line = _fit_line(others)
+            excess = point.measured_s / line.time_s(point.predicted_s)
+            spread = max(abs(math.log(t / line.time_s(p))) for p, t, _ in others)
+            if excess > DISTURBED and spread <= math.log(DISTURBED):
+                # Rounded: a line through two points is exact only up to rounding, and then the excess decides.
+                key = (round(spread, 9), -excess, i)
+                best = key if best is None else min(best, key)
+        if best is None:
+            break
+        del kept[best[2]]
+    return kept
 
 
 def _geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _log_median(values: list[float]) -> float:
+    """The median of positive ratios on a log scale: robust to one outlying ratio among three or more, and for
+    two the geometric mean (a 2× and a 0.5× make 1×, where the plain median would say 1.25×)."""
+    return math.exp(statistics.median(math.log(v) for v in values))
+
+
+def _lower_quartile(ordered: list[float]) -> float:
+    """The lower quartile of sorted `ordered`, interpolated between neighbours (`statistics.quantiles`'s
+    inclusive method, which needs two values; this takes one)."""
+    position = (len(ordered) - 1) / 4
+    i = math.floor(position)
+    if i + 1 >= len(ordered):
+        return ordered[i]
+    return ordered[i] + (position - i) * (ordered[i + 1] - ordered[i])
+
+
+def undisturbed_time_s(times: Sequence[float]) -> float:
+    """A strategy's measured step time from its recent windows: their median, unless half or more of them were
+    measured during a load spike — the median more than `DISTURBED` times the lower quartile, the time the strategy
+    achieves undisturbed — then the median of the undisturbed ones (those within `DISTURBED` of the quartile).
+
+    Where fewer than half the windows are outliers, as after a launch or at a checkpoint, this is the median. A
+    lasting change of speed by more than `DISTURBED` is followed later than by the median if a slowdown (once it
+    reaches the lower quartile: three quarters of the windows) and sooner if a speed-up (a quarter of them)."""
+    ordered = sorted(times)
+    median = statistics.median(ordered)
+    calm = DISTURBED * _lower_quartile(ordered)
+    if median <= calm:
+        return median
+    return statistics.median(t for t in ordered if t <= calm)
 
 
 def _key(dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
@@ -194,7 +283,7 @@ class _Measurement:
 
     @property
     def time_s(self) -> float:
-        return statistics.median(self.times)
+        return undisturbed_time_s(self.times)
 
 
 class ThroughputModel:
@@ -285,13 +374,14 @@ class ThroughputModel:
         fits = {layout: fit_affine(p, prior_scale=1.0) for layout, p in points.items()}
         if not fits:
             return fits, Affine(0.0, 1.0, False)
+        # Medians (module docstring): one layout measured during a load spike must not move the others.
         known = [a.scale for a in fits.values() if a.determined]
         if known:
-            prior = _geometric_mean(known)
+            prior = _log_median(known)
             fits = {layout: a if a.determined else fit_affine(points[layout], prior_scale=prior)
                     for layout, a in fits.items()}  # fmt: skip
-        rest = Affine(sum(a.fixed_s for a in fits.values()) / len(fits),
-                      _geometric_mean([a.scale for a in fits.values()]), False)  # fmt: skip
+        rest = Affine(statistics.median(a.fixed_s for a in fits.values()),
+                      _log_median([a.scale for a in fits.values()]), False)  # fmt: skip
         return fits, rest
 
     def _calibrate(self, strategy: Strategy, predicted: float | None) -> tuple[float, Source]:
