@@ -186,6 +186,7 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
         ("trainer.kubeflow.org", "trainjobs"): {"create", "get", "delete"},
         ("", "services"): {"create", "delete"},
         ("", "pods"): {"list"},
+        ("", "events"): {"list"},
         ("", "pods/log"): {"get"},
         ("", "configmaps"): {"create", "get", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "patch"},
@@ -195,6 +196,7 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
         ("", "configmaps"): {"create", "get", "patch", "delete"},
         ("batch", "jobs"): {"create", "get", "delete"},
         ("", "pods"): {"list"},
+        ("", "events"): {"list"},
         # `cona submit` checks that the profile's PVC and ServiceAccount exist before it creates anything.
         ("", "persistentvolumeclaims"): {"get"},
         ("", "serviceaccounts"): {"get"},

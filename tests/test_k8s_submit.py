@@ -209,9 +209,12 @@ def test_stop_and_report_of_a_live_run_through_the_api(cluster):
 
     # Each side called only what its Role grants, and its Role grants nothing it does not use: the orchestrator's
     # every verb but those of the other workload kinds (tests/test_k8s_backend.py covers those), the laptop's every
-    # verb but the ConfigMap delete that undoes a submission whose Job could not be created.
+    # verb but the ConfigMap delete that undoes a submission whose Job could not be created. Listing events is left
+    # out on both sides: it explains pods that are missing, which a healthy run may or may not have for a while
+    # (tests/test_k8s_events.py covers it).
     other_kinds = {(g, r, v) for g, r, v in _role("cona") if r in ("jobsets", "trainjobs")}
+    events = {("", "events", "list")}
     for token, role, unused in (("laptop", "cona-submitter", {("", "configmaps", "delete")}),
                                 ("orchestrator-sa", "cona", other_kinds)):  # fmt: skip
-        used = {_verb(method, path) for method, path in cluster.k8s.requests_by(token)}
-        assert used == _role(role) - unused, (token, used ^ (_role(role) - unused))
+        used = {_verb(method, path) for method, path in cluster.k8s.requests_by(token)} - events
+        assert used == _role(role) - unused - events, (token, used ^ (_role(role) - unused - events))

@@ -3,7 +3,8 @@ renders it): a headless Service and an Indexed Job, a JobSet, or a Kubeflow Trai
 
 `launch` writes the attempt's launch record on the PVC (the trainer reads its strategy there), then creates the
 objects. `poll` reads the workload's conditions and its pods (container exit codes, scheduling messages, waiting
-reasons, disruption conditions) and, first of all, the trainer's own exit record: torchrun exits 1 whatever
+reasons, disruption conditions) and, when pods are missing, the Warning events of the Jobs that create them
+(`events.py`: a `FailedCreate` says why the API server refuses them) and, first of all, the trainer's own exit record: torchrun exits 1 whatever
 protocol code a worker returned, so `attempts/<n>/exit.json` is where SWITCH/STOPPED/BAD_WORLD are read, as on the
 other backends. A disrupted pod ends the attempt as DISRUPTED (not a failure); a Pending pod is reported with its
 reason, and whether waiting can help (`Outcome.stuck`), to the scheduler, which applies
@@ -12,7 +13,8 @@ Service. What differs per kind (API, condition types, the trainer container's na
 `workloads.py`.
 
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, jobsets or trainjobs,
-create/delete on services (Indexed Jobs only), list on pods; an elastic run also lists Nodes, which the optional
+create/delete on services (Indexed Jobs only), list on pods, list on events (without it, 403: said once, and a pod
+that cannot be created shows only as missing); an elastic run also lists Nodes, which the optional
 ClusterRole of `manifests/elastic/nodes.yaml` grants (without it, 403: the backend does without). An API error becomes a one-line `BackendError` naming
 the object and what to do.
 
@@ -26,17 +28,26 @@ emulator runs as local processes (`tests/test_k8s_e2e.py`); not yet on a real cl
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
-from cona.orchestrator.backends.kubernetes.api import REQUEST_TIMEOUT_S, KubeApi, api_message, one_line
+from cona.orchestrator.backends.kubernetes.api import (
+    FORBIDDEN,
+    REQUEST_TIMEOUT_S,
+    KubeApi,
+    api_message,
+    one_line,
+)
+from cona.orchestrator.backends.kubernetes.events import Blocked, creation_blocked, trainer_fields
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
 from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
 from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
+from cona.protocol.feasibility import placement
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -56,6 +67,11 @@ IMAGE_WAITING_REASONS = frozenset({
 """The kubelet's waiting reasons of a container whose image cannot be pulled or used."""
 NODE_LIST_EVERY_S = 5.0
 """Elastic runs: how often `poll` lists the cluster's Nodes (one cluster-wide call) to see lost ones."""
+EVENTS_AFTER_S = 10.0
+"""How long after its launch an attempt's missing pods are only the Job controller not having made them yet: its
+Jobs' events are not read before (an API call per poll that could say nothing)."""
+EVENTS_EVERY_S = 5.0
+"""How often `poll` lists the events of an attempt whose pods are missing."""
 STUCK_WAITING_REASONS = IMAGE_WAITING_REASONS | {
     "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError", "PreStartHookError",
 }  # fmt: skip
@@ -165,6 +181,14 @@ class KubernetesBackend(Backend):
         """Elastic runs: since when (monotonic) each pod of the attempt polled has been seen Pending, unscheduled."""
         self._node_cache: tuple[float, dict[str, NodeState] | None] | None = None
         """(when, what) `nodes()` last listed: polls list Nodes at most every `NODE_LIST_EVERY_S`."""
+        self._events_cache: tuple[str, float, Blocked | None] | None = None
+        """(workload, when, what) `_creation_blocked` last read: at most every `EVENTS_EVERY_S`."""
+        self._events_readable = True
+        """False once listing events was refused (403): said once, not asked again by this orchestrator."""
+        self._said: set[tuple[int, str]] = set()
+        """(attempt, line) of each refusal of pods already logged and printed."""
+        self._warned: set[str] = set()
+        """Warnings already printed: each once per orchestrator."""
 
     @property
     def pending_timeout_s(self) -> float:
@@ -397,6 +421,48 @@ class KubernetesBackend(Backend):
             return one_line(f"{where}: {why}" + (f" ({condition.message})" if condition.message else ""))
         return None
 
+    def _creation_blocked(self, attempt: Attempt, kind: WorkloadKind, pods: list[Any]) -> Blocked | None:
+        """Why some of the attempt's pods are not created (`events.creation_blocked`), when it has fewer pods than
+        its strategy places and was launched at least `EVENTS_AFTER_S` ago; read at most every `EVENTS_EVERY_S`.
+        Each new line is logged (event `pods-not-created`) and printed once per attempt. A refused read (403: a Role
+        without `list` on `events`) is said once and not tried again, any other failed read is said once and
+        skipped: the events only explain, so the poll goes on as it would without them."""
+        if not self._events_readable or self.profile is None:
+            return None
+        expected, _ = placement(attempt.running, self.profile.gpus_per_node, self.profile.nodes)
+        if len(pods) >= expected or time.time() - attempt.started_at < EVENTS_AFTER_S:
+            return None
+        now = time.monotonic()
+        cached = self._events_cache
+        if cached is not None and cached[0] == attempt.backend_id and now - cached[1] < EVENTS_EVERY_S:
+            return cached[2]
+        try:
+            found = creation_blocked(self.api, kind.pod_creators(attempt.backend_id), since=attempt.started_at or None,
+                                     fields=trainer_fields(self.spec.gpu_resource), pods=expected)  # fmt: skip
+        except BackendError as e:
+            self._warn(f"{e}; a pod that cannot be created shows only as missing")
+            found = None
+        if found is FORBIDDEN:
+            self._events_readable = False
+            self._warn(f"kubernetes: list events in namespace {self.namespace!r} refused (403): the Role lacks list "
+                       "on events; apply manifests/rbac.yaml, until then a pod that cannot be created shows only as "
+                       "missing")  # fmt: skip
+            return None
+        assert found is None or isinstance(found, Blocked)
+        self._events_cache = (attempt.backend_id, now, found)
+        if found is not None and (attempt.number, found.line) not in self._said:
+            from cona.orchestrator.runstate import log_event
+
+            self._said.add((attempt.number, found.line))
+            log_event(self.run_dir, "pods-not-created", attempt=attempt.number, stuck=found.stuck, detail=found.line)
+            print(f"cona: attempt {attempt.number}: {found.line}", flush=True)
+        return found
+
+    def _warn(self, line: str) -> None:
+        if line not in self._warned:
+            self._warned.add(line)
+            print(f"cona: warning: {line}", file=sys.stderr, flush=True)
+
     def poll(self, attempt: Attempt) -> Outcome:
         outcome = self._poll(attempt)
         if attempt.running != attempt.strategy:
@@ -412,8 +478,10 @@ class KubernetesBackend(Backend):
         it a crash). Succeeded (Job and TrainJob `Complete`, JobSet `Completed`) → DONE; `Failed` → the protocol
         code of the exit record or of a pod's trainer container (`AttemptStatus.from_exit_code`), else CRASHED with
         the workload's reason. A TrainJob whose trainer wrote its exit record and one of whose pods failed has ended
-        too, before its runtime's Job replaces the pod: it is deleted. Otherwise a Pending pod (or none yet) →
-        PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
+        too, before its runtime's Job replaces the pod: it is deleted. Otherwise fewer pods than the strategy places
+        and a Job's `FailedCreate` event (`_creation_blocked`) → PENDING with that event's line, `stuck` as
+        `events.explain` decides (a Pending pod that is stuck itself is named instead); a Pending pod (or none yet)
+        → PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
         (`STUCK_WAITING_REASONS`), else RUNNING. An elastic run's attempt that is not complete and whose trainer
         recorded no protocol exit, one of whose pods lost its node or stays Pending past
         `elastic_pending_timeout_s` (`_lost`), reports `lost_nodes` (CRASHED if its workload failed, else as it is).
@@ -459,6 +527,14 @@ class KubernetesBackend(Backend):
             shown = f"exit code {code}" if code is not None else "no exit code"
             return Outcome(AttemptStatus.CRASHED, code, f"the {kind.kind} failed ({why}); trainer {shown}")
         pending = [pod for pod in pods if pod.status is None or pod.status.phase in (None, "Pending")]
+        blocked = self._creation_blocked(attempt, kind, pods)
+        if blocked is not None:
+            # The pods that are not created are what must be fixed, unless a pod that exists waits for what waiting
+            # does not bring either (its image): that one is named, as `_pending` names a stuck pod first.
+            detail, stuck = self._pending(pending) if pending else ("", False)
+            if not stuck:
+                detail, stuck = blocked.line, blocked.stuck
+            return Outcome(AttemptStatus.PENDING, None, detail, stuck=stuck)
         if pending:
             detail, stuck = self._pending(pending)
             return Outcome(AttemptStatus.PENDING, None, detail, stuck=stuck)

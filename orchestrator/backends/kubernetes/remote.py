@@ -2,7 +2,8 @@
 
 The run directory lives on the cluster's PVC, which a laptop cannot see; the run's ConfigMap is the window
 (`runobjects.py` lists its keys): `cona status` reads the summary the orchestrator mirrors there (and the
-orchestrator pod's own state, so a pod that cannot start is visible too), `cona stop` and `cona report` leave a
+orchestrator pod's own state, so a pod that cannot start is visible too, or, while there is none, the newest
+`FailedCreate` event of its Job: a pod the API server refuses), `cona stop` and `cona report` leave a
 request there that the orchestrator carries out within a few seconds.
 """
 
@@ -18,6 +19,7 @@ import yaml
 from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import FORBIDDEN, KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.backend import waiting_reason
+from cona.orchestrator.backends.kubernetes.events import ORCHESTRATOR_FIELDS, Blocked, creation_blocked
 from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
 from cona.orchestrator.backends.kubernetes.render import DNS_LABEL
 from cona.orchestrator.backends.kubernetes.runobjects import (
@@ -154,7 +156,16 @@ def _orchestrator_state(api: KubeApi, run: str) -> str:
                     label_selector=f"batch.kubernetes.io/job-name={name}")  # fmt: skip
     mine = [p for p in pods.items if (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == name]
     if not mine:
-        return f"Job {name}: no pod yet"
+        # Why not, if the API server refused the pod (its PriorityClass, a quota): the Job's FailedCreate event. A
+        # submitter whose Role predates `list` on events (403), or an events read that fails, sees what it saw
+        # before: the events only explain.
+        created = job.metadata.creation_timestamp if job.metadata else None
+        try:
+            blocked = creation_blocked(api, [("Job", name)], fields=ORCHESTRATOR_FIELDS,
+                                       since=created.timestamp() if created is not None else None)  # fmt: skip
+        except BackendError:
+            blocked = None
+        return f"Job {name}: no pod yet" + (f"; {blocked.line}" if isinstance(blocked, Blocked) else "")
     pod = max(mine, key=lambda p: str(p.metadata.creation_timestamp or ""))
     status = pod.status
     phase = (status.phase if status else None) or "Pending"

@@ -101,9 +101,11 @@ class KubernetesSpec(StrictModel):
     the clock starts at the first poll that finds the attempt pending and survives an orchestrator restart). Past
     it: an event `pending-timeout` with the reason, once; a pod that waits for something waiting does not bring
     (ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, ...: `STUCK_WAITING_REASONS` in
-    `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), while an
-    unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) goes on waiting — the cluster's
-    queue, like Slurm's — and `cona status` shows for how long and why."""
+    `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), as do
+    pods the API server refuses to create for good (a Job's `FailedCreate` event: a PriorityClass or ServiceAccount
+    that does not exist, Pod Security, a ResourceQuota smaller than the attempt's pods together; `events.explain`), while an
+    unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) or a ResourceQuota used up by other
+    pods goes on waiting — the cluster's queue, like Slurm's — and `cona status` shows for how long and why."""
     elastic_pending_timeout_s: float = Field(default=300.0, gt=0)
     """Elastic runs only (`min_nodes` < `nodes`): how long one pod of a running attempt may stay Pending (not
     scheduled: its node is gone, cordoned or full) before the attempt ends as if that pod's node were lost, so the

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cona.orchestrator.backends.kubernetes.render import CONTAINER, TRAINJOB_CONTAINER
+from cona.orchestrator.backends.kubernetes.render import CONTAINER, REPLICATED_JOB, TRAINJOB_CONTAINER
 
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
@@ -73,6 +73,14 @@ class WorkloadKind:
     def custom(self) -> bool:
         """A custom resource, reached through CustomObjectsApi."""
         return self.kind != "Job"
+
+    def pod_creators(self, name: str) -> list[tuple[str, str]]:
+        """(kind, name) of the objects that create the pods of the workload `name`, whose Warning events say why
+        pods are not created (`events.py`): the Indexed Job itself; a JobSet's one Job, `<name>-node-0` (a
+        TrainJob's JobSet carries the TrainJob's name and its runtime's replicatedJob is `node` too)."""
+        if not self.custom:
+            return [("Job", name)]
+        return [("Job", f"{name}-{REPLICATED_JOB}-0")]
 
 
 KINDS: dict[str, WorkloadKind] = {
