@@ -50,6 +50,17 @@ def _params(trainer: Trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
+def _resumes_at_step_0_as(run: Path, reference: Trainer, job: JobSpec, corpus: Corpus, what: str) -> None:
+    """A trainer resumed in `run` loads its step-0 checkpoint and, two steps on, holds `reference`'s weights."""
+    resumed = _trainer(run, job, corpus)
+    resumed.resume()
+    assert resumed.loaded_step == 0
+    for _ in range(2):
+        resumed.step()
+    for got, want in zip(_params(resumed), _params(reference), strict=True):
+        assert torch.equal(got, want), f"{what} trained otherwise"
+
+
 def test_a_checkpoint_at_step_0_leaves_adam_as_if_it_never_stepped(tmp_path, tiny):
     """get_state_dict filled the empty AdamW state with one zero-gradient step, leaving `step` at 1 in the live
     optimizer and in the checkpoint: the first real update then had step 2's bias correction (about 3/4 its size),
@@ -71,13 +82,8 @@ def test_a_checkpoint_at_step_0_leaves_adam_as_if_it_never_stepped(tmp_path, tin
     for got, want in zip(_params(saved), _params(reference), strict=True):
         assert torch.equal(got, want), "a checkpoint at step 0 changed the updates after it"
 
-    resumed = _trainer(tmp_path / "saved", job, corpus)  # a relaunch: the step-0 checkpoint is the only one
-    resumed.resume()
-    assert resumed.loaded_step == 0
-    for _ in range(2):
-        resumed.step()
-    for got, want in zip(_params(resumed), _params(reference), strict=True):
-        assert torch.equal(got, want), "a resume from a checkpoint at step 0 trained otherwise"
+    # A relaunch: the step-0 checkpoint is the only one.
+    _resumes_at_step_0_as(tmp_path / "saved", reference, job, corpus, "a resume from a checkpoint at step 0")
 
 
 def test_a_save_after_falling_back_past_a_damaged_checkpoint_keeps_what_it_wrote(tmp_path):
@@ -210,13 +216,7 @@ def test_a_step_0_checkpoint_of_earlier_code_resumes_as_if_adam_never_stepped(tm
     steps = {float(v) for k, v in state.items() if k.startswith("optim.state.") and k.endswith(".step")}
     assert steps == {1.0}, "the earlier save no longer reproduced: this test checks nothing"
 
-    resumed = _trainer(tmp_path / "old", job, corpus)
-    resumed.resume()
-    assert resumed.loaded_step == 0
-    for _ in range(2):
-        resumed.step()
-    for got, want in zip(_params(resumed), _params(reference), strict=True):
-        assert torch.equal(got, want), "a resume of an earlier step-0 checkpoint trained otherwise"
+    _resumes_at_step_0_as(tmp_path / "old", reference, job, corpus, "a resume of an earlier step-0 checkpoint")
 
 
 
