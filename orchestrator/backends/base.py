@@ -125,7 +125,8 @@ class Outcome:
     started on another node count and runs the planning table's strategy for it."""
     lost_nodes: tuple[str, ...] = ()
     """Nodes of the attempt the cluster has lost (Slurm: DOWN or FAIL; Kubernetes: a pod's Node gone or NotReady, or
-    `pod <name>` Pending past `kubernetes.elastic_pending_timeout_s`; local: `devices a-b` no longer in the run
+    `pod <name>` Pending past `kubernetes.elastic_pending_timeout_s`, or `pod <index> of Job <name>` not created as
+    long because a ResourceQuota admits fewer pods; local: `devices a-b` no longer in the run
     directory's `devices` file): an elastic run replans for the others."""
 
     @classmethod

@@ -45,7 +45,13 @@ from cona.orchestrator.backends.kubernetes.api import (
 from cona.orchestrator.backends.kubernetes.events import Blocked, creation_blocked, trainer_fields
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
 from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
-from cona.orchestrator.backends.kubernetes.workloads import WorkloadApi, WorkloadKind, kind_of, true_condition
+from cona.orchestrator.backends.kubernetes.workloads import (
+    WorkloadApi,
+    WorkloadKind,
+    completion_index,
+    kind_of,
+    true_condition,
+)
 from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.protocol.feasibility import placement
 from cona.protocol.strategy import Strategy
@@ -131,6 +137,15 @@ def node_usable(node: Any, *, selector: dict[str, str], resource: str, per_pod: 
     return _quantity(allocatable.get(resource)) >= per_pod
 
 
+def missing_indices(pods: list[Any], expected: int) -> list[int]:
+    """The completion indices of the `expected` pods of an Indexed Job (every kind's Jobs are) that no pod of
+    `pods` has: the pods not created. A pod without an index (no Job controller's) still counts: then only as many
+    indices as pods are missing are given, the lowest."""
+    known = {completion_index(pod) for pod in pods}
+    missing = [index for index in range(expected) if index not in known]
+    return missing if None not in known else missing[: max(expected - len(pods), 0)]
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeState:
     """What an elastic run needs to know of one Node."""
@@ -154,9 +169,10 @@ class KubernetesBackend(Backend):
     Elastic runs (`min_nodes` < `nodes`): `launch` starts the planning table's strategy for the number of nodes a
     trainer pod could be scheduled on now (Ready, not cordoned, matching `node_selector`, with the GPUs
     allocatable: `node_usable`), and `poll` reports it (`Outcome.strategy`); a pod whose node is gone or NotReady,
-    or that stays Pending past `kubernetes.elastic_pending_timeout_s`, ends the attempt with `Outcome.lost_nodes`,
-    so the scheduler replans for the pods that can run; `available_nodes` counts the usable nodes, so the run
-    grows back when the policy says it pays. Nodes are cluster-scoped: reading them takes the ClusterRole of
+    or that stays Pending past `kubernetes.elastic_pending_timeout_s`, or that is not created as long because a
+    ResourceQuota admits fewer of the attempt's pods (`Blocked.fewer_fit`), ends the attempt with
+    `Outcome.lost_nodes`, so the scheduler replans for the pods that can run; `available_nodes` counts the usable
+    nodes, so the run grows back when the policy says it pays. Nodes are cluster-scoped: reading them takes the ClusterRole of
     `manifests/elastic/nodes.yaml`; without it only the pending timeout shrinks a run, and it never grows.
     """
 
@@ -178,7 +194,8 @@ class KubernetesBackend(Backend):
         self.namespace = self.spec.namespace
         self.api = KubeApi(self.namespace, api_client)
         self._pending_since: dict[str, float] = {}
-        """Elastic runs: since when (monotonic) each pod of the attempt polled has been seen Pending, unscheduled."""
+        """Elastic runs: since when (monotonic) each pod of the attempt polled has been seen Pending, unscheduled, or
+        not created for a ResourceQuota (keyed `pod <index> of Job <name>`)."""
         self._node_cache: tuple[float, dict[str, NodeState] | None] | None = None
         """(when, what) `nodes()` last listed: polls list Nodes at most every `NODE_LIST_EVERY_S`."""
         self._events_cache: tuple[str, float, Blocked | None] | None = None
@@ -247,12 +264,16 @@ class KubernetesBackend(Backend):
             return planned
         return table_choice(table, sum(s.usable for s in states.values()))
 
-    def _lost(self, pods: list[Any], strategy: Strategy, *, ended: bool) -> tuple[tuple[str, ...], str]:
+    def _lost(
+        self, pods: list[Any], strategy: Strategy, *, ended: bool, blocked: Blocked | None = None,
+    ) -> tuple[tuple[str, ...], str]:  # fmt: skip
         """The nodes the attempt of `strategy` lost and why, as one line: those of its pods that are gone or
-        NotReady, and, for each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`).
-        An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had. `ended`: the workload
-        failed or the trainer recorded a crash; the Nodes are listed afresh then, since a lost node's peers crash
-        within seconds and a cached listing would call that a crash of the trainer."""
+        NotReady, for each pod Pending unscheduled past `elastic_pending_timeout_s`, the pod (`pod <name>`), and,
+        when `blocked` (`_creation_blocked`) is a ResourceQuota that admits fewer pods (`Blocked.fewer_fit`), each
+        pod not created for as long (`pod <index> of Job <name>`: no pod, no node to name; the scheduler only
+        counts the entries). An attempt on `min_nodes` waits for its pods instead: fewer nodes are not to be had.
+        `ended`: the workload failed or the trainer recorded a crash; the Nodes are listed afresh then, since a
+        lost node's peers crash within seconds and a cached listing would call that a crash of the trainer."""
         assert self.profile is not None
         may_shrink = nodes_of(strategy, self.profile) > node_range(self.profile)[0]
         states = self.nodes(fresh=ended)
@@ -281,6 +302,21 @@ class KubernetesBackend(Backend):
             if now - since >= self.spec.elastic_pending_timeout_s:
                 lost.append(f"pod {name}")
                 why.append(f"pod {name} Pending {now - since:.0f}s ({reason})")
+        # A pod the quota refuses is capacity the cluster lacks, as an unschedulable pod is: fewer pods fit, so the
+        # same clock applies. Other refusals meet every pod alike (`events.explain_refusal`): no shrinking helps.
+        if blocked is not None and blocked.fewer_fit and may_shrink:
+            late: list[tuple[int, float]] = []
+            for index in missing_indices(pods, nodes_of(strategy, self.profile)):
+                key = f"pod {index} of {blocked.creator}"
+                seen.add(key)
+                waited = now - self._pending_since.setdefault(key, now)
+                if waited >= self.spec.elastic_pending_timeout_s:
+                    lost.append(key)
+                    late.append((index, waited))
+            if late:
+                which = ", ".join(str(index) for index, _ in late)
+                why.append(f"pod{'s' if len(late) > 1 else ''} {which} of {blocked.creator} not created for "
+                           f"{max(w for _, w in late):.0f}s ({blocked.line})")  # fmt: skip
         self._pending_since = {k: v for k, v in self._pending_since.items() if k in seen}
         return tuple(lost), "; ".join(why)
 
@@ -484,7 +520,8 @@ class KubernetesBackend(Backend):
         → PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
         (`STUCK_WAITING_REASONS`), else RUNNING. An elastic run's attempt that is not complete and whose trainer
         recorded no protocol exit, one of whose pods lost its node or stays Pending past
-        `elastic_pending_timeout_s` (`_lost`), reports `lost_nodes` (CRASHED if its workload failed, else as it is).
+        `elastic_pending_timeout_s`, or is not created that long for a ResourceQuota that admits fewer pods
+        (`_lost`), reports `lost_nodes` (CRASHED if its workload failed, else as it is).
         """
         kind = self._kind(attempt)
         workload = self._workload(kind)
@@ -500,7 +537,9 @@ class KubernetesBackend(Backend):
         disrupted = self._disruption(pods)
         # Before the exit record: a peer's loss makes the trainer record a crash, which is the lost node's doing.
         if self.elastic and not complete and (recorded is None or Outcome.of_exit(recorded.exit_code, who="").status is AttemptStatus.CRASHED):
-            lost, why = self._lost(pods, attempt.running, ended=bool(failed) or recorded is not None)
+            # Read only when pods are missing (and cached): the later pending reason reads the same.
+            blocked = self._creation_blocked(attempt, kind, pods)
+            lost, why = self._lost(pods, attempt.running, ended=bool(failed) or recorded is not None, blocked=blocked)
             if lost:
                 status = AttemptStatus.CRASHED if failed or recorded is not None else AttemptStatus.RUNNING
                 return Outcome(status, recorded.exit_code if recorded else None, why, lost_nodes=lost)

@@ -5,9 +5,11 @@ ResourceQuota used up or too small for one pod, a Pod Security level the pods vi
 denial), no pod exists to carry a condition: only the Job controller's Warning event `FailedCreate` on the Job says
 why (`Error creating: pods "exp1-a1-0-" is forbidden: no PriorityClass with name high was found`). The backend
 (an attempt with fewer pods than it should have) and `cona status` (an orchestrator Job without its pod) read those
-events here: `creation_blocked` finds the newest one, `explain` turns its message into one line naming the field to
-fix and says whether waiting can help — the one place that decides it; the scheduler's pending timeout then treats
-it as it treats a pod's waiting reason (`Outcome.stuck`).
+events here: `creation_blocked` finds the newest one, `explain_refusal` turns its message into one line naming the
+field to fix and says whether waiting can help and whether fewer pods would fit — the one place that decides both;
+the scheduler's pending timeout then treats it as it treats a pod's waiting reason (`Outcome.stuck`), and an
+elastic run shrinks for pods that a ResourceQuota admits only some of (`Blocked.fewer_fit`), as for unschedulable
+ones.
 
 Reading events takes `list` on `events` (core/v1), which the Roles of `manifests/rbac.yaml` grant; without it
 (403) the callers say what they said before: that there is no pod yet.
@@ -82,9 +84,15 @@ class Blocked:
     line: str
     """One line naming the object, the cluster's reason and the field to fix where cona knows it."""
     stuck: bool
-    """Waiting does not bring the pods (see `explain`)."""
+    """Waiting does not bring the pods (see `explain_refusal`)."""
     message: str
     """The controller's own message, in one line."""
+    creator: str = ""
+    """The object whose event it is (`Job exp1-a1`): its pods are the ones not created."""
+    fewer_fit: bool = False
+    """A ResourceQuota refuses the pods for how many they are, not for what one asks (see `explain_refusal`):
+    fewer pods may be created. An elastic run shrinks for it (the Kubernetes backend's `_lost`); every other
+    refusal meets each pod alike, and fewer pods would be refused the same."""
 
 
 def _quantity(text: str) -> float | None:
@@ -103,7 +111,15 @@ def _named(fields: PodFields, resources: Sequence[str]) -> str:
 
 def explain(message: str, *, creator: str, namespace: str, fields: PodFields, pods: int = 1) -> tuple[str, bool]:
     """The line of a `FailedCreate` message of `creator` (`Job exp1-a1`), which creates `pods` pods that must all
-    run at once, and whether it is stuck.
+    run at once, and whether it is stuck (`explain_refusal`, which decides)."""
+    line, stuck, _ = explain_refusal(message, creator=creator, namespace=namespace, fields=fields, pods=pods)
+    return line, stuck
+
+
+def explain_refusal(message: str, *, creator: str, namespace: str, fields: PodFields,
+                    pods: int = 1) -> tuple[str, bool, bool]:  # fmt: skip
+    """The line of a `FailedCreate` message of `creator` (`Job exp1-a1`), which creates `pods` pods that must all
+    run at once, whether it is stuck, and whether fewer pods would fit (`Blocked.fewer_fit`).
 
     Stuck (past `kubernetes.pending_timeout_s` the attempt ends and the run fails with this line, as for an image
     that cannot be pulled: the same rule, applied by the same place, `Scheduler._note_pending`): a PriorityClass or
@@ -112,30 +128,39 @@ def explain(message: str, *, creator: str, namespace: str, fields: PodFields, po
     do not set, a Pod Security refusal, and any other refusal — the Job controller retries, but the same pod meets
     the same admission. Not stuck: a ResourceQuota used up by other pods, which frees as they end (capacity, like an
     unschedulable pod's `Insufficient nvidia.com/gpu`), and a refusal that reads as the API server or a webhook
-    failing for a while (`_TRANSIENT`)."""
+    failing for a while (`_TRANSIENT`).
+
+    Fewer would fit: an exceeded ResourceQuota that one pod fits — used up by other pods, or smaller than the `pods`
+    pods together but not than one of them. Fewer pods (fewer nodes' worth) may then be created, which an elastic
+    run can train on; a quota smaller than one pod, one that wants a field the pods do not set, and every other
+    refusal meet each pod alike (every pod asks the same), so fewer pods would not help."""
     text = one_line(message)
     cause = _PREFIX.sub("", text, count=1)
     head = f"pods of {creator} cannot be created ({FAILED_CREATE})"
     if m := _PRIORITY.search(cause):
         return (f"{head}: no PriorityClass {m.group(1)!r} in the cluster; set kubernetes.priority_class to one of "
-                "`kubectl get priorityclasses`, or leave it out"), True  # fmt: skip
+                "`kubectl get priorityclasses`, or leave it out"), True, False  # fmt: skip
     if m := _ACCOUNT.search(cause):
         return (f"{head}: no ServiceAccount {m.group(1)!r} in namespace {namespace!r}; create it (`kubectl apply -k "
-                "manifests/` creates cona) or set kubernetes.service_account to one that exists"), True  # fmt: skip
+                "manifests/` creates cona) or set kubernetes.service_account to one that exists"), True, False  # fmt: skip
     if m := _EXCEEDED.search(cause):
         quota, requested, used, limited = (m.group(i).rstrip(",") for i in range(1, 5))
         asked, hard = _resources(requested), _resources(limited)
-        too_big = [r for r, q in asked.items() if r in hard and (a := _quantity(q)) is not None
-                   and (h := _quantity(hard[r])) is not None and a * pods > h]  # fmt: skip
+        # {resource: (one pod's request, the quota's limit)} of each resource both name as a quantity.
+        sizes = {r: (a, h) for r, q in asked.items() if r in hard and (a := _quantity(q)) is not None
+                 and (h := _quantity(hard[r])) is not None}  # fmt: skip
+        too_big = [r for r, (a, h) in sizes.items() if a * pods > h]
         if too_big:
+            # Stuck either way; fewer pods fit unless one pod alone asks more than the quota allows.
+            one_fits = all(a <= h for a, h in sizes.values())
             named = _named(fields, too_big)
             who = "one pod asks" if pods == 1 else f"the {pods} pods, which must run together, ask"
             each = "requested" if pods == 1 else "each requested"
             return (f"{head}: {who} for more than namespace {namespace!r}'s ResourceQuota {quota!r} allows in all "
                     f"({each} {requested}, limited {limited}); ask the cluster's admin to raise it, or ask less per "
-                    "pod" + (f" ({named})" if named else "")), True  # fmt: skip
+                    "pod" + (f" ({named})" if named else "")), True, one_fits  # fmt: skip
         return (f"{head}: namespace {namespace!r}'s ResourceQuota {quota!r} is used up (requested {requested}, used "
-                f"{used}, limited {limited}); the pods are created once other pods free it"), False  # fmt: skip
+                f"{used}, limited {limited}); the pods are created once other pods free it"), False, True  # fmt: skip
     if m := _MUST_SPECIFY.search(cause):
         quota, wanted = m.group(1), m.group(2)
         wants = [w.strip() for w in wanted.split(",")]
@@ -144,12 +169,12 @@ def explain(message: str, *, creator: str, namespace: str, fields: PodFields, po
         fix = [f"set {named}"] if named else []
         fix += [f"no profile field sets {', '.join(unset)}: ask the cluster's admin"] if unset else []
         return (f"{head}: namespace {namespace!r}'s ResourceQuota {quota!r} wants every pod to set {wanted}; "
-                + "; ".join(fix)), True  # fmt: skip
+                + "; ".join(fix)), True, False  # fmt: skip
     if m := _POD_SECURITY.search(cause):
         return (f"{head}: namespace {namespace!r}'s Pod Security admission ({m.group(1)}) refuses them: "
-                f"{m.group(2)}; run in a namespace whose pod-security.kubernetes.io/enforce level admits them"), True  # fmt: skip
+                f"{m.group(2)}; run in a namespace whose pod-security.kubernetes.io/enforce level admits them"), True, False  # fmt: skip
     transient = any(word in cause.lower() for word in _TRANSIENT)
-    return f"{head}: {cause}", not transient
+    return f"{head}: {cause}", not transient, False
 
 
 def _seen(event: Any) -> datetime.datetime | None:
@@ -193,5 +218,6 @@ def creation_blocked(api: KubeApi, creators: Sequence[tuple[str, str]], *, field
         return None
     oldest = datetime.datetime.min.replace(tzinfo=datetime.UTC)
     _, creator, event = max(found, key=lambda f: f[0] or oldest)
-    line, stuck = explain(event.message or "", creator=creator, namespace=api.namespace, fields=fields, pods=pods)
-    return Blocked(line=line, stuck=stuck, message=one_line(event.message or ""))
+    line, stuck, fewer_fit = explain_refusal(event.message or "", creator=creator, namespace=api.namespace,
+                                             fields=fields, pods=pods)  # fmt: skip
+    return Blocked(line=line, stuck=stuck, message=one_line(event.message or ""), creator=creator, fewer_fit=fewer_fit)

@@ -108,10 +108,14 @@ class KubernetesSpec(StrictModel):
     pods goes on waiting — the cluster's queue, like Slurm's — and `cona status` shows for how long and why."""
     elastic_pending_timeout_s: float = Field(default=300.0, gt=0)
     """Elastic runs only (`min_nodes` < `nodes`): how long one pod of a running attempt may stay Pending (not
-    scheduled: its node is gone, cordoned or full) before the attempt ends as if that pod's node were lost, so the
-    run replans for the pods that can run (`Outcome.lost_nodes`). Counted from the first poll that saw the pod
-    Pending (an orchestrator restart starts it again). Shorter than `pending_timeout_s`, which never shrinks a run;
-    a pod that waits for something waiting does not bring (an image that cannot be pulled) is not a lost node."""
+    scheduled: its node is gone, cordoned or full), or not be created because a ResourceQuota admits only some of
+    the attempt's pods (used up by other pods, or too small for all of them together: the Job's `FailedCreate`
+    event, `events.explain_refusal`), before the attempt ends as if that pod's node were lost, so the run replans
+    for the pods that can run (`Outcome.lost_nodes`). Counted from the first poll that saw the pod Pending, or saw
+    the refusal (a launch's events are read from 10 s after it; an orchestrator restart starts it again). Shorter
+    than `pending_timeout_s`, which never shrinks a run; a pod that waits for something waiting does not bring (an
+    image that cannot be pulled) is not a lost node, nor is one refused for what every pod asks alike (a missing
+    PriorityClass or ServiceAccount, Pod Security, a quota smaller than one pod)."""
     shm_size: str | None = None
     """Size limit of the in-memory `/dev/shm` volume (a quantity such as `64Gi`); None: no limit beyond the pod's."""
     trainer_cpu: str | None = None

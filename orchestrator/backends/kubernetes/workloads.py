@@ -29,6 +29,9 @@ TRAINER_COMPONENT = "trainer"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", INSTANCE_LABEL)
 """Labels that tie a pod to its Job: the two the Job controller sets, and the instance label cona renders."""
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+"""The annotation (and label) the Job controller gives each pod of an Indexed Job: its index. Every kind's pods
+have one: a JobSet's and a TrainJob's Jobs are Indexed Jobs too."""
 
 
 @dataclass(frozen=True)
@@ -181,3 +184,13 @@ class WorkloadApi:
         if pod_labels.get(COMPONENT_LABEL, TRAINER_COMPONENT) != TRAINER_COMPONENT:
             return False
         return any(pod_labels.get(label) == name for label in self.kind.pod_labels)
+
+
+def completion_index(pod: Any) -> int | None:
+    """The completion index of an Indexed Job's pod (`COMPLETION_INDEX`), or None when it has none."""
+    meta = pod.metadata
+    for where in ((meta.annotations or {}), (meta.labels or {})) if meta else ():
+        value = where.get(COMPLETION_INDEX)
+        if value is not None and str(value).isdigit():
+            return int(value)
+    return None
