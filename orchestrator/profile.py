@@ -166,6 +166,15 @@ class ClusterProfile(StrictModel):
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}; set min_nodes to at most nodes "
                              "(the run then trains on any node count between them)")
+        k8s = self.kubernetes
+        if (self.backend == "kubernetes" and k8s is not None and self.min_nodes is not None
+                and self.min_nodes < self.nodes and k8s.elastic_pending_timeout_s >= k8s.pending_timeout_s):  # fmt: skip
+            # Past pending_timeout_s an attempt whose pods wait for what waiting does not bring fails the run; one
+            # whose pods a quota refuses while it admits fewer is stuck too, and would fail before it could shrink.
+            raise ValueError(f"kubernetes.elastic_pending_timeout_s={k8s.elastic_pending_timeout_s:g} is not shorter "
+                             f"than kubernetes.pending_timeout_s={k8s.pending_timeout_s:g}: an elastic run would fail "
+                             "before it shrinks to the pods that fit; lower elastic_pending_timeout_s or raise "
+                             "pending_timeout_s")  # fmt: skip
         if self.backend == "slurm" and self.slurm is None:
             self.slurm = SlurmSpec()
         if (self.slurm is not None and self.accelerator.device == "cpu"

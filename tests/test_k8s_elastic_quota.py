@@ -24,6 +24,7 @@ from cona.orchestrator.runstate import create_run, read_events
 from cona.orchestrator.scheduler import Scheduler
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 from kubernetes import client
 
 from tests.conftest import EXAMPLES, REPO
@@ -260,3 +261,17 @@ def test_the_scheduler_shrinks_to_the_pods_the_quota_admits(k8s, tmp_path, monke
     assert Strategy.from_dict(shrink["to"]) == second.strategy and second.strategy.world_size == 8
     job_object = client.BatchV1Api(k8s.api_client("reader")).read_namespaced_job(second.backend_id, NS)
     assert job_object.spec.completions == 1
+
+
+def test_an_elastic_timeout_not_shorter_than_the_pending_timeout_is_refused_naming_both():
+    """A quota that admits fewer pods is also stuck (`events.explain`): with elastic_pending_timeout_s at or above
+    pending_timeout_s the run would fail before it could shrink. Refused when the profile loads, elastic only."""
+    path = REPO / "manifests" / "profiles" / "h100-k8s.yaml"
+    late = ["nodes=4", "min_nodes=2", "kubernetes.elastic_pending_timeout_s=600", "kubernetes.pending_timeout_s=600"]
+    with pytest.raises(ConfigError) as refused:
+        load_profile(path, late)
+    line = str(refused.value)
+    assert "kubernetes.elastic_pending_timeout_s=600 is not shorter than kubernetes.pending_timeout_s=600" in line
+    assert "\n" not in line
+    assert load_profile(path, ["nodes=4", *late[2:]]).min_nodes is None  # not elastic: the order does not matter
+    assert load_profile(path, [*late[:3], "kubernetes.pending_timeout_s=601"]).min_nodes == 2

@@ -113,7 +113,7 @@ class KubernetesSpec(StrictModel):
     event, `events.explain_refusal`), before the attempt ends as if that pod's node were lost, so the run replans
     for the pods that can run (`Outcome.lost_nodes`). Counted from the first poll that saw the pod Pending, or saw
     the refusal (a launch's events are read from 10 s after it; an orchestrator restart starts it again). Shorter
-    than `pending_timeout_s`, which never shrinks a run; a pod that waits for something waiting does not bring (an
+    than `pending_timeout_s` (an elastic profile where it is not is refused), which never shrinks a run; a pod that waits for something waiting does not bring (an
     image that cannot be pulled) is not a lost node, nor is one refused for what every pod asks alike (a missing
     PriorityClass or ServiceAccount, Pod Security, a quota smaller than one pod)."""
     shm_size: str | None = None
