@@ -490,8 +490,8 @@ class KubernetesBackend(Backend):
             from cona.orchestrator.runstate import log_event
 
             self._said.add((attempt.number, found.line))
+            # The run's console (`live.LiveView`) prints it from events.jsonl, as every other event.
             log_event(self.run_dir, "pods-not-created", attempt=attempt.number, stuck=found.stuck, detail=found.line)
-            print(f"cona: attempt {attempt.number}: {found.line}", flush=True)
         return found
 
     def _warn(self, line: str) -> None:
