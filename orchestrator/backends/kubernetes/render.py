@@ -33,6 +33,13 @@ not, no pod hosts it and the attempt fails at rendezvous. Not seen yet (nothing 
 launch step should watch for it and, if needed, move to torchrun's static rendezvous (`--master-addr`), as the
 TrainJob's runtime already does.
 
+`kubernetes.host_network: true` (indexed-job and jobset; refused for a TrainJob, whose runtimePatches cannot carry
+it) puts the trainer pods on their nodes' network: `hostNetwork`, `dnsPolicy: ClusterFirstWithHostNet`, the
+rendezvous port as a `hostPort`, a required anti-affinity that keeps the attempt's pods on distinct nodes, and
+`--rdzv-backend=static` (the same endpoint; node rank 0 hosts the store), because there pod 0's hostname is its
+node's, and c10d's choice of the store's host and of the workers' MASTER_ADDR would hang on how the node's name
+resolves (`_host_network_fields`).
+
 The (Indexed) Job ends as soon as the trainer exits with one of its protocol codes (`ExitCode`: switch, stop, world
 does not fit, bad input) through `podFailurePolicy`; a pod evicted or preempted (`DisruptionTarget`) without such
 an exit does not count against `backoffLimit`; the orchestrator, which sees the condition, deletes the workload
@@ -50,7 +57,11 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from cona.orchestrator.backends.kubernetes.spec import priority_class_problem, pull_secrets_problem
+from cona.orchestrator.backends.kubernetes.spec import (
+    host_network_problem,
+    priority_class_problem,
+    pull_secrets_problem,
+)
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode
 from cona.protocol.yamlconfig import ConfigError
@@ -239,6 +250,9 @@ def check_spec(spec: KubernetesSpec) -> None:
     problem = priority_class_problem(spec.priority_class, spec.workload)
     if problem:
         raise ConfigError(f"kubernetes.priority_class: {problem}")
+    problem = host_network_problem(spec.host_network, spec.workload)
+    if problem:
+        raise ConfigError(f"kubernetes.host_network: {problem}")
     tag = image_tag(spec.image)
     if not tag:
         # Kubernetes would take `:latest`, which moves: the nodes of one attempt, or one attempt and the next,
@@ -300,13 +314,16 @@ def labels(*, run_name: str, name: str, attempt: int | None = None) -> dict[str,
 
 
 def trainer_argv(
-    *, nnodes: int, nproc_per_node: int, rdzv_id: str, endpoint: str, run_dir: str, attempt: int
-) -> list[str]:
-    """The trainer container's command: torchrun under c10d rendezvous, as an argv list with user values escaped."""
+    *, nnodes: int, nproc_per_node: int, rdzv_id: str, endpoint: str, run_dir: str, attempt: int,
+    rdzv_backend: str = "c10d",
+) -> list[str]:  # fmt: skip
+    """The trainer container's command: torchrun under c10d rendezvous (`static` on the node's network: see
+    `_host_network_fields`), as an argv list with user values escaped."""
+    assert rdzv_backend in ("c10d", "static"), rdzv_backend
     return [
         PYTHON, "-m", "torch.distributed.run",
         f"--nnodes={int(nnodes)}", f"--nproc-per-node={int(nproc_per_node)}", f"--node-rank={ENV_REFERENCE}",
-        "--rdzv-backend=c10d", f"--rdzv-id={escape(rdzv_id)}", f"--rdzv-endpoint={escape(endpoint)}",
+        f"--rdzv-backend={rdzv_backend}", f"--rdzv-id={escape(rdzv_id)}", f"--rdzv-endpoint={escape(endpoint)}",
         "--max-restarts=0",
         "-m", "cona.trainer", "--run-dir", escape(run_dir), "--attempt", str(int(attempt)),
     ]  # fmt: skip
@@ -370,10 +387,50 @@ def _placement_fields(spec: KubernetesSpec) -> dict[str, Any]:
     return fields
 
 
+def _host_network_fields(spec: KubernetesSpec, selector: dict[str, str]) -> dict[str, Any]:
+    """A trainer pod's fields for `kubernetes.host_network` (absent when false; `check_spec` refuses it for a
+    TrainJob, whose runtimePatches cannot carry them). `selector` picks the attempt's trainer pods.
+
+    The rendezvous of such pods is torchrun's static one (`render_attempt`). c10d decides which pod hosts the store
+    by resolving the pod's hostname, which on the node's network is the node's (nor does the kubelet write the
+    pod's own name into its /etc/hosts there), and raises where the node's name does not resolve; it also hands the
+    workers pod 0's FQDN, the node's, as MASTER_ADDR, which the other pods may not resolve. The static rendezvous
+    makes node rank 0 (pod 0, `$(JOB_COMPLETION_INDEX)`) the host and the endpoint's name the workers' MASTER_ADDR,
+    whatever the node's names resolve to."""
+    if not spec.host_network:
+        return {}
+    return {
+        "hostNetwork": True,
+        # The default policy (ClusterFirst) falls back to the node's resolv.conf on the node's network: pod 0's
+        # name in the headless Service, the rendezvous endpoint, would not resolve.
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        # One pod of the attempt per node. Pods on one node's network share its ports and its hostname, so NCCL
+        # would take them for one machine and reach for shared memory across pods that do not share /dev/shm. A
+        # pod asking for all `gpus_per_node` devices keeps a node to itself already, but `placement` gives a
+        # strategy fewer per pod when that spreads it evenly (12 processes on nodes of 8: 3 pods of 4), and a CPU
+        # profile's pods ask for CPUs, of which a node has plenty. Said here, not left to the hostPort's side
+        # effect in the scheduler (`_pod_spec`), which holds only while every pod declares the same port.
+        "affinity": {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": {"matchLabels": dict(selector)}, "topologyKey": "kubernetes.io/hostname"}
+                ]
+            }
+        },
+    }
+
+
 def _pod_spec(
-    spec: KubernetesSpec, *, subdomain: str | None, argv: list[str], gpus: int, attempt: int
-) -> dict[str, Any]:
+    spec: KubernetesSpec, *, subdomain: str | None, argv: list[str], gpus: int, attempt: int,
+    selector: dict[str, str],
+) -> dict[str, Any]:  # fmt: skip
     """The pod of an Indexed Job (also inside a JobSet, whose controller sets the subdomain itself: None)."""
+    port: dict[str, Any] = {"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}
+    if spec.host_network:
+        # What the API server would default on the node's network, written out: the scheduler then places no
+        # trainer pod on a node where another pod declares the rendezvous port (another host-network run's, a
+        # previous attempt's still terminating), where pod 0 could not bind it.
+        port["hostPort"] = spec.rendezvous_port
     volumes, mounts = _volumes(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -393,7 +450,7 @@ def _pod_spec(
             {"name": "HOME", "value": "/tmp"},
             {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
         ],
-        "ports": [{"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}],
+        "ports": [port],
         # A quantity is a string in the API (the official client refuses an int here).
         "resources": trainer_resources(spec, gpus),
         "volumeMounts": mounts,
@@ -409,13 +466,14 @@ def _pod_spec(
         "volumes": volumes,
         **pod_fields(spec),
         **_placement_fields(spec),
+        **_host_network_fields(spec, selector),
     })  # fmt: skip
     return pod
 
 
 def _indexed_job_spec(
     spec: KubernetesSpec, *, nnodes: int, subdomain: str | None, argv: list[str], gpus: int, attempt: int,
-    meta_labels: dict[str, str], annotations: dict[str, str],
+    meta_labels: dict[str, str], annotations: dict[str, str], selector: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
     """The Indexed Job of an attempt: on its own (`indexed-job`) or as the JobSet's replicatedJob template."""
     return {
@@ -439,7 +497,7 @@ def _indexed_job_spec(
         },
         "template": {
             "metadata": {"labels": meta_labels, "annotations": annotations},
-            "spec": _pod_spec(spec, subdomain=subdomain, argv=argv, gpus=gpus, attempt=attempt),
+            "spec": _pod_spec(spec, subdomain=subdomain, argv=argv, gpus=gpus, attempt=attempt, selector=selector),
         },
     }
 
@@ -476,19 +534,22 @@ def render_attempt(
     if spec.workload == "trainjob":
         return [_trainjob(spec, metadata=metadata, nnodes=nnodes, per_node=per_node, run_dir=run_dir, attempt=attempt)]
     # The pod hostname of index 0: `<job>-0` in an Indexed Job, `<jobset>-<replicatedJob>-<job index>-0` in a JobSet.
+    # On the node's network too, the headless Service's record of that name is pod 0's IP (then its node's).
     host = f"{name}-0" if spec.workload == "indexed-job" else f"{name}-{REPLICATED_JOB}-0-0"
     argv = trainer_argv(
         nnodes=nnodes, nproc_per_node=per_node, rdzv_id=name,
         endpoint=f"{host}.{service}:{spec.rendezvous_port}", run_dir=run_dir, attempt=attempt,
+        rdzv_backend="static" if spec.host_network else "c10d",  # why: `_host_network_fields`
     )  # fmt: skip
+    # The attempt's trainer pods: the Service's selector, and the host-network pods' anti-affinity.
+    selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
     job_spec = _indexed_job_spec(
         spec, nnodes=nnodes, subdomain=service if spec.workload == "indexed-job" else None, argv=argv, gpus=per_node,
-        attempt=attempt, meta_labels=meta_labels, annotations=annotations,
+        attempt=attempt, meta_labels=meta_labels, annotations=annotations, selector=selector,
     )  # fmt: skip
     if spec.workload == "jobset":
         return [_jobset(metadata=metadata, subdomain=service, job_spec=job_spec)]
     assert spec.workload == "indexed-job", spec.workload  # the profile's Literal admits nothing else
-    selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
     service_obj = {
         "apiVersion": "v1",
         "kind": "Service",

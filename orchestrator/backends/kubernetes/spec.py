@@ -61,6 +61,21 @@ def priority_class_problem(priority_class: str | None, workload: str | None = No
     return None
 
 
+def host_network_problem(host_network: Any, workload: str | None = None) -> str | None:
+    """What is wrong with `host_network` (for `workload`, when given), in one line, or None."""
+    if not isinstance(host_network, bool):
+        # pydantic's lax mode would read "false", "no" or 0 as false and "true", "on" or 1 as true: a quoted or
+        # numeric value is a slip in a field that puts pods on the node's network, so it is said, not guessed.
+        return f"{host_network!r} is not true or false; write true or false without quotes (or leave it out)"
+    if host_network and workload == "trainjob":
+        # Trainer v1alpha1's `runtimePatches`, the only pod-level override a TrainJob has, has neither hostNetwork
+        # nor dnsPolicy: rendered anyway, the API server would refuse the TrainJob (unknown field) or drop them.
+        return ("true cannot reach the pods of workload trainjob (Trainer v1alpha1's runtimePatches have no "
+                "hostNetwork or dnsPolicy); set hostNetwork: true and dnsPolicy: ClusterFirstWithHostNet in the "
+                "trainer_runtime's pod template and leave host_network out, or use workload indexed-job or jobset")  # fmt: skip
+    return None
+
+
 def is_label_value(value: str) -> bool:
     """Whether `value` is a label value (empty, or ≤ 63 characters, alphanumeric at both ends)."""
     return value == "" or (len(value) <= 63 and bool(_LABEL_NAME.fullmatch(value)))
@@ -148,6 +163,27 @@ class KubernetesSpec(StrictModel):
     last complete checkpoint without counting as a failure. None: the cluster's default (its `globalDefault` class,
     else priority 0). Not with `workload: trainjob`, whose pod-level override (`runtimePatches`) cannot set it: give
     the ClusterTrainingRuntime's pod template a priorityClassName instead."""
+    host_network: bool = False
+    """Run the trainer pods on their nodes' network (`hostNetwork: true`). Use it on GPU clusters whose pod network
+    cannot carry NCCL's traffic at speed (InfiniBand or RoCE NICs outside the CNI): NCCL then sees the node's NICs.
+    False (default): the pods' own network. True also gives the trainer pods (not the orchestrator's):
+    `dnsPolicy: ClusterFirstWithHostNet`, without which they would resolve names with the node's DNS and not find
+    pod 0 in the headless Service; a required pod anti-affinity on `kubernetes.io/hostname` against the attempt's
+    other pods, since pods on one node's network share its ports and hostname (NCCL would take two for one machine)
+    and a pod of fewer than `gpus_per_node` devices, or a CPU profile's, could share a node; and torchrun's static
+    rendezvous (`--rdzv-backend=static`, node rank 0 hosts the store) on the same endpoint
+    `<pod 0's hostname>.<service>:<rendezvous_port>`, whose DNS record is pod 0's IP, now its node's. c10d would
+    decide which pod hosts the store from how pod 0's hostname, now the node's, resolves (it fails where the node's
+    name does not resolve to its address) and hand the workers that node's FQDN as `MASTER_ADDR`.
+    Ports the pods use on the node: `rendezvous_port` (TCP, 29400 by default), where pod 0 serves the store that
+    torchrun and the training processes share; every trainer pod declares it as a `hostPort`, so the scheduler puts
+    none on a node where another pod declares that port (another run's, or a previous attempt's still
+    terminating). No daemon of the nodes may listen on it, and it should lie outside their ephemeral range
+    (`net.ipv4.ip_local_port_range`, 32768-60999 on Linux). Everything else binds ephemeral ports (NCCL's bootstrap
+    and socket transport, Gloo); InfiniBand/RoCE traffic uses no TCP port. The namespace's Pod Security level must
+    be `privileged` (`baseline` refuses host networking; the run then fails saying so). Not with
+    `workload: trainjob`, whose pod-level override (`runtimePatches`) cannot set it: give the
+    ClusterTrainingRuntime's pod template `hostNetwork: true` and `dnsPolicy: ClusterFirstWithHostNet` instead."""
 
     @pydantic.field_validator("image_pull_secrets")
     @classmethod
@@ -174,6 +210,22 @@ class KubernetesSpec(StrictModel):
         problem = priority_class_problem(self.priority_class, self.workload)
         if problem:
             raise ValueError(f"priority_class {problem}")
+        return self
+
+    @pydantic.field_validator("host_network", mode="before")
+    @classmethod
+    def _host_network_bool(cls, value: Any) -> Any:
+        problem = host_network_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _host_network(self) -> KubernetesSpec:
+        # As `_priority_class`: it depends on `workload`, and its message names the field.
+        problem = host_network_problem(self.host_network, self.workload)
+        if problem:
+            raise ValueError(f"host_network {problem}")
         return self
 
     @pydantic.field_validator("trainer_cpu", mode="before")
