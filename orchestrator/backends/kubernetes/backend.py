@@ -460,9 +460,9 @@ class KubernetesBackend(Backend):
     def _creation_blocked(self, attempt: Attempt, kind: WorkloadKind, pods: list[Any]) -> Blocked | None:
         """Why some of the attempt's pods are not created (`events.creation_blocked`), when it has fewer pods than
         its strategy places and was launched at least `EVENTS_AFTER_S` ago; read at most every `EVENTS_EVERY_S`.
-        Each new line is logged (event `pods-not-created`) and printed once per attempt. A refused read (403: a Role
-        without `list` on `events`) is said once and not tried again, any other failed read is said once and
-        skipped: the events only explain, so the poll goes on as it would without them."""
+        Each new line is logged once per attempt (event `pods-not-created`, which the run's console prints). A
+        refused read (403: a Role without `list` on `events`) is said once and not tried again, any other failed
+        read is said once and skipped: the events only explain, so the poll goes on as it would without them."""
         if not self._events_readable or self.profile is None:
             return None
         expected, _ = placement(attempt.running, self.profile.gpus_per_node, self.profile.nodes)

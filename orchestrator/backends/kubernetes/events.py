@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cona.orchestrator.backends.kubernetes.api import FORBIDDEN, KubeApi, one_line
-from cona.orchestrator.backends.kubernetes.render import quantity_bytes
+from cona.orchestrator.backends.kubernetes.render import quantity_value
 
 FAILED_CREATE = "FailedCreate"
 BLOCKING_REASONS = frozenset({FAILED_CREATE})
@@ -41,7 +41,6 @@ _ACCOUNT = re.compile(r'error looking up service account [^/\s]+/(\S+?): service
 _EXCEEDED = re.compile(r"exceeded quota: ([^,]+), requested: (\S+), used: (\S+), limited: (\S+)", re.IGNORECASE)
 _MUST_SPECIFY = re.compile(r"failed quota: ([^:]+): must specify (.+)")
 _POD_SECURITY = re.compile(r'violates PodSecurity "([^"]+)": (.+)')
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 _TRANSIENT = ("internal error", "timeout", "timed out", "try again", "too many requests", "currently unable",
               "connection refused", "failed calling webhook")  # fmt: skip
 """Words of a refusal that may pass by itself (the API server or a webhook failing for a while), not a decision."""
@@ -95,10 +94,6 @@ class Blocked:
     refusal meets each pod alike, and fewer pods would be refused the same."""
 
 
-def _quantity(text: str) -> float | None:
-    return quantity_bytes(text) if _QUANTITY.fullmatch(text) else None
-
-
 def _resources(text: str) -> dict[str, str]:
     """A quota message's resource list (`limits.cpu=4,requests.nvidia.com/gpu=8`) as {resource: quantity}."""
     return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
@@ -147,8 +142,8 @@ def explain_refusal(message: str, *, creator: str, namespace: str, fields: PodFi
         quota, requested, used, limited = (m.group(i).rstrip(",") for i in range(1, 5))
         asked, hard = _resources(requested), _resources(limited)
         # {resource: (one pod's request, the quota's limit)} of each resource both name as a quantity.
-        sizes = {r: (a, h) for r, q in asked.items() if r in hard and (a := _quantity(q)) is not None
-                 and (h := _quantity(hard[r])) is not None}  # fmt: skip
+        sizes = {r: (a, h) for r, q in asked.items() if r in hard and (a := quantity_value(q)) is not None
+                 and (h := quantity_value(hard[r])) is not None}  # fmt: skip
         too_big = [r for r, (a, h) in sizes.items() if a * pods > h]
         if too_big:
             # Stuck either way; fewer pods fit unless one pod alone asks more than the quota allows.

@@ -57,11 +57,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from cona.orchestrator.backends.kubernetes.spec import (
-    host_network_problem,
-    priority_class_problem,
-    pull_secrets_problem,
-)
+from cona.orchestrator.backends.kubernetes.spec import pull_secrets_problem, workload_problem
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode
 from cona.protocol.yamlconfig import ConfigError
@@ -112,6 +108,15 @@ def quantity_bytes(value: str) -> float:
     number = re.match(r"[0-9.]+", value)
     assert number is not None, value
     return float(number.group()) * _SUFFIXES[value[number.end() :]]
+
+
+_ANY_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
+
+def quantity_value(text: str) -> float | None:
+    """A quantity as the API server writes one, any suffix milli included (`500m`, `4`, `16Gi`), as a number
+    (bytes for memory); None when `text` is not one."""
+    return quantity_bytes(text) if _ANY_QUANTITY.fullmatch(text) else None
 
 
 def check_memory(field: str, value: str) -> None:
@@ -247,12 +252,9 @@ def check_spec(spec: KubernetesSpec) -> None:
     problem = pull_secrets_problem(spec.image_pull_secrets)
     if problem:
         raise ConfigError(f"kubernetes.image_pull_secrets: {problem}")
-    problem = priority_class_problem(spec.priority_class, spec.workload)
-    if problem:
-        raise ConfigError(f"kubernetes.priority_class: {problem}")
-    problem = host_network_problem(spec.host_network, spec.workload)
-    if problem:
-        raise ConfigError(f"kubernetes.host_network: {problem}")
+    found = workload_problem(spec)
+    if found:
+        raise ConfigError(f"kubernetes.{found[0]}: {found[1]}")
     tag = image_tag(spec.image)
     if not tag:
         # Kubernetes would take `:latest`, which moves: the nodes of one attempt, or one attempt and the next,

@@ -76,6 +76,16 @@ def host_network_problem(host_network: Any, workload: str | None = None) -> str 
     return None
 
 
+def workload_problem(spec: KubernetesSpec) -> tuple[str, str] | None:
+    """(field, what is wrong) of the first field of `spec` its `workload` cannot carry to its pods, or None: the
+    profile's validator and `render.check_spec` (a spec built or changed without validation) both ask here."""
+    for field, problem in (("priority_class", priority_class_problem(spec.priority_class, spec.workload)),
+                           ("host_network", host_network_problem(spec.host_network, spec.workload))):  # fmt: skip
+        if problem:
+            return field, problem
+    return None
+
+
 def is_label_value(value: str) -> bool:
     """Whether `value` is a label value (empty, or ≤ 63 characters, alphanumeric at both ends)."""
     return value == "" or (len(value) <= 63 and bool(_LABEL_NAME.fullmatch(value)))
@@ -203,15 +213,6 @@ class KubernetesSpec(StrictModel):
             raise ValueError(problem)
         return value
 
-    @pydantic.model_validator(mode="after")
-    def _priority_class(self) -> KubernetesSpec:
-        # After the fields (it depends on `workload` too), so its error is reported for the section: it names the
-        # field itself.
-        problem = priority_class_problem(self.priority_class, self.workload)
-        if problem:
-            raise ValueError(f"priority_class {problem}")
-        return self
-
     @pydantic.field_validator("host_network", mode="before")
     @classmethod
     def _host_network_bool(cls, value: Any) -> Any:
@@ -221,11 +222,12 @@ class KubernetesSpec(StrictModel):
         return value
 
     @pydantic.model_validator(mode="after")
-    def _host_network(self) -> KubernetesSpec:
-        # As `_priority_class`: it depends on `workload`, and its message names the field.
-        problem = host_network_problem(self.host_network, self.workload)
-        if problem:
-            raise ValueError(f"host_network {problem}")
+    def _workload_fields(self) -> KubernetesSpec:
+        # After the fields (they depend on `workload` too), so the error is reported for the section: it names the
+        # field itself.
+        found = workload_problem(self)
+        if found:
+            raise ValueError(" ".join(found))
         return self
 
     @pydantic.field_validator("trainer_cpu", mode="before")
