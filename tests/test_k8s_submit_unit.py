@@ -131,6 +131,31 @@ def test_the_example_run_in_manifests_is_what_submit_renders():
         _validate(doc)
 
 
+def test_the_configmap_carries_what_was_set_and_reads_back_the_same():
+    """An orchestrator image older than the CLI refuses a field it does not know: the ConfigMap carries only the
+    fields the profile and job files set (and what their validators set), so a field added since, left at its
+    default, never reaches it; and what it carries validates to the same profile and job."""
+    from cona.orchestrator.job import job_from_dict
+    from cona.orchestrator.profile import ClusterProfile, load_profile
+    from cona.protocol.yamlconfig import validate
+
+    profile = load_profile(K8S_PROFILE)
+    data = _objects(run="tiny-1")[0]["data"]
+    carried_profile, carried_job = yaml.safe_load(data["profile.yaml"]), yaml.safe_load(data["job.yaml"])
+    written_profile, written_job = yaml.safe_load(K8S_PROFILE.read_text()), yaml.safe_load(JOB.read_text())
+    assert set(carried_profile) <= set(written_profile)
+    assert set(carried_profile["kubernetes"]) <= set(written_profile["kubernetes"])
+    assert "host_network" not in carried_profile["kubernetes"] and "slurm" not in carried_profile
+    assert set(carried_job) <= set(written_job) and set(carried_job["policy"]) <= set(written_job.get("policy", {}))
+    # A value the file gave, even the default's, is kept: some validators tell it from a field left out.
+    assert carried_profile["kubernetes"]["workload"] == written_profile["kubernetes"]["workload"] == "indexed-job"
+    assert validate(ClusterProfile, carried_profile, source="cm").model_dump(mode="json") == profile.model_dump(mode="json")
+    assert job_from_dict(carried_job).model_dump(mode="json") == _job().model_dump(mode="json")
+    # Set on the command line (--profile-set), a field is carried like one in the file.
+    carried = yaml.safe_load(_objects(run="tiny-1", host_network=True)[0]["data"]["profile.yaml"])
+    assert carried["kubernetes"]["host_network"] is True
+
+
 def test_hostile_run_names_and_values_are_refused_or_inert(renderer_without_image_check):
     with pytest.raises(ConfigError, match=r"--name 'a\$\(id\)': not a DNS-1035 label"):
         _objects(run="a$(id)")

@@ -145,9 +145,12 @@ def dump_objects(objects: list[dict[str, Any]]) -> str:
 
 
 def render_configmap(*, profile: ClusterProfile, job: Job, run: str, run_dir: str, submitted: float) -> dict[str, Any]:
-    """The run's ConfigMap: the resolved profile and job (what the orchestrator creates run.yaml from)."""
-    from cona.orchestrator.job import job_to_dict
+    """The run's ConfigMap: the resolved profile and job (what the orchestrator creates run.yaml from).
 
+    Both carry only the fields the user (or a validator) set, not the defaults: the orchestrator pod runs the
+    profile's image, which may be older than this CLI, and a field it does not know (every field added since, even
+    at its default) would make it refuse the run. It fills the defaults in again, and fields that were set stay set
+    (some validators tell a field left out from one given its default value)."""
     spec = profile.kubernetes
     assert spec is not None
     return {
@@ -156,8 +159,8 @@ def render_configmap(*, profile: ClusterProfile, job: Job, run: str, run_dir: st
         "metadata": {"name": run, "namespace": spec.namespace, "labels": run_labels(run, "run"),
                      "annotations": {"cona.dev/run-dir": run_dir}},
         "data": {
-            PROFILE_KEY: _dump(profile.model_dump(mode="json")),
-            JOB_KEY: _dump(job_to_dict(job)),
+            PROFILE_KEY: _dump(profile.model_dump(mode="json", exclude_unset=True)),
+            JOB_KEY: _dump(job.model_dump(mode="json", exclude_unset=True)),
             RUN_DIR_KEY: run_dir,
             "submitted": f"{submitted:.3f}",
         },
