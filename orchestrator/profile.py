@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -155,6 +156,24 @@ class ClusterProfile(StrictModel):
     """Elastic lower bound on nodes; default: nodes. Below `nodes` the run trains on any node count in
     [min_nodes, nodes]: it starts on what the cluster gives, goes on with fewer when nodes are lost and grows back
     when that pays (`cona.orchestrator.elastic`)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of every trainer process, on every backend: what the cluster's network needs
+    (`NCCL_SOCKET_IFNAME: ib0`, `NCCL_IB_HCA: mlx5`), `NCCL_DEBUG: WARN`, `OMP_NUM_THREADS: 4`. Values are taken as
+    written (no `$VAR` expansion: use `slurm.setup` for shell); numbers become text. Names cona, torchrun or srun set
+    (`RANK`, `MASTER_ADDR`, `CUDA_VISIBLE_DEVICES`, `CONA_*`, `SLURM_*`, ...) are refused."""
+
+    @pydantic.field_validator("env", mode="before")
+    @classmethod
+    def _env_entries(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value  # pydantic says it is not a mapping
+        env: dict[object, object] = {}
+        for name, text in value.items():
+            problem = env_problem(name, text)
+            if problem:
+                raise ValueError(problem)
+            env[name] = text if isinstance(text, str) else format(text, "g" if isinstance(text, float) else "d")
+        return env
 
     @pydantic.model_validator(mode="after")
     def _backend_section(self) -> ClusterProfile:
@@ -193,6 +212,38 @@ class ClusterProfile(StrictModel):
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RESERVED_ENV = frozenset({
+    # torchrun's, for each worker (and its rendezvous), and what cona's launchers set.
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED",
+    # Which devices a process sees is the placement's (the local backend, Slurm's GRES, the device plugin).
+    "CUDA_VISIBLE_DEVICES",
+})  # fmt: skip
+RESERVED_ENV_PREFIXES = ("CONA_", "TORCHELASTIC_", "PET_", "SLURM_")
+"""`PET_*` are torchrun's flags given as variables; `SLURM_*` change how srun starts cona's tasks."""
+
+
+def env_problem(name: object, value: object) -> str | None:
+    """What is wrong with the entry `name: value` of a profile's `env` (one line), or None."""
+    if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+        return (f"{name!r} is not a variable name (letters, digits and _, not a digit first); every shell and "
+                "container runtime must be able to set it")  # fmt: skip
+    if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
+        hint = " (for a local run, set it in the shell that runs cona)" if name == "CUDA_VISIBLE_DEVICES" else ""
+        return f"{name} is set by cona, torchrun or the cluster for each trainer process; leave it out{hint}"
+    # YAML reads yes/no/on/off/true/false as booleans and an empty value as null: quote what was meant.
+    if isinstance(value, bool):
+        return f"{name}: YAML read the value as a boolean; quote it (e.g. {name}: \"{str(value).lower()}\")"
+    if value is None:
+        return f"{name}: no value; give one, or quote an empty one ({name}: \"\")"
+    if not isinstance(value, (str, int, float)):
+        return f"{name}: a {type(value).__name__} is not text or a number; give one value"
+    if isinstance(value, str) and ("\x00" in value or "\n" in value or "\r" in value):
+        return f"{name}: the value holds a newline or NUL character, which no environment can carry; remove it"
+    return None
 
 
 def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterProfile:

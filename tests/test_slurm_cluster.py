@@ -54,7 +54,8 @@ plan = plans.get(f"{attempt}.r{restart}", plans.get(str(attempt), "control"))
 out = os.path.join(run_dir, "fake")
 os.makedirs(out, exist_ok=True)
 tag = f"{attempt}-r{restart}-rank{rank}"
-info = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "SLURMD_NODENAME")}
+info = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "SLURMD_NODENAME",
+                                      "NCCL_DEBUG", "FAKE_ODD")}
 info.update(plan=plan, strategy=strategy_arg, pid=os.getpid())
 with open(os.path.join(out, tag + ".start.json"), "w") as f:
     json.dump(info, f)
@@ -94,6 +95,8 @@ sys.exit(code)
 S4 = Strategy(dp=4, tp=1, pp=1, mbs=1, gbs=4)  # 2 nodes x 2 processes
 S4_TP = Strategy(dp=2, tp=2, pp=1, mbs=1, gbs=2)  # 2 nodes x 2 processes, another layout
 S2 = Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=2)  # 1 node x 2 processes
+ENV = {"NCCL_DEBUG": "WARN", "FAKE_ODD": "it's $(hostname) \"q\" `id` \\"}
+"""The profile's env of the runs here: every trainer rank must see it as written (sbatch and submitit)."""
 
 
 def _sh(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -148,7 +151,7 @@ class Run:
             "CONA_TRAINER_MODULE": FAKE_MODULE,
             "PYTHONPATH": os.pathsep.join(p for p in (str(fake_dir), os.environ.get("PYTHONPATH", "")) if p),
         }
-        profile = profile or load_profile(PROFILES / "local-slurm.yaml")
+        profile = profile or load_profile(PROFILES / "local-slurm.yaml").model_copy(update={"env": ENV})
         self.backend = SlurmBackend(run_dir=self.run, profile=profile, env=env, handoff_timeout_s=45)
         self.no_sacct = SlurmBackend(run_dir=self.run, profile=profile, env=env, use_sacct=False)
         self.jobs: set[str] = set()
@@ -227,6 +230,7 @@ def test_switch_relaunches_inside_the_allocation(run):
     assert {r["WORLD_SIZE"] for r in ranks} == {"4"} and {r["LOCAL_WORLD_SIZE"] for r in ranks} == {"2"}
     assert {r["SLURMD_NODENAME"] for r in ranks} == {"n1", "n2"}
     assert {r["strategy"] for r in ranks} == {str(S4)}
+    assert all((r["NCCL_DEBUG"], r["FAKE_ODD"]) == (ENV["NCCL_DEBUG"], ENV["FAKE_ODD"]) for r in ranks), ranks
     assert run.backend.poll(first).status == AttemptStatus.RUNNING
 
     run.control("switch")
@@ -351,13 +355,14 @@ def test_killed_slurmd_is_detected_and_the_job_requeued(run):
 
 def test_submitit_submission(cluster, fake_dir, tmp_path):
     profile = load_profile(PROFILES / "local-slurm.yaml")
-    profile = profile.model_copy(update={"slurm": profile.slurm.model_copy(update={"use_submitit": True})})
+    profile = profile.model_copy(update={"slurm": profile.slurm.model_copy(update={"use_submitit": True}), "env": ENV})
     r = Run(tmp_path / "run", fake_dir, profile)
     try:
         r.plan(a1="control", a2="exit:0")
         first = r.launch(1, S4)
         ranks = r.started(1)
         assert {x["SLURMD_NODENAME"] for x in ranks} == {"n1", "n2"}
+        assert all((x["NCCL_DEBUG"], x["FAKE_ODD"]) == (ENV["NCCL_DEBUG"], ENV["FAKE_ODD"]) for x in ranks), ranks
         r.control("switch")
         r.wait(first, AttemptStatus.SWITCHED)
         second = r.launch(2, S4_TP, previous=first)

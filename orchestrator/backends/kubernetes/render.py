@@ -422,9 +422,17 @@ def _host_network_fields(spec: KubernetesSpec, selector: dict[str, str]) -> dict
     }
 
 
+def container_env(base: list[dict[str, Any]], env: dict[str, str]) -> list[dict[str, Any]]:
+    """A trainer container's `env`: cona's entries, then the profile's `env` (one that names one of cona's, such as
+    HOME, replaces it: a name given twice is a warning in the API and a guess about which one wins). Values are
+    escaped so that Kubernetes does not expand a `$(VAR)` in them: the profile takes values as written."""
+    return [*(item for item in base if item["name"] not in env),
+            *({"name": name, "value": escape(value)} for name, value in env.items())]  # fmt: skip
+
+
 def _pod_spec(
     spec: KubernetesSpec, *, subdomain: str | None, argv: list[str], gpus: int, attempt: int,
-    selector: dict[str, str],
+    selector: dict[str, str], env: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
     """The pod of an Indexed Job (also inside a JobSet, whose controller sets the subdomain itself: None)."""
     port: dict[str, Any] = {"name": "rdzv", "containerPort": spec.rendezvous_port, "protocol": "TCP"}
@@ -439,7 +447,7 @@ def _pod_spec(
         "image": spec.image,
         "imagePullPolicy": pull_policy(spec.image),
         "command": argv,
-        "env": [
+        "env": container_env([
             # Declared here (the Job controller would add the same) so that `$(JOB_COMPLETION_INDEX)` in the
             # command visibly refers to a variable of this container.
             {
@@ -451,7 +459,7 @@ def _pod_spec(
             {"name": "PYTHONUNBUFFERED", "value": "1"},
             {"name": "HOME", "value": "/tmp"},
             {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
-        ],
+        ], env),
         "ports": [port],
         # A quantity is a string in the API (the official client refuses an int here).
         "resources": trainer_resources(spec, gpus),
@@ -475,7 +483,7 @@ def _pod_spec(
 
 def _indexed_job_spec(
     spec: KubernetesSpec, *, nnodes: int, subdomain: str | None, argv: list[str], gpus: int, attempt: int,
-    meta_labels: dict[str, str], annotations: dict[str, str], selector: dict[str, str],
+    meta_labels: dict[str, str], annotations: dict[str, str], selector: dict[str, str], env: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
     """The Indexed Job of an attempt: on its own (`indexed-job`) or as the JobSet's replicatedJob template."""
     return {
@@ -499,7 +507,8 @@ def _indexed_job_spec(
         },
         "template": {
             "metadata": {"labels": meta_labels, "annotations": annotations},
-            "spec": _pod_spec(spec, subdomain=subdomain, argv=argv, gpus=gpus, attempt=attempt, selector=selector),
+            "spec": _pod_spec(spec, subdomain=subdomain, argv=argv, gpus=gpus, attempt=attempt, selector=selector,
+                              env=env),
         },
     }
 
@@ -534,7 +543,8 @@ def render_attempt(
     annotations = {"cona.dev/strategy": str(strategy), "cona.dev/run-dir": run_dir}
     metadata = {"name": name, "namespace": spec.namespace, "labels": meta_labels, "annotations": annotations}
     if spec.workload == "trainjob":
-        return [_trainjob(spec, metadata=metadata, nnodes=nnodes, per_node=per_node, run_dir=run_dir, attempt=attempt)]
+        return [_trainjob(spec, metadata=metadata, nnodes=nnodes, per_node=per_node, run_dir=run_dir, attempt=attempt,
+                          env=profile.env)]
     # The pod hostname of index 0: `<job>-0` in an Indexed Job, `<jobset>-<replicatedJob>-<job index>-0` in a JobSet.
     # On the node's network too, the headless Service's record of that name is pod 0's IP (then its node's).
     host = f"{name}-0" if spec.workload == "indexed-job" else f"{name}-{REPLICATED_JOB}-0-0"
@@ -547,7 +557,7 @@ def render_attempt(
     selector = {key: meta_labels[key] for key in ("app.kubernetes.io/instance", "cona.dev/attempt")}
     job_spec = _indexed_job_spec(
         spec, nnodes=nnodes, subdomain=service if spec.workload == "indexed-job" else None, argv=argv, gpus=per_node,
-        attempt=attempt, meta_labels=meta_labels, annotations=annotations, selector=selector,
+        attempt=attempt, meta_labels=meta_labels, annotations=annotations, selector=selector, env=profile.env,
     )  # fmt: skip
     if spec.workload == "jobset":
         return [_jobset(metadata=metadata, subdomain=service, job_spec=job_spec)]
@@ -594,8 +604,9 @@ def _jobset(*, metadata: dict[str, Any], subdomain: str, job_spec: dict[str, Any
 
 
 def _trainjob(
-    spec: KubernetesSpec, *, metadata: dict[str, Any], nnodes: int, per_node: int, run_dir: str, attempt: int
-) -> dict[str, Any]:
+    spec: KubernetesSpec, *, metadata: dict[str, Any], nnodes: int, per_node: int, run_dir: str, attempt: int,
+    env: dict[str, str],
+) -> dict[str, Any]:  # fmt: skip
     """A Kubeflow Trainer v2 TrainJob on the profile's torch runtime (see the module docstring)."""
     volumes, mounts = _volumes(spec)
     # torchrun takes --nnodes, --nproc-per-node, --node-rank and the static rendezvous on pod 0 from the PET_*
@@ -630,11 +641,11 @@ def _trainjob(
                 "numProcPerNode": per_node,
                 # A quantity is a string in the API, as in the Indexed Job's pods.
                 "resourcesPerNode": trainer_resources(spec, per_node),
-                "env": [
+                "env": container_env([
                     {"name": "PYTHONUNBUFFERED", "value": "1"},
                     {"name": "HOME", "value": "/tmp"},
                     {"name": "CONA_ATTEMPT", "value": str(int(attempt))},
-                ],
+                ], env),
             },
             "runtimePatches": [
                 {

@@ -272,11 +272,15 @@ class LocalBackend(Backend):
 
     def render(self, *, strategy: Strategy) -> str:
         self._warn_if_crowded(strategy)
-        return (
-            "# cona local backend: each attempt runs in its own session, from the run directory, with\n"
-            "# OMP_NUM_THREADS=1 (unless set) and PYTHONUNBUFFERED=1; the first attempt would be:\n"
-            f"{self.wrapper(attempt=1, strategy=strategy)}\n"
-        )
+        env = self.profile.env if self.profile is not None else {}
+        header = ("# cona local backend: each attempt runs in its own session, from the run directory, with\n"
+                  "# OMP_NUM_THREADS=1 (unless set) and PYTHONUNBUFFERED=1")  # fmt: skip
+        if env:  # one per line, as `export` would take it
+            header += ", and the profile's env:\n" + "".join(f"#   {k}={shlex.quote(v)}\n" for k, v in env.items())
+            header += "# The first attempt would be:\n"
+        else:
+            header += "; the first attempt would be:\n"
+        return f"{header}{self.wrapper(attempt=1, strategy=strategy)}\n"
 
     def launch(
         self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
@@ -295,7 +299,7 @@ class LocalBackend(Backend):
         log = attempt_dir / "torchrun.log"
         # The wrapper outlives an orchestrator restart.
         wrapper = self.wrapper(attempt=attempt, strategy=strategy)
-        env = {**os.environ, **self.extra_env}
+        env = {**os.environ, **self.extra_env, **(self.profile.env if self.profile is not None else {})}
         # Two cores shared by several processes: one thread each avoids oversubscription.
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"

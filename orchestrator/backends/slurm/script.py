@@ -201,6 +201,15 @@ def job_name_for(job: Job | None, run_dir: Path) -> str:
     return check_value("job name", name or "cona")
 
 
+def env_block(env: dict[str, str]) -> str:
+    """The profile's `env` as `export` lines (after the setup commands, so a module they load does not undo it;
+    srun hands the batch shell's environment to every task), or nothing."""
+    if not env:
+        return ""
+    lines = [f"export {name}={shlex.quote(check_value(f'env.{name}', value))}" for name, value in env.items()]
+    return "# --- environment of the trainers, from the profile's env: ---\n" + "\n".join(lines) + "\n"
+
+
 def render_batch_script(
     profile: ClusterProfile,
     job: Job | None,
@@ -227,6 +236,7 @@ def render_batch_script(
         "SBATCH": "\n".join(sbatch_lines(profile, name, run_path, nodes=nodes)),
         "CONFIG": "\n".join(config_lines(profile, run_path, name)),
         "SETUP": setup,
+        "ENV": env_block(profile.env),
         "HELPER": helper_text(),
         "HELPER_SHA": helper_digest(),
     }
