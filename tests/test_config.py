@@ -140,6 +140,11 @@ BAD_JOBS = [
      "field 'optimizer.lr_scaling': expects one of 'none', 'linear', 'sqrt', not true/false (YAML reads an unquoted "
      "yes/no/on/off as true/false: quote the value)"),
     ("model: {preset: tiny-gpt}\ndata: {path: off}\n", "field 'data.path': expects text, not true/false"),
+    # And text or a number in a switch: pydantic would read "false" or 0 as false, "yes" or 1 as true.
+    ("model: {preset: tiny-gpt}\nmetrics: {tensorboard: 'false'}\n",
+     "field 'metrics.tensorboard': 'false' is not true or false; write true or false without quotes"),
+    ("model: {preset: tiny-gpt}\npolicy: {in_place_switch: 0}\n", "field 'policy.in_place_switch': 0 is not true or false"),
+    ("model: {preset: tiny-gpt}\nheartbeat: {adam_stats: [true]}\n", "field 'heartbeat.adam_stats': [True] is not true or false"),
     # A section given twice: PyYAML would keep the second one whole, the first one's fields back at their defaults.
     ("model: {preset: tiny-gpt}\nbatch: {max_gbs: 64}\noptimizer: {lr: 0.001}\nbatch: {mbs_choices: [2]}\n",
      "line 4 column 1: invalid YAML: duplicate key 'batch' (first at line 2); merge the two into one"),
@@ -226,6 +231,8 @@ BAD_PROFILES = [
      "needs a kubernetes: section"),
     ("name: x\nbackend: local\nnodes: true\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
      "field 'nodes': expects a number"),
+    ("name: x\nbackend: slurm\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n"
+     "slurm: {use_submitit: 'yes'}\n", "field 'slurm.use_submitit': 'yes' is not true or false"),
     # A size in bits is a mistyped GB ("80 gb" would be 10 GB); a number too large for a float is not infinity.
     ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 80 gb}\n",
      "'80 gb' is in bits"),

@@ -213,14 +213,6 @@ class KubernetesSpec(StrictModel):
             raise ValueError(problem)
         return value
 
-    @pydantic.field_validator("host_network", mode="before")
-    @classmethod
-    def _host_network_bool(cls, value: Any) -> Any:
-        problem = host_network_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
     @pydantic.model_validator(mode="after")
     def _workload_fields(self) -> KubernetesSpec:
         # After the fields (they depend on `workload` too), so the error is reported for the section: it names the
