@@ -107,6 +107,24 @@ def test_a_missing_priority_class_is_the_pending_reason_and_stuck(k8s, tmp_path,
     assert capsys.readouterr().out == f"cona: pods-not-created: attempt 1, stuck=true: {PRIORITY_LINE}\n"
 
 
+def test_an_orchestrator_that_restarted_does_not_log_the_refusal_again(k8s, tmp_path):
+    """A new orchestrator process (the pod restarted) adopts the attempt: what its predecessor logged to
+    events.jsonl is not logged a second time; a new line for the attempt is."""
+    backend, run_dir = _backend(k8s, tmp_path)
+    attempt = _launched_a_while_ago(backend)
+    add_event(k8s, "exp1-a1", NO_PRIORITY)
+    assert backend.poll(attempt).detail == PRIORITY_LINE
+    successor, _ = _backend(k8s, tmp_path)
+    assert successor.poll(attempt).detail == PRIORITY_LINE
+    said = [e for e in read_events(run_dir) if e["event"] == "pods-not-created"]
+    assert [(e["attempt"], e["detail"]) for e in said] == [(1, PRIORITY_LINE)]
+    add_event(k8s, "exp1-a1", QUOTA_USED_UP, seen=time.time() + 1)
+    third, _ = _backend(k8s, tmp_path)
+    assert third.poll(attempt).detail == QUOTA_LINE
+    said = [e for e in read_events(run_dir) if e["event"] == "pods-not-created"]
+    assert [(e["attempt"], e["detail"]) for e in said] == [(1, PRIORITY_LINE), (1, QUOTA_LINE)]
+
+
 def test_an_exceeded_quota_names_the_namespaces_resourcequota_and_waits(k8s, tmp_path):
     backend, _ = _backend(k8s, tmp_path)
     attempt = _launched_a_while_ago(backend)

@@ -202,8 +202,9 @@ class KubernetesBackend(Backend):
         """(workload, when, what) `_creation_blocked` last read: at most every `EVENTS_EVERY_S`."""
         self._events_readable = True
         """False once listing events was refused (403): said once, not asked again by this orchestrator."""
-        self._said: set[tuple[int, str]] = set()
-        """(attempt, line) of each refusal of pods already logged and printed."""
+        self._said: set[tuple[int, str]] | None = None
+        """(attempt, line) of each refusal of pods already logged and printed; read from events.jsonl when first
+        needed, so that an orchestrator that restarted does not log again what its predecessor did."""
         self._warned: set[str] = set()
         """Warnings already printed: each once per orchestrator."""
 
@@ -486,13 +487,21 @@ class KubernetesBackend(Backend):
             return None
         assert found is None or isinstance(found, Blocked)
         self._events_cache = (attempt.backend_id, now, found)
-        if found is not None and (attempt.number, found.line) not in self._said:
+        if found is not None and (attempt.number, found.line) not in self._logged_refusals():
             from cona.orchestrator.runstate import log_event
 
-            self._said.add((attempt.number, found.line))
+            self._logged_refusals().add((attempt.number, found.line))
             # The run's console (`live.LiveView`) prints it from events.jsonl, as every other event.
             log_event(self.run_dir, "pods-not-created", attempt=attempt.number, stuck=found.stuck, detail=found.line)
         return found
+
+    def _logged_refusals(self) -> set[tuple[int, str]]:
+        if self._said is None:
+            from cona.orchestrator.runstate import read_events
+
+            self._said = {(record.get("attempt"), record.get("detail")) for record in read_events(self.run_dir)
+                          if record.get("event") == "pods-not-created"}  # fmt: skip
+        return self._said
 
     def _warn(self, line: str) -> None:
         if line not in self._warned:
