@@ -519,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cona",
         description="Train LLMs while chaining parallelism strategies online (Slurm, Kubernetes or one machine).",
     )
+    from cona.orchestrator import cona_version
+
+    parser.add_argument("--version", action="version", version=f"cona {cona_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     plan = sub.add_parser(

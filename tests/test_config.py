@@ -369,6 +369,13 @@ def test_a_misspelled_option_is_answered_with_the_close_one_and_the_valid_ones()
     assert extra.returncode == 2 and "unrecognized arguments: b\n" in extra.stderr, extra.stderr
 
 
+def test_version_is_the_installed_packages():
+    from importlib.metadata import version
+
+    out = run_cona("--version")
+    assert out.returncode == 0 and out.stdout == f"cona {version('cona')}\n", out
+
+
 @pytest.mark.parametrize(("legacy", "mode"), [(True, "full"), (False, "none")])
 def test_old_activation_checkpointing_key_still_loads(tmp_path, legacy, mode):
     from cona.protocol.job import ParallelSpec, job_from_dict

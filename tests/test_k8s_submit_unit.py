@@ -386,6 +386,31 @@ def test_orchestrate_a_run_that_cannot_start_records_why_and_exits_0(k8s, tmp_pa
     assert status["status"] == "failed" and "no-such-data.txt' does not exist" in status["reason"], status
 
 
+@pytest.mark.parametrize("submitted_by", ["9.9.0", None])
+def test_a_newer_clis_field_fails_the_run_naming_both_versions(k8s, tmp_path, submitted_by):
+    """An orchestrator image older than the CLI that submitted the run does not know a field the user set: the run
+    fails with the field and, when the ConfigMap says which cona submitted it, both versions and what to change."""
+    from cona.orchestrator import cona_version
+
+    profile = _profile(mount_path=str(tmp_path))
+    profile = profile.model_copy(update={"storage": profile.storage.model_copy(update={"run_root": str(tmp_path)})})
+    objects = render_submission(profile=profile, job=load_job(JOB), run="r7", submitted=SUBMITTED)
+    data = objects[0]["data"]
+    data["profile.yaml"] += "warp_drive: true\n"  # what a newer cona's profile might carry
+    if submitted_by is None:
+        del data["cona-version"]  # a ConfigMap of a cona before the key
+    else:
+        data["cona-version"] = submitted_by
+    namespace_objects(k8s)
+    submit(objects, api_client=k8s.api_client())
+    assert orchestrate("r7", namespace=NS, api_client=k8s.api_client(), quiet=True) == 0
+    reason = remote_status("r7", namespace=NS, api_client=k8s.api_client())["reason"]
+    assert "unknown field 'warp_drive'" in reason and "\n" not in reason, reason
+    skew = (f"(the run was submitted by cona 9.9.0, this orchestrator image runs cona {cona_version()}: set "
+            "kubernetes.image to an image of cona 9.9.0)")
+    assert reason.endswith(skew) if submitted_by else "submitted by" not in reason, reason
+
+
 @pytest.mark.parametrize("damage", ["run.yaml cut short", "state.json corrupt"])
 def test_orchestrate_a_run_whose_directory_is_damaged_records_why_and_exits_0(k8s, tmp_path, monkeypatch, damage):
     """A restarted orchestrator pod that finds run.yaml cut short (refused by `drive`) or state.json unreadable

@@ -41,6 +41,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     RUN_DIR_KEY,
     STATUS_KEY,
     STOP_KEY,
+    VERSION_KEY,
     owner_reference,
     report_configmap_name,
     run_labels,
@@ -211,6 +212,18 @@ def _cannot_go_on(mirror: StatusMirror, error: Exception) -> int:
     return 0
 
 
+def _version_skew(submitted_by: str | None) -> str:
+    """What to add to an error about the ConfigMap's profile or job when another cona submitted it: a field this
+    image does not know is most likely one that a newer cona added."""
+    from cona.orchestrator import cona_version
+
+    ours = cona_version()
+    if not submitted_by or submitted_by == ours:
+        return ""
+    return (f" (the run was submitted by cona {submitted_by}, this orchestrator image runs cona {ours}: set "
+            f"kubernetes.image to an image of cona {submitted_by})")  # fmt: skip
+
+
 def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quiet: bool = False) -> int:
     """Drive submitted run `run` (see the module docstring); returns the process's exit code."""
     from cona.orchestrator.job import job_from_dict
@@ -234,8 +247,12 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
             profile, job = load_run(run_dir)
         else:
             where = f"ConfigMap {namespace}/{run}"
-            profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"), source=f"{where} {PROFILE_KEY}")
-            job = job_from_dict(yaml.safe_load(data.get(JOB_KEY) or "{}"), source=f"{where} {JOB_KEY}")
+            try:
+                profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"),
+                                   source=f"{where} {PROFILE_KEY}")  # fmt: skip
+                job = job_from_dict(yaml.safe_load(data.get(JOB_KEY) or "{}"), source=f"{where} {JOB_KEY}")
+            except ConfigError as e:
+                raise ConfigError(f"{e}{_version_skew(data.get(VERSION_KEY))}") from None
             create_run(run_dir=run_dir, profile=profile, job=job)
         state = read_state(run_dir)  # a corrupt state.json: one line naming it
     except (ConfigError, OSError) as e:

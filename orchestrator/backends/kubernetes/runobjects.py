@@ -22,6 +22,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from cona.orchestrator import cona_version
 from cona.orchestrator.backends.kubernetes.render import (
     CONTAINER_SECURITY,
     POD_SECURITY,
@@ -61,6 +62,9 @@ REPORT_REQUEST_KEY = "report-request"
 REPORT_DONE_KEY = "report-done"
 REPORT_ERROR_KEY = "report-error"
 """Set by the orchestrator when it could not write the report asked for: `token: why` (one line)."""
+VERSION_KEY = "cona-version"
+"""The version of the cona that submitted the run: an orchestrator image of another version names both when it
+cannot read the profile or job (a field it does not know)."""
 RESUME_KEY = "resume"
 """Set by `cona submit --resume`: a token; the new orchestrator resumes the ended run once for it."""
 REPORT_MD, REPORT_PNG = "report.md", "report.png"
@@ -162,6 +166,7 @@ def render_configmap(*, profile: ClusterProfile, job: Job, run: str, run_dir: st
             PROFILE_KEY: _dump(profile.model_dump(mode="json", exclude_unset=True)),
             JOB_KEY: _dump(job.model_dump(mode="json", exclude_unset=True)),
             RUN_DIR_KEY: run_dir,
+            VERSION_KEY: cona_version(),
             "submitted": f"{submitted:.3f}",
         },
     }
