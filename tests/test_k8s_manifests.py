@@ -187,6 +187,8 @@ def test_rbac_is_namespaced_exact_and_has_no_wildcard():
         ("", "services"): {"create", "delete"},
         ("", "pods"): {"list"},
         ("", "events"): {"list"},
+        # Elastic runs grow only into the pods the namespace's ResourceQuotas admit.
+        ("", "resourcequotas"): {"list"},
         ("", "pods/log"): {"get"},
         ("", "configmaps"): {"create", "get", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "patch"},

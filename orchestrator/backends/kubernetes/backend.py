@@ -15,7 +15,9 @@ Service. What differs per kind (API, condition types, the trainer container's na
 Every API call is one the Role in `manifests/rbac.yaml` grants: create/get/delete on jobs, jobsets or trainjobs,
 create/delete on services (Indexed Jobs only), list on pods, list on events (without it, 403: said once, and a pod
 that cannot be created shows only as missing); an elastic run also lists Nodes, which the optional
-ClusterRole of `manifests/elastic/nodes.yaml` grants (without it, 403: the backend does without). An API error becomes a one-line `BackendError` naming
+ClusterRole of `manifests/elastic/nodes.yaml` grants (without it, 403: the backend does without), and the
+namespace's ResourceQuotas, to grow only into pods they admit (list on `resourcequotas`; without it, 403: said once,
+the quotas are not counted). An API error becomes a one-line `BackendError` naming
 the object and what to do.
 
 The `kubernetes` client is imported inside the methods, so loading a profile (which embeds `spec.py`) stays light,
@@ -44,7 +46,8 @@ from cona.orchestrator.backends.kubernetes.api import (
 )
 from cona.orchestrator.backends.kubernetes.events import Blocked, creation_blocked, trainer_fields
 from cona.orchestrator.backends.kubernetes.incluster import orchestrator_owner
-from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text
+from cona.orchestrator.backends.kubernetes.quotas import pod_charges, quota_room
+from cona.orchestrator.backends.kubernetes.render import render_attempt, render_text, trainer_resources
 from cona.orchestrator.backends.kubernetes.workloads import (
     WorkloadApi,
     WorkloadKind,
@@ -73,6 +76,9 @@ IMAGE_WAITING_REASONS = frozenset({
 """The kubelet's waiting reasons of a container whose image cannot be pulled or used."""
 NODE_LIST_EVERY_S = 5.0
 """Elastic runs: how often `poll` lists the cluster's Nodes (one cluster-wide call) to see lost ones."""
+QUOTA_LIST_EVERY_S = 5.0
+"""Elastic runs: how often `available_nodes` lists the namespace's ResourceQuotas at most (a decision interval
+shorter than this, as in a small run, reads the last listing)."""
 EVENTS_AFTER_S = 10.0
 """How long after its launch an attempt's missing pods are only the Job controller not having made them yet: its
 Jobs' events are not read before (an API call per poll that could say nothing)."""
@@ -202,6 +208,10 @@ class KubernetesBackend(Backend):
         """(workload, when, what) `_creation_blocked` last read: at most every `EVENTS_EVERY_S`."""
         self._events_readable = True
         """False once listing events was refused (403): said once, not asked again by this orchestrator."""
+        self._quota_cache: tuple[float, list[Any]] | None = None
+        """(when, quotas) `_quota_room` last listed: at most every `QUOTA_LIST_EVERY_S` unless asked afresh."""
+        self._quotas_readable = True
+        """False once listing resourcequotas was refused (403): said once, not asked again by this orchestrator."""
         self._said: set[tuple[int, str]] | None = None
         """(attempt, line) of each refusal of pods already logged and printed; read from events.jsonl when first
         needed, so that an orchestrator that restarted does not log again what its predecessor did."""
@@ -253,17 +263,66 @@ class KubernetesBackend(Backend):
         return states
 
     def available_nodes(self, attempt: Attempt) -> int | None:
-        """The nodes a trainer pod could be scheduled on now (`node_usable`), the attempt's own among them."""
+        """The nodes a trainer pod could be scheduled on now (`node_usable`), the attempt's own among them, and no
+        more than the pods the namespace's ResourceQuotas admit: the attempt's own (which `used` counts already, and
+        which a relaunch frees) and those that fit besides (`_quota_room`)."""
         states = self.nodes()  # asked once per decision interval: a fresh listing
-        return None if states is None else sum(s.usable for s in states.values())
+        if states is None:
+            return None
+        usable = sum(s.usable for s in states.values())
+        room = self._quota_room(fresh=False)
+        return usable if room is None else min(usable, self._charged_pods(attempt) + room)
 
     def _start_on(self, table: dict[int, Strategy], planned: Strategy) -> Strategy:
         """The strategy an elastic launch starts: the table's for the most nodes that can run a pod now (the
-        smallest node count when fewer: its pods wait for nodes); `planned` when the Nodes cannot be read."""
+        smallest node count when fewer: its pods wait for nodes), and no more than the namespace's ResourceQuotas
+        admit pods (`_quota_room`); `planned` when the Nodes cannot be read (quotas alone are not asked then: such a
+        run never grows, so it cannot grow into a quota either).
+
+        No attempt holds pods here: the previous one was released (`release` waits until its pods are gone). Its
+        share of a quota's `used` frees when the quota controller recounts, moments later; the quotas are read as
+        they stand, so a launch in that moment starts on fewer pods and the run grows once they show the room (a
+        relaunch), where counting the previous pods as freed could have pods refused and wait
+        `elastic_pending_timeout_s` before shrinking (a relaunch and a timeout)."""
         states = self.nodes()
         if states is None:
             return planned
-        return table_choice(table, sum(s.usable for s in states.values()))
+        usable = sum(s.usable for s in states.values())
+        room = self._quota_room(fresh=True)
+        return table_choice(table, usable if room is None else min(usable, room))
+
+    def _charged_pods(self, attempt: Attempt) -> int:
+        """The attempt's pods that its namespace's quotas count now: every one that exists and has not ended
+        (Running, Pending, unscheduled or not; a Succeeded or Failed pod is no longer counted)."""
+        workload = self._workload(self._kind(attempt))
+        pods = self._pods(workload, attempt.backend_id)
+        return sum(1 for pod in pods if not (pod.status and pod.status.phase in ("Succeeded", "Failed")))
+
+    def _quota_room(self, *, fresh: bool) -> int | None:
+        """How many more trainer pods of `gpus_per_node` devices (the pods of every node count an elastic run
+        plans) the namespace's ResourceQuotas admit now (`quotas.quota_room`); None when none limits them or they
+        cannot be read. `fresh=False`: a listing up to `QUOTA_LIST_EVERY_S` old will do. A refused listing (403: a
+        Role without list on resourcequotas) is said once and not asked again; any other failure is said once and
+        the quotas are not counted for that call: the run then grows as far as the Nodes go, as it did before."""
+        if not self._quotas_readable or self.profile is None:
+            return None
+        now = time.monotonic()
+        cached = self._quota_cache
+        if fresh or cached is None or now - cached[0] >= QUOTA_LIST_EVERY_S:
+            try:
+                listed = self.api.call("list", "resourcequotas", "(all)", self.api.core().list_namespaced_resource_quota,
+                                       self.namespace, forbidden_ok=True)  # fmt: skip
+            except BackendError as e:
+                self._warn(f"{e}; the run's growth is not bounded by the namespace's ResourceQuotas this time")
+                return None
+            if listed is FORBIDDEN:
+                self._quotas_readable = False
+                self._warn(f"kubernetes: list resourcequotas in namespace {self.namespace!r} refused (403): the Role "
+                           "lacks list on resourcequotas; apply manifests/rbac.yaml, until then an elastic run may grow "
+                           "into pods a ResourceQuota refuses")  # fmt: skip
+                return None
+            cached = self._quota_cache = (now, list(listed.items or []))
+        return quota_room(cached[1], pod_charges(trainer_resources(self.spec, self.profile.gpus_per_node)))
 
     def _lost(
         self, pods: list[Any], strategy: Strategy, *, ended: bool, blocked: Blocked | None = None,

@@ -9,7 +9,7 @@ events here: `creation_blocked` finds the newest one, `explain_refusal` turns it
 field to fix and says whether waiting can help and whether fewer pods would fit — the one place that decides both;
 the scheduler's pending timeout then treats it as it treats a pod's waiting reason (`Outcome.stuck`), and an
 elastic run shrinks for pods that a ResourceQuota admits only some of (`Blocked.fewer_fit`), as for unschedulable
-ones.
+ones (and `quotas.py` keeps it from growing back into pods the quota would refuse again).
 
 Reading events takes `list` on `events` (core/v1), which the Roles of `manifests/rbac.yaml` grant; without it
 (403) the callers say what they said before: that there is no pod yet.
