@@ -6,7 +6,7 @@
 The record (`tests/published/megatron_sc21.yaml`, with its sources) is costed with cona's own model on a shipped
 profile (`profile`, with `profile_set` overrides, widened to each run's node count), with the runs' settings:
 recomputation (`recompute`, default full), attention (`attention`: `materialized` — unfused, the scores written to
-memory, the default — or `sdpa`), the micro-batch, global batch and virtual stages, and the models' vocabulary and
+memory, the default — or `sdpa`), sequence parallelism (`sequence_parallel`, default false), the micro-batch, global batch and virtual stages, and the models' vocabulary and
 sequence length (`model_defaults`). A model is a GPT unless it says otherwise: `family` (gpt, llama — SwiGLU,
 RMSNorm, RoPE — or bert), `kv_heads` (grouped-query attention) and `ffn_hidden` (the MLP's width; 4·hidden by
 default). Throughput is reported as TFLOP/s per GPU: a FLOP formula over the predicted iteration time, the
@@ -16,10 +16,11 @@ A run gives one of `tflops` (per GPU, by the record's formula), `iter_time_s` or
 or a token rate is converted with the same formula, so the ratio is published over predicted time. A run may give
 the `memory_gb` per GPU it published, which is shown beside the memory model's. Every section is optional: `runs`
 (or `table_1`) lists runs with their own
-model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute` and `attention`),
+model (and, where they differ from the record's, their own `vocab_size`, `seq_len`, `recompute`, `attention` and
+`sequence_parallel`),
 `table_2` one model at several schemes, `figure_13`/`figure_14`/`figure_16` sweeps whose best configuration
 the paper names. A misspelled key is refused with the list of valid ones, a key for what the format cannot say
-(context or sequence parallelism, experts, a ZeRO stage) with what to do instead, and a run published above the
+(context parallelism, experts, a ZeRO stage; `sp` for `sequence_parallel`) with what to do instead, and a run published above the
 accelerator's peak (by the record's formula), under 1% of it (milliseconds given as seconds) or with a memory above
 the device's (MiB given as GB) in one line naming it; run names are free text. A second record,
 `tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format on another
@@ -56,8 +57,9 @@ FLOPS = ("megatron-sc21", "megatron-core")
 """The FLOP formulas a record may count TFLOP/s by (`paper_flops`, `core_flops`)."""
 RATES = ("tflops", "iter_time_s", "tokens_per_s")
 """The ways a run may give what was published: TFLOP/s per GPU, seconds per iteration, tokens/s per GPU."""
-RUN_SETTINGS = ("vocab_size", "seq_len", "recompute", "attention")
-"""What a run may set for itself, over the record's `model_defaults`, `recompute` and `attention`."""
+RUN_SETTINGS = ("vocab_size", "seq_len", "recompute", "attention", "sequence_parallel")
+"""What a run may set for itself, over the record's `model_defaults`, `recompute`, `attention` and
+`sequence_parallel`."""
 RUN_KEYS = (*MODEL_KEYS, *MODEL_OPTIONS, "gpus", "t", "p", "mbs", "gbs", "v", "sharded_dp", *RATES, "memory_gb",
             *RUN_SETTINGS)
 TABLE_2_ROW_KEYS = ("scheme", "gpus", "t", "p", "mbs", *RATES, "memory_gb")
@@ -69,14 +71,13 @@ FIGURE_KEYS = {
 RECOMPUTE, ATTENTION = ("none", "selective", "full"), ("materialized", "sdpa")
 _CP = "context parallelism is not in cona's cost model (its trainer has none), and a run that used it cannot be " \
       "costed without it (its GPUs are t·p·cp·d); leave the run out of the record"  # fmt: skip
-_SP = "sequence parallelism is not in cona's cost model (its tensor parallelism keeps each rank's activations " \
-      "whole): remove the key to cost the run without it (mostly a memory difference), or leave the run out"  # fmt: skip
+_SP = "is written sequence_parallel: true (Megatron's --sequence-parallel), for the record or for one run"
 _EP = "mixture-of-experts models are not in cona's cost model; leave the run out of the record"
 _ZERO = "the ZeRO stage is not a setting of the format: cona's data parallelism shards the optimizer state and " \
         "gradients (ZeRO-1/2) whatever it says; remove the key, and give sharded_dp: true for ZeRO-3"  # fmt: skip
 UNSUPPORTED = {
     "cp": _CP, "context_parallel": _CP, "context_parallel_size": _CP, "context_parallelism": _CP,
-    "sp": _SP, "sequence_parallel": _SP, "sequence_parallelism": _SP,
+    "sp": _SP, "sequence_parallelism": _SP,
     "ep": _EP, "expert_parallel": _EP, "expert_parallel_size": _EP, "experts": _EP, "num_experts": _EP,
     "zero": _ZERO, "zero_stage": _ZERO,
 }  # fmt: skip
@@ -180,6 +181,9 @@ def _check_settings(mapping: dict[str, Any], where: str, sep: str) -> None:
     if "attention" in mapping:
         _require(mapping["attention"] in ATTENTION, f"{where}{sep}attention",
                  f"must be materialized or sdpa, got {mapping['attention']!r}")  # fmt: skip
+    if "sequence_parallel" in mapping:
+        _require(isinstance(mapping["sequence_parallel"], bool), f"{where}{sep}sequence_parallel",
+                 f"must be true or false, got {mapping['sequence_parallel']!r}")  # fmt: skip
 
 
 def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
@@ -220,7 +224,7 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
     # An empty file (or one of comments) was answered "profile: missing", as if only the profile were.
     _require(bool(record), where, f"the record is empty: give profile and at least one of {', '.join(SECTIONS)} "
                                   "(see tests/published/)")  # fmt: skip
-    top = ("profile", "profile_set", "model_defaults", "recompute", "attention", "flops", *SECTIONS)
+    top = ("profile", "profile_set", "model_defaults", "recompute", "attention", "sequence_parallel", "flops", *SECTIONS)
     unknown = sorted(str(k) for k in set(record) - set(top))
     _unsupported(unknown, f"{where}:", " ")
     _require(not unknown, f"{where}: {', '.join(unknown)}", f"unknown field; valid: {', '.join(top)}")
@@ -390,9 +394,9 @@ def a100_cluster(gpus: int, profile: ClusterProfile) -> ClusterProfile:
 
 
 def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, sharded_dp: bool = False,
-                 recompute: str = "full", vocab: int = VOCAB, seq: int = SEQ) -> Job:  # fmt: skip
+                 recompute: str = "full", vocab: int = VOCAB, seq: int = SEQ, sequence_parallel: bool = False) -> Job:  # fmt: skip
     """A cona job for one published run: a model of the run's shape and family, its recompute, batch and schedule."""
-    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": recompute}
+    parallel: dict[str, Any] = {"sharded_dp": sharded_dp, "recompute": recompute, "sequence_parallel": sequence_parallel}
     if v > 1:
         parallel.update(pipeline_schedule="interleaved", virtual_stages=v)
     # A record's run names are free text ("72L t8p6 m4", "BLOOM 176B"); a job's name is not.
@@ -468,8 +472,9 @@ def cost(group: str, label: str, model: dict[str, Any], *, record: dict[str, Any
     seq = model.get("seq_len", defaults.get("seq_len", SEQ))
     attention = model.get("attention", record.get("attention", "materialized"))
     recompute = model.get("recompute", record.get("recompute", "full"))
+    sequence_parallel = model.get("sequence_parallel", record.get("sequence_parallel", False))
     job = megatron_job(model, mbs=mbs, gbs=gbs, v=v, sharded_dp=sharded_dp, recompute=recompute, vocab=vocab,
-                       seq=seq)  # fmt: skip
+                       seq=seq, sequence_parallel=sequence_parallel)  # fmt: skip
     profile = a100_cluster(gpus, cluster)
     problem = layout_reason(job=job, profile=profile, dp=d, tp=t, pp=p, uneven=True)  # what the trainer can run
     c = evaluate(profile=profile, job=job, dp=d, tp=t, pp=p, mbs=mbs, gbs=gbs, layout_problem=problem,

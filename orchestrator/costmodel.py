@@ -222,10 +222,12 @@ def predict(
         / (acc.memory_bandwidth_bytes * MEMORY_BANDWIDTH_EFFICIENCY)
     )  # fmt: skip
     # Tensor parallelism: one all-reduce after attention and one after the MLP, in forward and again in backward
-    # (and in the recomputed forward).
+    # (and in the recomputed forward). Sequence parallelism moves the same bytes as an all-gather before attention
+    # and the MLP and a reduce-scatter after them (half an all-reduce each), and under selective recompute gathers
+    # the two inputs again in backward (one all-reduce's worth more).
     tp_layer = 0.0
     if tp > 1:
-        all_reduces = 6 if recompute == "full" else 4
+        all_reduces = 6 if recompute == "full" else 5 if recompute == "selective" and par.sequence_parallel else 4
         tp_layer = all_reduces * collective_time(nbytes=act_bytes * tokens * h, ranks=tp, kind="all_reduce",
                                                  per_node=min(tp, gpus), intra=intra, inter=inter)  # fmt: skip
     # The host issues every block's kernels; on a GPU it runs ahead of the device, which hides the larger of the two

@@ -195,58 +195,68 @@ def _lse(model: ModelSpec, tp: int, attention: Attention) -> float:
     return FP32 * model.num_heads / tp if attention == "sdpa" else 0.0
 
 
-def _layer_none(model: ModelSpec, *, device: Device, tp: int, attention: Attention) -> float:
-    """Bytes per token one block saves for backward without recompute (tensors listed as `Block` makes them)."""
+def _layer_none(model: ModelSpec, *, device: Device, tp: int, attention: Attention, sp: int = 1) -> float:
+    """Bytes per token one block saves for backward without recompute (tensors listed as `Block` makes them).
+
+    `sp`: the tp degree when the block runs sequence-parallel (`parallel.sequence_parallel`), else 1. The norms then
+    keep slices of the sequence (their inputs, normalised values and statistics: / sp), while each projection keeps
+    the whole input attention or the MLP gathered, as without it (torch's tensor-parallel linears save their input;
+    Megatron's would gather it again in backward)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     e, cuda = _elem(device), device == "cuda"
     if model.family == "llama":
         # RMSNorm keeps its input and the normalised x (fp32: x.float() · rsqrt), then each projection keeps its input:
         # one fp32 tensor on CPU, on cuda a bf16 cast per projection (autocast casts activations at every use).
         # attention: x, normed, n (3 casts) | MLP: x1, normed, n (2 casts: w1 and w3)
-        replicated = (FP32 * 2 + 3 * BF16) * h + (FP32 * 2 + 2 * BF16) * h if cuda else FP32 * 6 * h
+        norms, inputs = FP32 * 4 * h, (5 * BF16 if cuda else 2 * FP32) * h
+        replicated = norms / sp + inputs
         # SDPA keeps q, k, v, output; after RoPE (its products with constant cos/sin save nothing) and
         # repeat_interleave, k and v have all heads' width: h each, even under grouped-query attention.
         # SwiGLU keeps w1's output (silu), silu's output and w3's output (the product), the product (w2).
         split = (e * 4 * h + e * 4 * f) / tp
-        stats = 2 * FP32  # two rsqrt columns
+        stats = 2 * FP32 / sp  # two rsqrt columns
     else:
         # gpt (pre-norm): block input x (LayerNorm), normed n1 (q, k, v), x1 = x + attn (LayerNorm), normed n2 (w1);
         # bert (post-norm): x (q, k, v), r1 = x + attn (LayerNorm), x1 (w1), r2 = x1 + mlp (LayerNorm).
         # On cuda the three projections each keep a bf16 cast of their shared input and w1 one of its own, while
         # the LayerNorm inputs stay fp32 (the residual stream is fp32): 4h+6h+4h+2h bytes, as many as 4 fp32 tensors.
-        replicated = (2 * FP32 + 4 * BF16) * h if cuda else FP32 * 4 * h
+        norms, inputs = 2 * FP32 * h, (4 * BF16 if cuda else 2 * FP32) * h
+        replicated = norms / sp + inputs
         kv = _kv(model)
         # SDPA keeps q, k, v and its output (wo reads that output without a copy); GELU keeps its input, w2 GELU's output.
         split = (e * (2 * h + 2 * kv) + e * 2 * f) / tp
-        stats = 2 * 2 * FP32  # mean and rstd of two LayerNorms
+        stats = 2 * 2 * FP32 / sp  # mean and rstd of two LayerNorms
     return replicated + split + stats + _lse(model, tp, attention) + _attention_extra(
         model, device=device, tp=tp, attention=attention
     )[0]
 
 
-def _layer_selective(model: ModelSpec, *, device: Device, tp: int, attention: Attention) -> float:
+def _layer_selective(model: ModelSpec, *, device: Device, tp: int, attention: Attention, sp: int = 1) -> float:
     """Bytes per token one block keeps under selective recompute (`trainer.recompute.SAVE_OPS`): the checkpoint's
-    input, every matmul's output, attention's output and logsumexp, and tp's all-reduce outputs."""
+    input, every matmul's output, attention's output and logsumexp, and tp's collectives' outputs (`sp`: see
+    `_layer_none`)."""
     h, f, kv = model.hidden_size, model.ffn_hidden_size, _kv(model)
     e = _elem(device)
     mlp_in = (2 if model.family == "llama" else 1) * f
-    saved = FP32 * h  # the block's input (fp32 residual stream), kept by the checkpoint to replay the block
+    saved = FP32 * h / sp  # the block's input (fp32 residual stream), kept by the checkpoint to replay the block
     saved += e * (h + 2 * kv + h + mlp_in) / tp  # q, k, v, attention output, MLP input projection(s): split by tp
     saved += e * 2 * h  # wo's and w2's outputs: row-parallel, full width on every tp rank (partial sums)
-    if tp > 1:
+    if sp > 1:
+        saved += e * 2 * h / sp  # their reduce-scattered slices (the gathered inputs are gathered again in backward)
+    elif tp > 1:
         saved += e * 2 * h  # and their all-reduced sums
     return saved + _lse(model, tp, attention) + _attention_extra(model, device=device, tp=tp, attention=attention)[1]
 
 
-def _layer_saved(model: ModelSpec, *, mode: str, device: Device, tp: int, attention: Attention) -> float:
+def _layer_saved(model: ModelSpec, *, mode: str, device: Device, tp: int, attention: Attention, sp: int = 1) -> float:
     if mode == "full":
-        return FP32 * model.hidden_size  # the block's input only (fp32 residual stream)
+        return FP32 * model.hidden_size / sp  # the block's input only (fp32 residual stream; a slice under sp)
     if mode == "selective":
-        return _layer_selective(model, device=device, tp=tp, attention=attention)
-    return _layer_none(model, device=device, tp=tp, attention=attention)
+        return _layer_selective(model, device=device, tp=tp, attention=attention, sp=sp)
+    return _layer_none(model, device=device, tp=tp, attention=attention, sp=sp)
 
 
-def _layer_working(model: ModelSpec, *, mode: str, device: Device, tp: int, attention: Attention) -> float:
+def _layer_working(model: ModelSpec, *, mode: str, device: Device, tp: int, attention: Attention, sp: int = 1) -> float:
     """Bytes per token of one block's backward beyond what it saved: the gradient buffers alive at once and, under
     recompute, what the replayed forward saves again."""
     h, f = model.hidden_size, model.ffn_hidden_size
@@ -254,24 +264,29 @@ def _layer_working(model: ModelSpec, *, mode: str, device: Device, tp: int, atte
     # The residual gradient coming in and going out (fp32), and the MLP's hidden-width gradients: two for GELU,
     # three for SwiGLU (its product's two inputs and w1's output).
     grads = 2 * FP32 * h + (3 if model.family == "llama" else 2) * e * f / tp
-    none = _layer_none(model, device=device, tp=tp, attention=attention)
+    # Under sp the residual gradients are slices, but the gathered inputs' gradients are whole until reduce-scattered:
+    # the same bound.
+    none = _layer_none(model, device=device, tp=tp, attention=attention, sp=sp)
     if mode == "full":
-        return grads + none - FP32 * h  # the replay saves everything again but the input it started from
+        return grads + none - FP32 * h / sp  # the replay saves everything again but the input it started from
     if mode == "selective":
         # The replay saves everything `none` does, except what the first forward kept (read from the cache).
-        return grads + max(0.0, none - _layer_selective_shared(model, device=device, tp=tp, attention=attention))
+        shared = _layer_selective_shared(model, device=device, tp=tp, attention=attention, sp=sp)
+        return grads + max(0.0, none - shared)
     return grads
 
 
-def _layer_selective_shared(model: ModelSpec, *, device: Device, tp: int, attention: Attention) -> float:
+def _layer_selective_shared(model: ModelSpec, *, device: Device, tp: int, attention: Attention, sp: int = 1) -> float:
     """The part of a block's `none` saved set that selective recompute keeps from the first forward (cached)."""
     h, f, kv = model.hidden_size, model.ffn_hidden_size, _kv(model)
     e = _elem(device)
     if model.family == "llama":  # the input, attention's output, w1's and w3's outputs (q, k, v pass RoPE first)
-        shared = FP32 * h + e * (h + 2 * f) / tp
+        shared = FP32 * h / sp + e * (h + 2 * f) / tp
     else:  # q, k, v (SDPA reads the matmuls' outputs), the attention output, w1's output; and the fp32 input x
         shared = e * (2 * h + 2 * kv + f) / tp
-        if device == "cpu" or model.family == "gpt":  # bert on cuda keeps only bf16 casts of its input in `none`
+        # bert on cuda keeps only bf16 casts of its input in `none`; under sp the projections' whole inputs are
+        # gathered again in the replay, not kept from the first forward.
+        if sp == 1 and (device == "cpu" or model.family == "gpt"):
             shared += FP32 * h
     return shared + _lse(model, tp, attention) + _attention_extra(model, device=device, tp=tp, attention=attention)[1]
 
@@ -392,6 +407,7 @@ def _rank_memory(
     virtual: int, tokens: int, num_microbatches: int, device: Device, attention: Attention,
 ) -> MemoryBreakdown:  # fmt: skip
     num_stages = len(stages)
+    sp = tp if tp > 1 and parallel.sequence_parallel else 1  # what a sequence-parallel block's slices divide by
     my_stages = [rank + j * pp for j in range(virtual)]  # stage s on pp rank s mod pp
     has_first, has_last = 0 in my_stages, num_stages - 1 in my_stages
     layer = _layer_params(model, tp)
@@ -444,13 +460,14 @@ def _rank_memory(
             grads_a, grads_b = 0.0, 2 * FP32 * (head.total + layer.largest)
 
     # Activations of one micro-batch on this rank.
-    per_micro = tokens * my_layers * _layer_saved(model, mode=mode, device=device, tp=tp, attention=attention)
+    per_micro = tokens * my_layers * _layer_saved(model, mode=mode, device=device, tp=tp, attention=attention, sp=sp)
     if has_first:
         per_micro += tokens * _embedding_saved(model)
     if has_last:
         per_micro += tokens * _head_saved(model, device=device)
-    # A pipeline stage's output (fp32, full width) stays in the stage's cache until its backward.
-    per_micro += tokens * FP32 * model.hidden_size * sum(1 for s in my_stages if s != num_stages - 1)
+    # A pipeline stage's output (fp32, full width; its slice of the sequence under sp) stays in the stage's cache
+    # until its backward.
+    per_micro += tokens * FP32 * model.hidden_size / sp * sum(1 for s in my_stages if s != num_stages - 1)
     activations = flight * per_micro
     if cuda:
         # autocast's bf16 weight copies. Without recompute every matmul saves its cast weight for backward; under
@@ -471,7 +488,7 @@ def _rank_memory(
 
     # (B): one block's backward on top; on cuda a weight gradient is made in bf16 before it is added to the fp32
     # one, and without pp a replayed block casts its weights again.
-    layer_work = tokens * _layer_working(model, mode=mode, device=device, tp=tp, attention=attention)
+    layer_work = tokens * _layer_working(model, mode=mode, device=device, tp=tp, attention=attention, sp=sp)
     if cuda:
         layer_work += BF16 * layer.largest
         if mode != "none" and pp == 1:

@@ -50,6 +50,9 @@ def layout_problem(job: JobSpec, *, tp: int, pp: int, gpus_per_node: int | None 
     ):
         if value % tp:
             return f"tp={tp} does not divide {name}={value}; choose a tp that divides it"
+    if tp > 1 and job.parallel.sequence_parallel and model.seq_len % tp:
+        return (f"tp={tp} does not divide model.seq_len={model.seq_len}, which sequence parallelism splits over the "
+                "tp ranks; choose a tp that divides it or set parallel.sequence_parallel: false")  # fmt: skip
     # A tp group is tp consecutive ranks: on full nodes it lies inside one or on whole ones only when tp divides
     # gpus_per_node or is a multiple of it; otherwise groups straddle node boundaries, each split differently.
     if gpus_per_node is not None and gpus_per_node % tp and tp % gpus_per_node:

@@ -325,6 +325,12 @@ class ParallelSpec(StrictModel):
     backward (the least memory). `false` (ZeRO-2-like): the gathered parameters are kept from a step's first
     forward to its last backward, one all-gather per block and step instead of two per block and micro-batch, and
     each rank holds its stage's whole fp32 parameters at the peak (about 4 bytes per parameter more). Under pp they are kept either way, and the flag changes nothing."""
+    sequence_parallel: bool = False
+    """Under tp > 1, split each block's norms and residual stream along the sequence over the tp ranks (Megatron's
+    sequence parallelism, torchtitan's `SequenceParallel`): the all-reduce after attention and after the MLP
+    becomes a reduce-scatter, the block's inputs an all-gather (the same bytes), and every activation outside
+    attention and the MLP is held once per tp group instead of on every rank. Needs tp to divide `model.seq_len`.
+    Embeddings, the final norm and the head stay whole on every tp rank."""
     recompute: Literal["none", "selective", "full"] = "none"
     """What backward recomputes instead of keeping from forward (activation checkpointing):
 

@@ -7,6 +7,7 @@ in-place results count once) and drops it when the storage is freed (a weakref f
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -24,6 +25,9 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.external: set[int] = set()
+        # A storage can be freed on another thread (gloo's, which drops a collective's buffers): `current -= n` there
+        # and `current += n` here would lose one of the two updates without it.
+        self._lock = threading.Lock()
 
     def ignore(self, tensors: Any) -> None:
         """Storages created before this mode (parameters): views of them are not new memory."""
@@ -31,16 +35,24 @@ class LiveBytes(TorchDispatchMode):
             self.external.add(tensor.untyped_storage().data_ptr())
 
     def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        with self._lock:
+            self.current -= self.live.pop(key, 0)
 
     def _track(self, tensor: torch.Tensor) -> None:
+        # A wrapper subclass holds no storage of its own: a DTensor's local shard (its op ran unseen, inside this
+        # mode), a functional collective's result (AsyncCollectiveTensor) its `elem`, is the memory.
+        for attribute in ("_local_tensor", "elem"):
+            inner = getattr(tensor, attribute, None)
+            if isinstance(inner, torch.Tensor):
+                return self._track(inner)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if storage.nbytes() == 0 or key in self.live or key in self.external:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            if storage.nbytes() == 0 or key in self.live or key in self.external:
+                return
+            self.live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

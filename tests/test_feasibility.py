@@ -52,6 +52,18 @@ def test_the_model_still_bounds_tp_before_the_nodes_do():
     assert problem == "tp=32 does not divide model.num_heads=16; choose a tp that divides it"
 
 
+def test_sequence_parallelism_needs_tp_to_divide_the_sequence():
+    """Each tp rank holds seq_len / tp positions of every block's input: a remainder has no rank to go to."""
+    odd = {"preset": "gpt3-1.3b", "seq_len": 2046}  # 2 · 3 · 11 · 31: tp 2 divides it, 4 does not
+    job = job_from_dict({"model": odd, "parallel": {"sequence_parallel": True}})
+    assert layout_problem(job, tp=2, pp=1) == ""
+    assert layout_problem(job, tp=4, pp=1) == (
+        "tp=4 does not divide model.seq_len=2046, which sequence parallelism splits over the tp ranks; choose a tp "
+        "that divides it or set parallel.sequence_parallel: false"
+    )
+    assert layout_problem(job_from_dict({"model": odd}), tp=4, pp=1) == ""  # without it, any tp that splits the heads
+
+
 def _node_of_rank(world: int, nnodes: int) -> list[int]:
     per_node = world // nnodes
     return [rank // per_node for rank in range(world)]

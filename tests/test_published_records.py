@@ -98,7 +98,9 @@ def run(**change):
         ({"runs": [run(name=["a"])]}, "runs[0].name: must be a non-empty name, got ['a']"),
         # What the format cannot say is named as such, not as a misspelling of one of the valid keys.
         ({"runs": [run(cp=16)]}, "runs[0].cp: context parallelism is not in cona's cost model"),
-        ({"runs": [run(sequence_parallel=True)]}, "runs[0].sequence_parallel: sequence parallelism is not in"),
+        ({"runs": [run(sp=True)]}, "runs[0].sp: is written sequence_parallel: true (Megatron's --sequence-parallel)"),
+        ({"runs": [run(sequence_parallel="yes")]}, "runs[0].sequence_parallel: must be true or false, got 'yes'"),
+        ({"sequence_parallel": 1, "runs": [RUN]}, "record.yaml: sequence_parallel: must be true or false, got 1"),
         ({"cp": 16, "runs": [RUN]}, "record.yaml: cp: context parallelism is not in cona's cost model"),
         # Grouped-query attention on a GPT was refused by the trainer's job as "field 'model'" of the run's name.
         ({"flops": "megatron-core", "runs": [run(kv_heads=8)]},
@@ -157,6 +159,20 @@ def test_the_new_records_load_and_cost(tmp_path, capsys, name):
     saved = json.loads(out.read_text())
     assert [c["label"] for c in saved["cases"]] == [str(r["name"]) for r in record["runs"]]
     assert "predicted/published from" in capsys.readouterr().out
+
+
+def test_a_sequence_parallel_run_is_costed_with_its_memory(tmp_path):
+    """`sequence_parallel: true` (a run's or the record's) reaches the job the run is costed with: under tp its
+    activations are slices of the sequence (less memory), the same bytes cross the tp links under full recompute."""
+    runs = [run(name="plain", t=8, gpus=64), run(name="sp", t=8, gpus=64, sequence_parallel=True)]
+    path = tmp_path / "record.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "runs": runs}))
+    plain, sp = all_cases(load_record(path))
+    assert sp.prediction.activation_bytes < plain.prediction.activation_bytes
+    assert sp.prediction.tp_comm_s == plain.prediction.tp_comm_s
+    path.write_text(yaml.safe_dump({**BASE, "sequence_parallel": True, "runs": runs[:1]}))
+    (whole,) = all_cases(load_record(path))
+    assert whole.prediction.activation_bytes == sp.prediction.activation_bytes
 
 
 def test_the_mt_nlg_runs_are_the_papers_own_tflops():

@@ -106,3 +106,24 @@ def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
     got, want = step_records(run, 3), step_records(tmp_path / "explicit", 0)
     assert got[1]["strategy"] == strategy
     assert [got[k]["train_loss"] for k in (1, 2, 3)] == [want[k]["train_loss"] for k in (1, 2, 3)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("preset", "strategy", "recompute"),
+    [
+        # BERT's post-norm blocks over two stages (slices of the sequence pass between them); llama's RoPE and
+        # grouped-query attention with FSDP2, under selective recompute (the gathers run again in backward).
+        pytest.param("tiny-bert", "dp=1,tp=2,pp=2,mbs=2,gbs=16", "none", id="bert-tp2-pp2"),
+        pytest.param("tiny-llama", "dp=2,tp=2,pp=1,mbs=2,gbs=16", "selective", id="llama-dp2-tp2-selective"),
+    ],
+)  # fmt: skip
+def test_sequence_parallelism_matches_one_process(tmp_path, preset, strategy, recompute):
+    job = write_job(tmp_path, preset=preset, parallel={"sequence_parallel": True, "recompute": recompute})
+    single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
+    assert single.exit_code == ExitCode.STOPPED, describe(single)
+    parallel = launch(tmp_path / "parallel", nproc=4, strategy=strategy, job=job, max_steps=3)
+    assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
+    want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
+    for step in (1, 2, 3):
+        assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step

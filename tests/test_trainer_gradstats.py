@@ -118,8 +118,20 @@ LAYOUTS = [
 @pytest.mark.distributed
 @pytest.mark.parametrize(("preset", "strategy", "nproc"), LAYOUTS)
 def test_gradient_statistics_equal_brute_force(tmp_path, preset, strategy, nproc):
+    _statistics_equal_brute_force(tmp_path, preset, strategy, nproc)
+
+
+@pytest.mark.distributed
+def test_gradient_statistics_equal_brute_force_under_sequence_parallelism(tmp_path):
+    """The norms' weights are DTensors replicated over tp there (their gradients summed over the sequence slices):
+    counted once, as every replicated parameter."""
+    _statistics_equal_brute_force(tmp_path, "tiny-llama", "dp=2,tp=2,pp=1,mbs=4,gbs=16", 4, sequence_parallel=True)
+
+
+def _statistics_equal_brute_force(tmp_path, preset: str, strategy: str, nproc: int, *, sequence_parallel: bool = False) -> None:
     # The Adam-preconditioned norms are computed only when asked for (the orchestrator asks for the adam estimator).
-    job = write_job(tmp_path, preset=preset, checkpoint={"interval_steps": 1, "keep": 5}, heartbeat={"adam_stats": True})
+    job = write_job(tmp_path, preset=preset, checkpoint={"interval_steps": 1, "keep": 5}, heartbeat={"adam_stats": True},
+                    parallel={"sequence_parallel": sequence_parallel})  # fmt: skip
     run = tmp_path / "run"
     result = launch(run, nproc=nproc, strategy=strategy, job=job, max_steps=2)
     assert result.exit_code == ExitCode.STOPPED, describe(result)

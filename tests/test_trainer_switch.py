@@ -59,8 +59,11 @@ def _assert_same_state(saved: dict, loaded: dict, where: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_switch_chain_matches_a_run_that_never_switched(tmp_path):
-    job = write_job(tmp_path)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sequence-parallel"])
+def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_parallel):
+    """With sequence parallelism the tp layouts' norms are DTensors (replicated over tp) and their blocks' inputs
+    slices of the sequence: the chain in and out of them loads and trains the same."""
+    job = write_job(tmp_path, parallel={"sequence_parallel": sequence_parallel})
     last_gbs16_step = STEPS_PER_SEGMENT * (len(CHAIN) - 1)
 
     # The never-switched reference: one process, one layout, the same gbs.

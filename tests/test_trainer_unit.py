@@ -341,6 +341,12 @@ def test_the_tp_plan_names_every_linear_layer_of_a_block(preset):
         linears = {name for name, module in block.named_modules() if isinstance(module, nn.Linear)}
         assert set(tp_plan(block)) == linears
         assert set(tp_plan(block).values()) == {"colwise", "rowwise"}
+        # Sequence parallelism adds the two norms (split along the sequence) and the two modules whose input it
+        # gathers whole; the linear layers keep their split.
+        sequence = tp_plan(block, sequence_parallel=True)
+        assert {k: v for k, v in sequence.items() if k in linears} == tp_plan(block)
+        assert {k: v for k, v in sequence.items() if k not in linears} == {
+            "attn_norm": "sequence", "mlp_norm": "sequence", "attn": "gather", "mlp": "gather"}
 
 
 def test_gpt_is_causal_and_bert_is_not():

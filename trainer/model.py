@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -160,10 +160,11 @@ class Block(nn.Module):
         """`parallel.recompute`: what backward recomputes (`trainer.recompute`); set by `trainer.parallel`."""
 
     def _forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        # rope by keyword: a tp plan that prepares the module's inputs (sequence parallelism) sees only x.
         if self.post_norm:
-            x = self.attn_norm(x + self.attn(x, rope))
+            x = self.attn_norm(x + self.attn(x, rope=rope))
             return self.mlp_norm(x + self.mlp(x))
-        x = x + self.attn(self.attn_norm(x), rope)
+        x = x + self.attn(self.attn_norm(x), rope=rope)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -171,23 +172,30 @@ class Block(nn.Module):
         return checkpointed(self._forward, x, rope, mode=self.recompute)
 
 
-TpStyle = Literal["colwise", "rowwise"]
-"""How `trainer.tp` splits one linear layer over the tp ranks: by output features or by input features."""
+TpStyle = Literal["colwise", "rowwise", "sequence", "gather"]
+"""How `trainer.tp` splits one module over the tp ranks: a linear layer by output features or by input features;
+under sequence parallelism a norm along the sequence (`sequence`), and a module whose input it gathers whole
+(`gather`)."""
 
 
-def tp_plan(block: Block) -> dict[str, TpStyle]:
+def tp_plan(block: Block, *, sequence_parallel: bool = False) -> dict[str, TpStyle]:
     """The block's tensor-parallel plan, keyed by module names relative to the block (`trainer.tp.apply_tp`).
 
     Megatron's split: q, k, v and the MLP's input projections column-parallel, so each tp rank holds whole
     attention heads and the matching whole kv heads (`Attention` reads the head counts from the projection sizes)
     and a slice of the MLP's hidden units; the attention output and the MLP output row-parallel, so each block
-    needs one all-reduce after attention and one after the MLP. Norms stay replicated. Renaming a module here
-    means renaming it in its plan too.
+    needs one all-reduce after attention and one after the MLP. Norms stay replicated. With sequence parallelism
+    the block's input and output are the rank's slice of the sequence: the norms run on it, attention and the MLP
+    gather their input whole, and the row-parallel outputs are reduce-scattered back to slices (the post-norm
+    BERT block has the same four modules, so the same plan). Renaming a module here means renaming it in its plan
+    too.
     """
     plan: dict[str, TpStyle] = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise",
                                 "attn.wo": "rowwise", "mlp.w1": "colwise", "mlp.w2": "rowwise"}  # fmt: skip
     if block.mlp.w3 is not None:  # SwiGLU's second input projection (llama)
         plan["mlp.w3"] = "colwise"
+    if sequence_parallel:
+        plan.update({"attn_norm": "sequence", "mlp_norm": "sequence", "attn": "gather", "mlp": "gather"})
     return plan
 
 
@@ -232,6 +240,9 @@ class Transformer(nn.Module):
         )
         self.embed_inputs = True
         """False on a later pipeline stage that keeps `tok_embeddings` only for the tied decoder weight."""
+        self.sequence_mesh: Any = None
+        """The tp mesh when the blocks run sequence-parallel (`trainer.tp.apply_tp`): the first stage splits the
+        embeddings' output along the sequence before its blocks, the last stage gathers it after them."""
         self._rope_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -246,8 +257,10 @@ class Transformer(nn.Module):
         return self._rope_cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq_len = x.shape[1]
-        if self.tok_embeddings is not None and self.embed_inputs:
+        embeds = self.tok_embeddings is not None and self.embed_inputs
+        # A later stage under sequence parallelism receives its slice of the sequence; RoPE wants the whole length.
+        seq_len = x.shape[1] * (self.sequence_mesh.size() if self.sequence_mesh is not None and not embeds else 1)
+        if embeds:
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(torch.arange(seq_len, device=x.device))
@@ -255,9 +268,12 @@ class Transformer(nn.Module):
                 x = x + self.type_embeddings.weight[0]
             if self.emb_norm is not None:
                 x = self.emb_norm(x)
+            x = self._split_sequence(x)
         rope = self._rope(seq_len, x.device)
         for layer in self.layers.values():
             x = layer(x, rope)
+        if self.output is not None:  # the last stage: its norm and head see the whole sequence
+            x = self._gather_sequence(x)
         if self.norm is not None:
             x = self.norm(x)
         if self.mlm_dense is not None:
@@ -269,6 +285,25 @@ class Transformer(nn.Module):
         elif self.output is not None:
             x = self.output(x)
         return x
+
+    def _split_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This tp rank's slice of the sequence of `x` (whole on every tp rank). Through DTensor, so that backward
+        gathers the slices' gradients: every rank's embeddings then get the whole sequence's gradient."""
+        if self.sequence_mesh is None:
+            return x
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        whole = DTensor.from_local(x, self.sequence_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(self.sequence_mesh, [Shard(1)]).to_local()
+
+    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from every tp rank's slice (the inverse of `_split_sequence`)."""
+        if self.sequence_mesh is None:
+            return x
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        sliced = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
+        return sliced.redistribute(self.sequence_mesh, [Replicate()]).to_local()
 
     @property
     def tied_embeddings(self) -> bool:

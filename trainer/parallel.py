@@ -131,7 +131,7 @@ class ParallelModel:
         for block in model.layers.values():
             block.recompute = self.job.parallel.recompute
         if self.strategy.tp > 1:
-            apply_tp(model, self.mesh["tp"])
+            apply_tp(model, self.mesh["tp"], sequence_parallel=self.job.parallel.sequence_parallel)
         if self.strategy.dp > 1:
             apply_fsdp(model, self.mesh["dp"], pp=self.strategy.pp, sharded_dp=self.job.parallel.sharded_dp)
         return model

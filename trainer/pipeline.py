@@ -65,6 +65,8 @@ def build_schedule(
     )
 
     spec, mbs = job.model, strategy.mbs
+    # Between stages under sequence parallelism each tp rank sends and receives its slice of the sequence.
+    between = spec.seq_len // strategy.tp if job.parallel.sequence_parallel else spec.seq_len
     act_dtype = torch.float32
     logit_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     stages = []
@@ -72,11 +74,11 @@ def build_schedule(
         if stage_id == 0:
             example_in = torch.empty(mbs, spec.seq_len, dtype=torch.long, device="meta")
         else:
-            example_in = torch.empty(mbs, spec.seq_len, spec.hidden_size, dtype=act_dtype, device="meta")
+            example_in = torch.empty(mbs, between, spec.hidden_size, dtype=act_dtype, device="meta")
         if stage_id == num_stages - 1:
             example_out = torch.empty(mbs, spec.seq_len, spec.vocab_size, dtype=logit_dtype, device="meta")
         else:
-            example_out = torch.empty(mbs, spec.seq_len, spec.hidden_size, dtype=act_dtype, device="meta")
+            example_out = torch.empty(mbs, between, spec.hidden_size, dtype=act_dtype, device="meta")
         # Static shapes (no inference pass); requires_grad marks the activations whose gradients flow back.
         if example_in.is_floating_point():
             example_in.requires_grad_(True)

@@ -43,9 +43,10 @@ SAVE_OPS: frozenset[Any] = frozenset(
         # fused attention, on every backend SDPA may pick (its output and logsumexp are what backward needs)
         "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
         "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
-        # tensor parallelism's collectives: recomputing them would communicate again
+        # tensor parallelism's collectives whose outputs are slices or needed anyway: recomputing them would
+        # communicate again. Not sequence parallelism's all-gathers: their whole-sequence outputs are gathered again
+        # in backward (torchtitan's and Megatron's choice), so a block keeps slices only.
         "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
-        "_c10d_functional.all_gather_into_tensor",
     )
 )  # fmt: skip
 """The ops whose outputs selective recomputation keeps from the first forward."""
