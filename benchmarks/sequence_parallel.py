@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per layout and setting (default 3)")
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.repeats < 1:
-        parser.error("--steps must be at least 2 and --repeats at least 1")
+    if args.steps < 2:
+        parser.error(f"--steps: must be at least 2, got {args.steps}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be at least 1, got {args.repeats}")
     times = step_times(steps=args.steps, repeats=args.repeats)
     print_table("Step time, tiny GPT on CPU (gloo): median ms per step", ["layout", "off", "on", "on / off"], [
         [layout, f"{r['median_step_time_s']['off'] * 1e3:.1f}", f"{r['median_step_time_s']['on'] * 1e3:.1f}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import endgame, noise_batch, noise_floor, ttp
+from benchmarks import endgame, noise_batch, noise_floor, sequence_parallel, ttp
 
 
 @pytest.mark.parametrize("module", [endgame, noise_batch, noise_floor, ttp], ids=lambda m: m.__name__)
@@ -28,6 +28,8 @@ def test_a_misspelled_workload_is_answered_with_the_valid_ones(module, argv, say
     (endgame, ["--states", "-5"], "--states: every value must be at least 0, got '-5'"),
     (ttp, ["--seeds", "0,a"], "--seeds: expected comma-separated integers, got '0,a'"),
     (noise_batch, ["--modes", "held,x"], "--modes: unknown 'x'; valid: held, trained"),
+    (sequence_parallel, ["--steps", "1"], "--steps: must be at least 2, got 1"),
+    (sequence_parallel, ["--repeats", "0"], "--repeats: must be at least 1, got 0"),
 ])  # fmt: skip
 def test_bad_numbers_and_modes_name_the_flag(module, argv, says, capsys):
     with pytest.raises(SystemExit) as info:
