@@ -72,6 +72,15 @@ def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Pa
     return path
 
 
+def loop_time(run_dir: Path, steps: int, attempt: int = 1) -> float:
+    """Seconds of a trainer run's training loop: its `start` heartbeat to the checkpoint of step `steps` starting
+    (the time in its trainer_state.json), without start-up, evaluation at the end or the final save."""
+    beats = [json.loads(line) for line in (run_dir / "heartbeats" / f"{attempt}.jsonl").read_text().splitlines() if line]
+    start = next(b["time"] for b in beats if b.get("event") == "start")
+    ckpt = run_dir / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
+    return json.loads(ckpt.read_text())["time"] - start
+
+
 def shown(path: Path) -> str:
     """`path` relative to the repository when it lies inside it (as the results name their files), else as given
     (an `--out` outside the repository)."""

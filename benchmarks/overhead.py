@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt_s, print_table, shown, write_json
+from benchmarks.common import REPO, fmt_s, loop_time, print_table, shown, write_json
 
 SETTINGS = {
     "full": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true", "policy.noise_estimator=adam"],
@@ -52,13 +52,6 @@ COMMON = [
     "eval.interval_samples=100000000", "eval.num_windows=2", "eval.batch_size=2", "checkpoint.interval_steps=100000000",
     "target.max_samples=100000000",
 ]  # fmt: skip
-
-
-def _loop_time(run_dir: Path, steps: int) -> float:
-    beats = [json.loads(line) for line in (run_dir / "heartbeats" / "1.jsonl").read_text().splitlines() if line]
-    start = next(b["time"] for b in beats if b.get("event") == "start")
-    ckpt = run_dir / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
-    return json.loads(ckpt.read_text())["time"] - start
 
 
 def end_to_end(*, steps: int, repeats: int) -> dict[str, Any]:
@@ -81,7 +74,7 @@ def end_to_end(*, steps: int, repeats: int) -> dict[str, Any]:
                     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
                     if proc.returncode not in (0, 1) or not (root / "attempts" / "1" / "exit.json").exists():
                         raise RuntimeError(f"trainer failed ({name}, {layout}): {proc.stderr[-2000:]}")
-                    times[name].append(_loop_time(root, steps) / steps)
+                    times[name].append(loop_time(root, steps) / steps)
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
                 print(f"overhead: {layout} {name}: {times[name][-1] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)

@@ -21,7 +21,6 @@ Writes benchmarks/results/sequence-parallel.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, print_table, shown, write_json
+from benchmarks.common import REPO, loop_time, print_table, shown, write_json
 
 LAYOUTS = {"dp=1 tp=2": ("dp=1,tp=2,pp=1,mbs=8,gbs=32", 2), "dp=2 tp=2": ("dp=2,tp=2,pp=1,mbs=8,gbs=32", 4)}
 COMMON = [
@@ -47,13 +46,6 @@ PAIRS = [
     ("slurm/profiles/local-slurm.yaml", "examples/tiny-gpt.yaml"),
 ]  # fmt: skip
 """The shipped profiles with the shipped jobs they are meant for."""
-
-
-def _loop_time(run_dir: Path, steps: int) -> float:
-    beats = [json.loads(line) for line in (run_dir / "heartbeats" / "1.jsonl").read_text().splitlines() if line]
-    start = next(b["time"] for b in beats if b.get("event") == "start")
-    ckpt = run_dir / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
-    return json.loads(ckpt.read_text())["time"] - start
 
 
 def _train(strategy: str, world: int, sequence_parallel: bool, steps: int) -> float:
@@ -72,7 +64,7 @@ def _train(strategy: str, world: int, sequence_parallel: bool, steps: int) -> fl
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode not in (0, 1) or not (root / "attempts" / "1" / "exit.json").exists():
             raise RuntimeError(f"trainer failed ({strategy}, sequence_parallel={sequence_parallel}): {proc.stderr[-2000:]}")
-        return _loop_time(root, steps) / steps
+        return loop_time(root, steps) / steps
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

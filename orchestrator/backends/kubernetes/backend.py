@@ -317,9 +317,7 @@ class KubernetesBackend(Backend):
                 return None
             if listed is FORBIDDEN:
                 self._quotas_readable = False
-                self._warn(f"kubernetes: list resourcequotas in namespace {self.namespace!r} refused (403): the Role "
-                           "lacks list on resourcequotas; apply manifests/rbac.yaml, until then an elastic run may grow "
-                           "into pods a ResourceQuota refuses")  # fmt: skip
+                self._forbidden("resourcequotas", "an elastic run may grow into pods a ResourceQuota refuses")
                 return None
             cached = self._quota_cache = (now, list(listed.items or []))
         return quota_room(cached[1], pod_charges(trainer_resources(self.spec, self.profile.gpus_per_node)))
@@ -540,9 +538,7 @@ class KubernetesBackend(Backend):
             found = None
         if found is FORBIDDEN:
             self._events_readable = False
-            self._warn(f"kubernetes: list events in namespace {self.namespace!r} refused (403): the Role lacks list "
-                       "on events; apply manifests/rbac.yaml, until then a pod that cannot be created shows only as "
-                       "missing")  # fmt: skip
+            self._forbidden("events", "a pod that cannot be created shows only as missing")
             return None
         assert found is None or isinstance(found, Blocked)
         self._events_cache = (attempt.backend_id, now, found)
@@ -561,6 +557,11 @@ class KubernetesBackend(Backend):
             self._said = {(record.get("attempt"), record.get("detail")) for record in read_events(self.run_dir)
                           if record.get("event") == "pods-not-created"}  # fmt: skip
         return self._said
+
+    def _forbidden(self, resource: str, meanwhile: str) -> None:
+        """Say once that the Role does not let the orchestrator list `resource`, and what goes without it."""
+        self._warn(f"kubernetes: list {resource} in namespace {self.namespace!r} refused (403): the Role lacks list "
+                   f"on {resource}; apply manifests/rbac.yaml, until then {meanwhile}")  # fmt: skip
 
     def _warn(self, line: str) -> None:
         if line not in self._warned:
