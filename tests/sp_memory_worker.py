@@ -56,9 +56,15 @@ def saved(family: str, layers: int, mode: str, sequence_parallel: bool, mesh) ->
 
 
 def measured(family: str, mode: str, sp: bool, mesh) -> int:
-    """3 layers minus 1 layer, the value most of three tries give (with the barriers in `saved` all agree; the
+    """3 layers minus 1 layer: two tries, and a third to break a tie (with the barriers in `saved` they agree; the
     majority keeps a rare straggling buffer from failing the test)."""
-    tries = [saved(family, 3, mode, sp, mesh) - saved(family, 1, mode, sp, mesh) for _ in range(3)]
+
+    def once() -> int:
+        return saved(family, 3, mode, sp, mesh) - saved(family, 1, mode, sp, mesh)
+
+    tries = [once(), once()]
+    if tries[0] != tries[1]:
+        tries.append(once())
     return collections.Counter(tries).most_common(1)[0][0]
 
 
