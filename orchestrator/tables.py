@@ -48,7 +48,8 @@ def print_plan(
     # Names come from the user's YAML: `[...]` in them is text, not rich markup (`[/]` would raise, `[old]` vanish).
     console.print(
         f"[bold]{escape(job.name)}[/]: {escape(model.preset or model.family)} ({model.num_params / 1e6:,.1f}M "
-        f"parameters, seq {model.seq_len}) on [bold]{escape(profile.name)}[/]: {profile.nodes} node(s) × "
+        f"parameters, seq {model.seq_len}{', sequence-parallel under tp' if job.parallel.sequence_parallel else ''}) "
+        f"on [bold]{escape(profile.name)}[/]: {profile.nodes} node(s) × "
         f"{profile.gpus_per_node} {escape(profile.accelerator.name)}"
     )
     if calibrated is None:

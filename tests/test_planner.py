@@ -193,6 +193,25 @@ def test_plan_works_on_every_example(job):
     assert "cona starts on " in result.stdout  # where the run would start, which is not always the fastest row
 
 
+def test_plan_says_when_tp_runs_sequence_parallel_and_counts_its_memory():
+    args = ("plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/gpt3-1.3b.yaml", "--gbs", "64",
+            "--all")  # fmt: skip
+    plain, sp = run_cona(*args), run_cona(*args, "--set", "parallel.sequence_parallel=true")
+    assert plain.returncode == sp.returncode == 0, plain.stderr + sp.stderr
+    assert "(1,315.7M parameters, seq 2048) on" in plain.stdout
+    assert "(1,315.7M parameters, seq 2048, sequence-parallel under tp) on" in sp.stdout
+
+    def memory(out: str, layout: str) -> float:
+        (row,) = [line for line in out.splitlines() if layout in line]
+        value, unit = row.split("│")[10].split()
+        assert unit == "GB", row
+        return float(value)
+
+    # d4t2p4 m1: less activation memory per device with it; d8t1p4 m1 has no tp, the same.
+    assert memory(sp.stdout, "│  4 │  2 │  4 │   1 │") < memory(plain.stdout, "│  4 │  2 │  4 │   1 │")
+    assert memory(sp.stdout, "│  8 │  1 │  4 │   1 │") == memory(plain.stdout, "│  8 │  1 │  4 │   1 │")
+
+
 def test_plan_shows_a_few_megabytes_as_megabytes():
     """tiny-gpt on the CPU profile needs a few MB per process (no CUDA context): `0.00 GB` would read as nothing."""
     result = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--top", "3")
