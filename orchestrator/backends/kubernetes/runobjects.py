@@ -9,7 +9,7 @@ the run directory's name under `storage.run_root`, so the attempts' workloads (`
 
 | object | name | written by |
 |---|---|---|
-| ConfigMap | `R` | `cona submit` (profile.yaml, job.yaml, run-dir), the orchestrator (status.json, report-done), `cona stop` (stop), `cona report` (report-request), `cona submit --resume` (resume) |
+| ConfigMap | `R` | `cona submit` (profile.yaml, job.yaml, run-dir, cona-version), the orchestrator (status.json, report-done), `cona stop` (stop), `cona report` (report-request), `cona submit --resume` (resume) |
 | ConfigMap | `R-report` | the orchestrator (report.md, report.png) |
 | Job | `R-orch` | `cona submit` |
 | Lease | `R` | the orchestrator that drives the run |
