@@ -216,10 +216,8 @@ class StrictModel(pydantic.BaseModel):
             return value
         if _stray_bool(field.annotation, value):
             raise ValueError(_bool_message(field.annotation))
-        if _arms(field.annotation) == [bool] and value is not None and not isinstance(value, bool):
-            # pydantic's lax mode reads "false", "no", "off" or 0 as false and "true", "on" or 1 as true: a quoted
-            # or numeric value in a switch is a slip (or a list where one value goes), so it is said, not guessed.
-            raise ValueError(f"{value!r} is not true or false; write true or false without quotes (or leave it out)")
+        if _arms(field.annotation) == [bool] and value is not None and (problem := not_a_bool(value)):
+            raise ValueError(problem)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
             # No count here comes near 2**53; a larger one overflows float arithmetic in the cost model.
             raise ValueError(f"too large (at most {MAX_INT:.0e})")
@@ -233,6 +231,15 @@ class StrictModel(pydantic.BaseModel):
             if math.isfinite(number) and number.is_integer():
                 return int(number)
         return value
+
+
+def not_a_bool(value: Any) -> str | None:
+    """Why `value` is not a true/false (one line), or None. pydantic's lax mode reads "false", "no", "off" or 0 as
+    false and "true", "on" or 1 as true: a quoted or numeric value in a switch is a slip (or a list where one value
+    goes), so it is said, not guessed."""
+    if isinstance(value, bool):
+        return None
+    return f"{value!r} is not true or false; write true or false without quotes (or leave it out)"
 
 
 def _arms(annotation: Any) -> list[Any]:

@@ -264,7 +264,7 @@ def test_the_scheduler_shrinks_to_the_pods_the_quota_admits(k8s, tmp_path, monke
 
 
 def test_an_elastic_timeout_not_shorter_than_the_pending_timeout_is_refused_naming_both():
-    """A quota that admits fewer pods is also stuck (`events.explain`): with elastic_pending_timeout_s at or above
+    """A quota that admits fewer pods is also stuck (`events.explain_refusal`): with elastic_pending_timeout_s at or above
     pending_timeout_s the run would fail before it could shrink. Refused when the profile loads, elastic only."""
     path = REPO / "manifests" / "profiles" / "h100-k8s.yaml"
     late = ["nodes=4", "min_nodes=2", "kubernetes.elastic_pending_timeout_s=600", "kubernetes.pending_timeout_s=600"]

@@ -19,7 +19,7 @@ import yaml
 from cona.orchestrator.backends.base import Attempt, AttemptStatus
 from cona.orchestrator.backends.kubernetes import backend as backend_module
 from cona.orchestrator.backends.kubernetes.backend import KubernetesBackend
-from cona.orchestrator.backends.kubernetes.events import ORCHESTRATOR_FIELDS, explain, trainer_fields
+from cona.orchestrator.backends.kubernetes.events import ORCHESTRATOR_FIELDS, explain_refusal, trainer_fields
 from cona.orchestrator.backends.kubernetes.remote import remote_status, submit
 from cona.orchestrator.job import load_job
 from cona.orchestrator.live import LiveView
@@ -323,13 +323,13 @@ def test_cona_status_with_a_role_that_cannot_list_events_says_what_it_said_befor
     ],
 )  # fmt: skip
 def test_each_refusal_is_one_line_naming_what_to_fix(message, stuck, says):
-    line, is_stuck = explain(f"Error creating: {message}", creator="Job x", namespace=NS, fields=trainer_fields("nvidia.com/gpu"))
+    line, is_stuck, _ = explain_refusal(f"Error creating: {message}", creator="Job x", namespace=NS, fields=trainer_fields("nvidia.com/gpu"))
     assert (line, is_stuck) == (f"pods of Job x cannot be created (FailedCreate): {says}", stuck)
     assert "\n" not in line
 
 
 def test_the_orchestrator_pods_quota_fields_are_its_own():
-    line, stuck = explain("exceeded quota: q, requested: requests.cpu=1, used: requests.cpu=0, limited: requests.cpu=500m",
+    line, stuck, _ = explain_refusal("exceeded quota: q, requested: requests.cpu=1, used: requests.cpu=0, limited: requests.cpu=500m",
                           creator="Job r-orch", namespace=NS, fields=ORCHESTRATOR_FIELDS)  # fmt: skip
     assert stuck and line.endswith("ask less per pod (kubernetes.orchestrator_cpu)")
 

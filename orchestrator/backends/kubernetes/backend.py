@@ -585,7 +585,7 @@ class KubernetesBackend(Backend):
         the workload's reason. A TrainJob whose trainer wrote its exit record and one of whose pods failed has ended
         too, before its runtime's Job replaces the pod: it is deleted. Otherwise fewer pods than the strategy places
         and a Job's `FailedCreate` event (`_creation_blocked`) → PENDING with that event's line, `stuck` as
-        `events.explain` decides (a Pending pod that is stuck itself is named instead); a Pending pod (or none yet)
+        `events.explain_refusal` decides (a Pending pod that is stuck itself is named instead); a Pending pod (or none yet)
         → PENDING with the scheduler's message or the container's waiting reason, `stuck` when waiting cannot help
         (`STUCK_WAITING_REASONS`), else RUNNING. An elastic run's attempt that is not complete and whose trainer
         recorded no protocol exit, one of whose pods lost its node or stays Pending past

@@ -104,13 +104,6 @@ def _named(fields: PodFields, resources: Sequence[str]) -> str:
     return ", ".join(named)
 
 
-def explain(message: str, *, creator: str, namespace: str, fields: PodFields, pods: int = 1) -> tuple[str, bool]:
-    """The line of a `FailedCreate` message of `creator` (`Job exp1-a1`), which creates `pods` pods that must all
-    run at once, and whether it is stuck (`explain_refusal`, which decides)."""
-    line, stuck, _ = explain_refusal(message, creator=creator, namespace=namespace, fields=fields, pods=pods)
-    return line, stuck
-
-
 def explain_refusal(message: str, *, creator: str, namespace: str, fields: PodFields,
                     pods: int = 1) -> tuple[str, bool, bool]:  # fmt: skip
     """The line of a `FailedCreate` message of `creator` (`Job exp1-a1`), which creates `pods` pods that must all
@@ -194,7 +187,7 @@ def creation_blocked(api: KubeApi, creators: Sequence[tuple[str, str]], *, field
                      since: float | None = None) -> Blocked | object | None:  # fmt: skip
     """Why the pods of `creators` ((kind, name) of each object that creates them; `pods` of them in all, which must
     run together) are not created: the newest blocking Warning event of any of them (`BLOCKING_REASONS`), explained
-    (`explain`); None when there is none, `FORBIDDEN` when listing events is refused (403). One call per creator,
+    (`explain_refusal`); None when there is none, `FORBIDDEN` when listing events is refused (403). One call per creator,
     selected by its kind, name and `type=Warning`. `since` (epoch seconds): events last seen before it, less
     `CLOCK_SKEW_S`, are left out. Other API errors raise `BackendError`, as every call does."""
     core = api.core()

@@ -9,7 +9,7 @@ import re
 from typing import Any, Literal
 
 import pydantic
-from cona.protocol.yamlconfig import StrictModel
+from cona.protocol.yamlconfig import StrictModel, not_a_bool
 from pydantic import Field
 
 _TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
@@ -63,10 +63,8 @@ def priority_class_problem(priority_class: str | None, workload: str | None = No
 
 def host_network_problem(host_network: Any, workload: str | None = None) -> str | None:
     """What is wrong with `host_network` (for `workload`, when given), in one line, or None."""
-    if not isinstance(host_network, bool):
-        # pydantic's lax mode would read "false", "no" or 0 as false and "true", "on" or 1 as true: a quoted or
-        # numeric value is a slip in a field that puts pods on the node's network, so it is said, not guessed.
-        return f"{host_network!r} is not true or false; write true or false without quotes (or leave it out)"
+    if problem := not_a_bool(host_network):  # validated profiles never get here; a spec built in code may
+        return problem
     if host_network and workload == "trainjob":
         # Trainer v1alpha1's `runtimePatches`, the only pod-level override a TrainJob has, has neither hostNetwork
         # nor dnsPolicy: rendered anyway, the API server would refuse the TrainJob (unknown field) or drop them.
@@ -128,7 +126,7 @@ class KubernetesSpec(StrictModel):
     (ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, ...: `STUCK_WAITING_REASONS` in
     `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), as do
     pods the API server refuses to create for good (a Job's `FailedCreate` event: a PriorityClass or ServiceAccount
-    that does not exist, Pod Security, a ResourceQuota smaller than the attempt's pods together; `events.explain`), while an
+    that does not exist, Pod Security, a ResourceQuota smaller than the attempt's pods together; `events.explain_refusal`), while an
     unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) or a ResourceQuota used up by other
     pods goes on waiting — the cluster's queue, like Slurm's — and `cona status` shows for how long and why."""
     elastic_pending_timeout_s: float = Field(default=300.0, gt=0)
