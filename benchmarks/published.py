@@ -22,7 +22,10 @@ model (and, where they differ from the record's, their own `vocab_size`, `seq_le
 the paper names. A misspelled key is refused with the list of valid ones, a key for what the format cannot say
 (context parallelism, experts, a ZeRO stage; `sp` for `sequence_parallel`) with what to do instead, and a run published above the
 accelerator's peak (by the record's formula), under 1% of it (milliseconds given as seconds) or with a memory above
-the device's (MiB given as GB) in one line naming it; run names are free text. A second record,
+the device's (MiB given as GB) in one line naming it; so is a layout no run can have (t not dividing heads,
+kv_heads or ffn_hidden, or seq_len under sequence parallelism; fewer layers than p·v stages), while stages of
+unequal size (p or p·v not dividing layers, as BLOOM's and Llama 3's) are priced and marked REJECTED; run names are
+free text. A second record,
 `tests/published/bloom_176b.yaml` (BLOOM-176B and the layouts benchmarked for it), shows the format on another
 cluster; `tests/published/` holds more (MT-NLG 530B, GPT-NeoX-20B, Llama 3 405B: tests/test_published_records.py).
 `tests/test_costmodel_published.py` asserts the targets on the default record; docs/costmodel.md shows the tables.
@@ -41,7 +44,7 @@ from cona.orchestrator.costmodel import Prediction, predict
 from cona.orchestrator.job import Job, job_from_dict
 from cona.orchestrator.planner import evaluate, layout_reason
 from cona.orchestrator.profile import ClusterProfile, load_profile
-from cona.protocol.yamlconfig import ConfigError, load_yaml
+from cona.protocol.yamlconfig import MAX_INT, ConfigError, load_yaml
 
 from benchmarks.common import REPO, RESULTS, write_json
 
@@ -101,7 +104,32 @@ def _require(cond: bool, where: str, what: str) -> None:
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    """A count: a positive integer up to `MAX_INT`, as the trainer's job takes (a larger one was refused by the job
+    naming its own field, `batch.max_gbs`, not the record's, or overflowed float arithmetic in a traceback)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_INT
+
+
+def _shown(value: Any) -> str:
+    """`value` for a message: an integer of hundreds of digits by its size, not in full."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text)} characters)"
+
+
+def _not_int(value: Any) -> str:
+    """What is wrong with a count that is not `_positive_int`, and the hint for YAML's e-notation."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
+        return f"must be a positive integer of at most 2^53, got {_shown(value)}"
+    hint = ""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if value.strip().isdigit():
+            hint = " (text, not a number: remove the quotes)"
+        elif math.isfinite(number):  # YAML 1.1 reads 5e2 (no dot) as text
+            hint = " (text, not a number: YAML reads e-notation without a dot as text; write the integer in full)"
+    return f"must be a positive integer, got {_shown(value)}{hint}"
 
 
 def _positive_ints(value: Any) -> bool:
@@ -112,7 +140,12 @@ def _positive_ints(value: Any) -> bool:
 def _positive_number(value: Any) -> bool:
     """A published number: positive and finite (an infinite time gave no ratio, and the run dropped out of the
     summary; an infinite token rate divided by zero)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:  # an integer of hundreds of digits passed `< math.inf` and overflowed the rate's arithmetic (a traceback)
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
 
 
 def _known_keys(mapping: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
@@ -135,10 +168,12 @@ def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
     for key in MODEL_KEYS:
         _require(key in model, f"{where}.{key}", "missing (a model needs name, layers, hidden and heads)")
     name = model["name"]  # the run's label in the tables and the JSON: None, [...] or "" labelled nothing
+    # A date (`name: 2021-04-01`) or another value YAML reads as something else is answered with the quotes it needs.
+    quote = "" if name is None or isinstance(name, str | list | dict) else " (YAML did not read it as text: quote it)"
     _require(isinstance(name, str | int | float) and not isinstance(name, bool) and str(name).strip() != "",
-             f"{where}.name", f"must be a non-empty name, got {name!r}")  # fmt: skip
+             f"{where}.name", f"must be a non-empty name, got {name!r}{quote}")  # fmt: skip
     for key in ("layers", "hidden", "heads", *(k for k in ("kv_heads", "ffn_hidden") if k in model)):
-        _require(_positive_int(model[key]), f"{where}.{key}", f"must be a positive integer, got {model[key]!r}")
+        _require(_positive_int(model[key]), f"{where}.{key}", _not_int(model[key]))
     _require(model["hidden"] % model["heads"] == 0, f"{where}.heads",
              f"{model['heads']} heads do not divide hidden = {model['hidden']}; fix heads or hidden")  # fmt: skip
     if "family" in model:
@@ -149,6 +184,27 @@ def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
         _require(model["heads"] % model["kv_heads"] == 0, f"{where}.kv_heads",
                  f"{model['kv_heads']} key/value heads do not divide heads = {model['heads']} (grouped-query "
                  "attention shares each among a whole number of query heads); fix kv_heads or heads")  # fmt: skip
+
+
+def _check_layout(model: dict[str, Any], *, t: int, p: int, v: int, seq: int, sequence_parallel: bool,
+                  at_t: str, at_p: str) -> None:  # fmt: skip
+    """What no run can have: tensor parallelism that splits a head or the MLP's width, sequence parallelism that
+    splits a sequence unevenly, pipeline stages without a layer. The planner marks such a layout rejected but still
+    prices it (as it prices the uneven stages that Megatron-DeepSpeed's BLOOM ran), and the table printed a ratio
+    for a run that cannot have been published, with exit status 0."""
+    f = model.get("ffn_hidden", 4 * model["hidden"])
+    for key, value, what in (("heads", model["heads"], "attention heads"),
+                             ("kv_heads", model.get("kv_heads", model["heads"]), "key/value heads"),
+                             ("ffn_hidden", f, "columns of the MLP")):  # fmt: skip
+        _require(value % t == 0, at_t,
+                 f"t = {t} does not divide {key} = {value} (each tensor-parallel rank holds whole {what}); fix t "
+                 f"or the model's {key}")  # fmt: skip
+    _require(t == 1 or not sequence_parallel or seq % t == 0, at_t,
+             f"t = {t} does not divide seq_len = {seq}, which sequence parallelism splits over the t ranks; fix t "
+             "or seq_len, or set sequence_parallel: false")  # fmt: skip
+    _require(p * v <= model["layers"], at_p,
+             f"{f'p·v = {p}·{v}' if v > 1 else f'p = {p}'} pipeline stages need at least {p * v} layers, the model "
+             f"has {model['layers']}; fix {'p, v' if v > 1 else 'p'} or layers")  # fmt: skip
 
 
 def plain_gpt(model: dict[str, Any]) -> bool:
@@ -174,7 +230,7 @@ def _check_settings(mapping: dict[str, Any], where: str, sep: str) -> None:
     """`vocab_size`, `seq_len`, `recompute` and `attention`, where given (a record's or a run's)."""
     for key in ("vocab_size", "seq_len"):
         if key in mapping:
-            _require(_positive_int(mapping[key]), f"{where}{sep}{key}", f"must be a positive integer, got {mapping[key]!r}")
+            _require(_positive_int(mapping[key]), f"{where}{sep}{key}", _not_int(mapping[key]))
     if "recompute" in mapping:
         _require(mapping["recompute"] in RECOMPUTE, f"{where}{sep}recompute",
                  f"must be none, selective or full, got {mapping['recompute']!r}")  # fmt: skip
@@ -195,7 +251,7 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
         _check_settings(row, where, ".")
     for key in ("gpus", "t", "p", "mbs", "gbs", *(("v",) if "v" in row else ())):  # v (virtual stages) is optional
         _require(key in row, f"{where}.{key}", "missing")
-        _require(_positive_int(row[key]), f"{where}.{key}", f"must be a positive integer, got {row[key]!r}")
+        _require(_positive_int(row[key]), f"{where}.{key}", _not_int(row[key]))
     _require(row["gpus"] % (row["t"] * row["p"]) == 0, f"{where}.gpus",
              f"{row['gpus']} GPUs are not a multiple of t·p = {row['t'] * row['p']}; fix t, p or gpus")  # fmt: skip
     d = row["gpus"] // (row["t"] * row["p"])
@@ -214,7 +270,7 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
         for key in (given[0], *(("memory_gb",) if "memory_gb" in row else ())):
             value = row[key]
             _require(_positive_number(value), f"{where}.{key}",
-                     f"must be a positive number (finite), got {value!r}")  # fmt: skip
+                     f"must be a positive number (finite), got {_shown(value)}")  # fmt: skip
 
 
 def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
@@ -255,6 +311,10 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
                 try:
                     _check_run(row, f"{where}: {section}[{i}]", model=True, published=True)
                     _check_flops(row, formula, f"{where}: {section}[{i}]")
+                    _check_layout(row, t=row["t"], p=row["p"], v=row.get("v", 1),
+                                  seq=row.get("seq_len", defaults.get("seq_len", SEQ)),
+                                  sequence_parallel=row.get("sequence_parallel", record.get("sequence_parallel", False)),
+                                  at_t=f"{where}: {section}[{i}].t", at_p=f"{where}: {section}[{i}].p")  # fmt: skip
                 except RecordError as e:
                     # `runs[7]` alone is hard to find in a record of dozens of runs: add the run's name, if usable.
                     name = row.get("name") if isinstance(row, dict) else None
@@ -268,7 +328,7 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
         _known_keys(spec, ("model", "gbs", "rows"), f"{where}: table_2")
         _check_model(spec.get("model"), f"{where}: table_2.model", alone=True)
         _check_flops(spec["model"], formula, f"{where}: table_2.model")
-        _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", "must be a positive integer")
+        _require(_positive_int(spec.get("gbs")), f"{where}: table_2.gbs", _not_int(spec.get("gbs")))
         # An empty table costed nothing and the command exited 0, as if it had compared something.
         _require(bool(spec["rows"]), f"{where}: table_2.rows", "must be a non-empty list of runs")
         for i, row in enumerate(spec["rows"]):
@@ -277,13 +337,17 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
             _check_run({**row, "gbs": spec["gbs"]}, f"{where}: table_2.rows[{i}]", model=False, published=True)
             _require(row.get("scheme") in ("ptd-p", "zero-3"), f"{where}: table_2.rows[{i}].scheme",
                      "must be ptd-p or zero-3")  # fmt: skip
+            _check_layout(spec["model"], t=row["t"], p=row["p"], v=1, seq=defaults.get("seq_len", SEQ),
+                          sequence_parallel=record.get("sequence_parallel", False),
+                          at_t=f"{where}: table_2.rows[{i}].t", at_p=f"{where}: table_2.rows[{i}].p")  # fmt: skip
     for name in ("figure_13", "figure_14", "figure_16"):
         if name in record:
-            _check_figure(record[name], name, f"{where}: {name}", formula)
+            _check_figure(record[name], name, f"{where}: {name}", formula, seq=defaults.get("seq_len", SEQ),
+                          sequence_parallel=record.get("sequence_parallel", False))  # fmt: skip
     return record
 
 
-def _check_figure(spec: Any, name: str, where: str, formula: str) -> None:
+def _check_figure(spec: Any, name: str, where: str, formula: str, *, seq: int, sequence_parallel: bool) -> None:
     """A figure's sweep: every field it is costed from, each combination a layout and a batch a run could have
     (a number where a list goes was a TypeError traceback; an empty list costed nothing, silently)."""
     _require(isinstance(spec, dict), where, "must be a mapping")
@@ -302,9 +366,9 @@ def _check_figure(spec: Any, name: str, where: str, formula: str) -> None:
                      f"must be a non-empty list of [t, p], got {value!r}")  # fmt: skip
         elif key in sweeps[name]:
             _require(_positive_ints(value), f"{where}.{key}",
-                     f"must be a non-empty list of positive integers, got {value!r}")  # fmt: skip
+                     f"must be a non-empty list of positive integers, got {_shown(value)}")  # fmt: skip
         else:
-            _require(_positive_int(value), f"{where}.{key}", f"must be a positive integer, got {value!r}")
+            _require(_positive_int(value), f"{where}.{key}", _not_int(value))
     gpus = spec["gpus"]
     if name == "figure_13":
         layouts = spec["configs"]
@@ -317,6 +381,10 @@ def _check_figure(spec: Any, name: str, where: str, formula: str) -> None:
               and gpus % (layout[0] * layout[1]) == 0)  # fmt: skip
         _require(ok, where, f"every [t, p] must be positive integers whose product divides gpus = {gpus}, "
                             f"got {layout!r}")  # fmt: skip
+    at = {"figure_13": (".configs", ".configs"), "figure_14": (".t", ".pipeline_sizes"), "figure_16": (".t", ".p")}
+    for t, p in layouts:
+        _check_layout(spec["model"], t=t, p=p, v=1, seq=seq, sequence_parallel=sequence_parallel,
+                      at_t=where + at[name][0], at_p=where + at[name][1])  # fmt: skip
     # Whole micro-batches per replica, as a run's batch must be (the figure's were costed as rejected layouts).
     for t, p in layouts:
         d = gpus // (t * p)
@@ -571,7 +639,7 @@ def implausible(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> 
     for c in cases:
         run = f"{c.group}: run {c.label!r}"
         if c.published_tflops is not None and c.published_tflops > peak:
-            return (f"{run}: its published rate is {c.published_tflops:,.0f} TFLOP/s per GPU by the "
+            return (f"{run}: its published rate is {_magnitude(c.published_tflops)} TFLOP/s per GPU by the "
                     f"{formula} formula, above the {acc.name}'s peak of {peak:g} (profile "
                     f"{cluster.name}); check its tflops/tokens_per_s (per GPU) or iter_time_s, and the record's profile")  # fmt: skip
         if c.published_tflops is not None and c.published_tflops < MIN_PEAK_FRACTION * peak:
@@ -581,10 +649,15 @@ def implausible(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> 
                     "are per GPU, and the record's profile")  # fmt: skip
         memory = c.published_memory_gb
         if memory is not None and memory * 1e9 > MEMORY_SLACK * acc.memory_bytes:
-            return (f"{run}: its published memory of {memory:,.0f} GB per GPU is above the "
+            return (f"{run}: its published memory of {_magnitude(memory)} GB per GPU is above the "
                     f"{acc.name}'s {acc.memory} (profile {cluster.name}); check memory_gb is in GB per GPU (not "
                     "MiB, nor the node's), and the record's profile")  # fmt: skip
     return None
+
+
+def _magnitude(x: float) -> str:
+    """A number for a message: 28,447, or 1e+30 rather than its 31 digits."""
+    return f"{x:,.0f}" if x < 1e9 else f"{x:.3g}"
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -631,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="override the record's cluster after its profile_set (repeatable), e.g. "
                              "'network.inter_node_bandwidth=135 Gbit/s'")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.out.is_dir():  # said before the costing, not after its table
+        parser.exit(2, f"{parser.prog}: error: --out {args.out}: is a directory; give the path of the JSON file\n")
     try:
         record = load_record(args.record)
     except RecordError as e:  # it names the file
@@ -668,8 +743,12 @@ def main(argv: list[str] | None = None) -> int:
     t2 = [c for c in cases if c.group == "table_2"]
     if len(t2) > 1:
         print(f"table_2: rank correlation {spearman([c.predicted_tflops for c in t2], [c.published_tflops for c in t2]):.2f}")
-    write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
-                          "profile_set": record.get("profile_set", []), "record": str(args.record)})  # fmt: skip
+    try:
+        write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
+                              "profile_set": record.get("profile_set", []), "record": str(args.record)})  # fmt: skip
+    except OSError as e:  # a directory, or a folder that cannot be made: a traceback after the table
+        parser.exit(2, f"{parser.prog}: error: --out {args.out}: cannot write ({e.strerror or e}); give a file path "
+                       "in a writable folder\n")  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 

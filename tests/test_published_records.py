@@ -214,3 +214,76 @@ def test_a_bad_run_is_named_by_its_position_and_its_name(tmp_path):
     with pytest.raises(RecordError) as raised:
         load_record(record)
     assert "runs[1].gpus" in str(raised.value) and "(the run named 'GPT 2B, 64 GPUs')" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # A layout no run can have was costed as a rejected row with a ratio, and the command exited 0.
+        ({"runs": [run(t=5, gpus=40)]}, "runs[0].t: t = 5 does not divide heads = 24 (each tensor-parallel rank holds "
+                                        "whole attention heads); fix t or the model's heads"),
+        ({"flops": "megatron-core", "runs": [run(family="llama", kv_heads=4, t=8, gpus=64, heads=24)]},
+         "runs[0].t: t = 8 does not divide kv_heads = 4"),
+        ({"flops": "megatron-core", "runs": [run(ffn_hidden=6001, t=2, gpus=64)]},
+         "runs[0].t: t = 2 does not divide ffn_hidden = 6001"),
+        ({"runs": [run(t=8, gpus=64, seq_len=2052, sequence_parallel=True)]},
+         "runs[0].t: t = 8 does not divide seq_len = 2052, which sequence parallelism splits over the t ranks"),
+        ({"runs": [run(p=32, gpus=32, gbs=512)]}, "runs[0].p: p = 32 pipeline stages need at least 32 layers, the "
+                                                  "model has 24; fix p or layers"),
+        ({"runs": [run(p=8, v=4, gpus=32, gbs=512)]}, "runs[0].p: p·v = 8·4 pipeline stages need at least 32 layers"),
+        ({"table_2": {"model": MODEL, "gbs": 512, "rows": [{"scheme": "ptd-p", "gpus": 40, "t": 5, "p": 1, "mbs": 1,
+                                                             "tflops": 100}]}},
+         "table_2.rows[0].t: t = 5 does not divide heads = 24"),
+        ({"figure_13": {**FIG13, "gpus": 36, "gbs": [36], "configs": [[9, 1]]}},
+         "figure_13.configs: t = 9 does not divide heads = 24"),
+        ({"figure_14": {**FIG14, "pipeline_sizes": [32], "gbs": [32]}},
+         "figure_14.pipeline_sizes: p = 32 pipeline stages need at least 32 layers, the model has 24"),
+        # An integer past 2^53 was refused by the trainer's job as its own field (batch.max_gbs), or overflowed the
+        # rate's float arithmetic in a traceback; hundreds of digits are not printed.
+        ({"runs": [run(gbs=512 * 10**400)]}, "runs[0].gbs: must be a positive integer of at most 2^53, got 512000000000"),
+        ({"runs": [run(tflops=10**400)]}, "runs[0].tflops: must be a positive number (finite), got 100000000000..."),
+        ({"runs": [run(memory_gb=10**400)]}, "runs[0].memory_gb: must be a positive number (finite)"),
+        ({"runs": [{**run(tokens_per_s=10**400), "tflops": None}]}, "runs[0].tokens_per_s: must be a positive number"),
+        # Text where a count goes: the hint for quotes and for YAML's e-notation without a dot.
+        ({"runs": [run(layers="24")]}, "runs[0].layers: must be a positive integer, got '24' (text, not a number: "
+                                       "remove the quotes)"),
+        ({"runs": [run(gbs="5e2")]}, "runs[0].gbs: must be a positive integer, got '5e2' (text, not a number: YAML "
+                                     "reads e-notation without a dot as text"),
+    ],
+)  # fmt: skip
+def test_a_layout_or_number_no_run_can_have_is_refused(tmp_path, capsys, change, expected):
+    record = {**BASE, **change}
+    for row in record.get("runs", []):
+        for key in [k for k, v in row.items() if v is None]:
+            del row[key]
+    err, _ = refused(tmp_path, capsys, yaml.safe_dump(record))
+    assert expected in err, err
+    assert len(err) < 400, err
+
+
+def test_a_huge_published_rate_is_shown_by_its_magnitude(tmp_path, capsys):
+    """A rate of 1e30 TFLOP/s was printed with its 31 digits."""
+    err, _ = refused(tmp_path, capsys, yaml.safe_dump({**BASE, "runs": [run(tflops=1e30)]}))
+    assert "its published rate is 1e+30 TFLOP/s per GPU" in err, err
+
+
+def test_a_date_as_a_run_name_says_to_quote_it(tmp_path, capsys):
+    """`name: 2021-04-01` is a date to YAML: the line says so."""
+    text = yaml.safe_dump({**BASE, "runs": [run(name="NAME")]}).replace("name: NAME", "name: 2021-04-01")
+    err, _ = refused(tmp_path, capsys, text)
+    assert "runs[0].name: must be a non-empty name, got datetime.date(2021, 4, 1) (YAML did not read it as text: " \
+           "quote it)" in err, err  # fmt: skip
+
+
+@pytest.mark.parametrize("out", ["dir", "missing/x.json"])
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys, out):
+    """--out a directory, or under a file: an IsADirectoryError or NotADirectoryError traceback after the table."""
+    (tmp_path / "missing").write_text("a file, not a folder")
+    (tmp_path / "dir").mkdir()
+    record = tmp_path / "record.yaml"
+    record.write_text(yaml.safe_dump({**BASE, "runs": [RUN]}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--record", str(record), "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--out {tmp_path / out}: " in err, err
