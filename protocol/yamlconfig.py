@@ -63,9 +63,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        where = f": line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        if isinstance(e, yaml.reader.ReaderError):  # a control character: it has a position but no problem_mark
+            where = f": offset {e.position}"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}:{where}: invalid YAML: {problem}") from None
+        raise ConfigError(f"{path}{where}: invalid YAML: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

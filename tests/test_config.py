@@ -126,6 +126,8 @@ BAD_JOBS = [
     ("model: {preset: tiny-gpt}\npolcy: {name: static}\n", "unknown field 'polcy'; did you mean 'policy'"),
     ("seed: 1\n", "missing required section 'model'"),
     ("model: {preset: tiny-gpt\n", "invalid YAML"),
+    # A control character has no line/column mark in PyYAML: its offset, not an empty place (`job.yaml::`).
+    ("model: {preset: tiny-gpt}\nseed: \x01\n", ": offset 32: invalid YAML: unacceptable character #x0001"),
     ("- 1\n- 2\n", "expected a mapping"),
     ("model: {family: gpt, num_layers: 2}\n", "give model.preset or all of"),
     ("model: {preset: tiny-bert, tie_embeddings: false}\n", "field 'model': tie_embeddings: BERT's MLM"),

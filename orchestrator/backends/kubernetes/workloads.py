@@ -79,8 +79,9 @@ class WorkloadKind:
 
     def pod_creators(self, name: str) -> list[tuple[str, str]]:
         """(kind, name) of the objects that create the pods of the workload `name`, whose Warning events say why
-        pods are not created (`events.py`): the Indexed Job itself; a JobSet's one Job, `<name>-node-0` (a
-        TrainJob's JobSet carries the TrainJob's name and its runtime's replicatedJob is `node` too)."""
+        pods are not created (`events.py`): the Indexed Job itself; a JobSet's one Job, `<name>-node-0` (the JobSet
+        controller names a child Job `<jobset>-<replicatedJob>-<job index>`; a TrainJob's JobSet carries the
+        TrainJob's name, and the torch runtime's replicatedJob is `node` too)."""
         if not self.custom:
             return [("Job", name)]
         return [("Job", f"{name}-{REPLICATED_JOB}-0")]
