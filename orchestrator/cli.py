@@ -128,16 +128,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policy_overrides(policy: str | None) -> list[str]:
-    """`--policy cona|static|fixed:<strategy>|schedule` as job overrides."""
+def _policy_overrides(policy: str | None, overrides: Sequence[str] = ()) -> list[str]:
+    """`--policy cona|static|fixed:<strategy>|schedule` as job overrides, after the command's `--set` `overrides`."""
     if policy is None:
         return []
+    # `--policy fixed:... --set policy.name=static`: the later override won without a word; which was meant is
+    # the user's to say. (`--set policy.schedule=...` goes with `--policy schedule` and stays.)
+    clash = [o for o in overrides if o.partition("=")[0].strip() in ("policy", "policy.name", "policy.strategy")]
+    if clash:
+        raise UserError(f"--policy {policy} and --set {clash[0]} both set the policy; give it once")
     name, _, strategy = policy.partition(":")
     valid = ("cona", "static", "fixed", "schedule")
     if name not in valid:
         import difflib
 
-        close = difflib.get_close_matches(name, valid, n=1)
+        # Case-blind: `CONA` (the project's name as written in prose) is as close to `cona` as `Static` to `static`.
+        close = difflib.get_close_matches(name.lower(), valid, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(f"--policy {policy!r}: {hint}valid: cona, static, fixed:<strategy>, schedule")
     if strategy and name != "fixed":  # `static:dp=...` meant `fixed:dp=...`; dropping the text would run another policy
@@ -173,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
         profile = load_profile(args.profile, args.profile_overrides)
-        job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+        job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy, args.overrides)])
         measured = None
         if args.measured:
             from cona.orchestrator.profiling import load_compatible
@@ -253,6 +259,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from cona.orchestrator.scheduler import drive
     from cona.protocol.rundir import RunDir
 
+    # `profiling_job` replaces the job's policy and target with its own schedule and end: a `--set` of them was
+    # dropped without a word (`--set policy.name=static` profiled as always).
+    for override in args.overrides:
+        key = override.partition("=")[0].strip()
+        if key in ("policy", "target", "policy.name", "policy.strategy", "policy.schedule") or key.startswith("target."):
+            raise UserError(f"--set {override}: cona profile runs its own schedule over the strategies it measures "
+                            "and ends after the last, so it reads no policy or target; drop it (it is for cona run)")  # fmt: skip
     profile = load_profile(args.profile, args.profile_overrides)
     job, strategies, steps = profiling_job(profile, load_job(args.job, args.overrides), top=args.top,
                                            strategies=args.strategies, steps=args.steps)  # fmt: skip
@@ -383,7 +396,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from cona.protocol.rundir import RunDir
 
     profile = load_profile(args.profile, args.profile_overrides)
-    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy, args.overrides)])
     if profile.backend != args.target:
         raise UserError(
             f"{args.profile}: backend is {profile.backend!r}; `cona render {args.target}` needs a {args.target} profile"
@@ -429,6 +442,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from cona.orchestrator.backends.kubernetes.render import render_attempt
     from cona.orchestrator.backends.kubernetes.runobjects import (
+        RUN_NAME_MAX,
         dump_objects,
         render_submission,
         run_dir_for,
@@ -440,9 +454,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.resume:
         if args.profile or args.job or args.overrides or args.profile_overrides or args.name or args.policy:
             raise UserError("--resume takes the profile and job from the run; drop --profile/--job/--set/--name/--policy")
+        if args.resume != run_name(args.resume):
+            # No submitted run has such a name (`render_submission` refuses it), so no cluster is asked; a run
+            # directory given here was answered "no such run directory" although it was one.
+            if Path(args.resume).exists() or "/" in args.resume:
+                raise UserError(f"--resume {args.resume}: a path, not the name of a submitted run; a run directory is "
+                                f"resumed with `cona run --resume {args.resume}`")  # fmt: skip
+            raise UserError(f"--resume {args.resume}: not the name of a submitted run (a DNS-1035 label of at most "
+                            f"{RUN_NAME_MAX} characters, e.g. {run_name(args.resume)!r}); `cona submit` printed the "
+                            "run's name")  # fmt: skip
         from cona.orchestrator.backends.kubernetes.remote import resume
 
-        with _no_cluster_is_no_run(args, run=args.resume):
+        with _no_cluster_is_no_run(args, run=args.resume, directory=False):
             print(resume(args.resume, namespace=_namespace(args)))
         return 0
     if args.namespace is not None:
@@ -453,7 +476,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.profile or not args.job:
         raise UserError("give --profile and --job (or --resume RUN)")
     profile = load_profile(args.profile, args.profile_overrides)
-    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy)])
+    job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy, args.overrides)])
     if profile.backend != "kubernetes":
         raise UserError(f"{args.profile}: backend is {profile.backend!r}; cona submit needs a kubernetes profile "
                         "(use `cona run` for local and slurm profiles)")  # fmt: skip
@@ -488,17 +511,26 @@ def _remote(args: argparse.Namespace) -> bool:
     """Whether RUN names a run on Kubernetes rather than a run directory here: it is not a path that exists, and
     it is a bare name (a run's Kubernetes name has no `/`), or a namespace was given."""
     path = Path(args.run_dir)
+    if path.exists() and args.namespace is not None:
+        # Which one was meant is not ours to guess: the directory was read and -n dropped without a word.
+        other = "" if "/" in args.run_dir else ", or give the run's name from a directory without that path"
+        raise UserError(f"{args.run_dir}: a path here, but -n/--namespace {args.namespace} is for a run on Kubernetes; "
+                        f"drop -n to use the path{other}")  # fmt: skip
     return not path.exists() and ("/" not in args.run_dir or args.namespace is not None)
 
 
 @contextlib.contextmanager
-def _no_cluster_is_no_run(args: argparse.Namespace, run: str | None = None) -> Iterator[None]:
-    """RUN is no directory here and no Kubernetes API can be reached: most likely a mistyped run directory."""
+def _no_cluster_is_no_run(args: argparse.Namespace, run: str | None = None, *, directory: bool = True) -> Iterator[None]:
+    """RUN is no directory here and no Kubernetes API can be reached: most likely a mistyped run directory.
+    `directory`: whether RUN may name a run directory at all (`cona submit --resume` takes only a run's name)."""
     try:
         yield
     except BackendError as e:
         if "cannot load the API configuration" not in str(e):
             raise
+        if not directory:
+            here = f"; a run directory here is resumed with `cona run --resume {run}`" if Path(str(run)).exists() else ""
+            raise UserError(f"--resume {run}: no Kubernetes API to look for a submitted run of that name ({e}){here}") from None
         name = run or args.run_dir
         raise UserError(f"{name}: no such run directory, nor a Kubernetes API to look for a run of that name "
                         f"({e})") from None  # fmt: skip

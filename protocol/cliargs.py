@@ -40,6 +40,15 @@ def unrecognized_message(parser: argparse.ArgumentParser, unknown: Sequence[str]
     return message
 
 
+def empty_value_message(action: argparse.Action, value: str) -> str:
+    """What argparse prints after `argument OPTION: ` for an empty (or blank) value of `action`: what to give
+    instead, and, for an option that may be left out, that it may."""
+    what = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+    option = action.option_strings[-1] if action.option_strings else None
+    leave = f", or drop {option}" if option and not action.required else ""
+    return f"empty value {value!r} (an unset shell variable?); give {what}{leave}"
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAction]:
     return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
 
@@ -103,6 +112,17 @@ class OptionParser(argparse.ArgumentParser):
         if unknown:
             command_parser(self, parsed).error(unrecognized_message(command_parser(self, parsed), unknown))
         return parsed
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        # An empty value (`--run-dir ""`, `--out "$UNSET"`) names nothing, yet was taken: as a path it is the
+        # working directory (`Path("")` is `.`), and an option tested for truth reads it as left out, so
+        # `cona run --run-dir ""` trained in the default run directory, `--measured ""` was dropped and
+        # `cona data prepare --out ""` wrote into the working directory. Refused here, for every option of every
+        # program, before any of them sees it. A subcommand's action is handed its own arguments too: its parser
+        # checks them.
+        if not arg_string.strip() and not isinstance(action, argparse._SubParsersAction):
+            raise argparse.ArgumentError(action, empty_value_message(action, arg_string))
+        return super()._get_value(action, arg_string)
 
     def error(self, message: str) -> NoReturn:
         if "required" in message and self._argv is not None:

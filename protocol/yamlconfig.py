@@ -6,6 +6,7 @@ Torch-free: the orchestrator imports this on login nodes.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import types
 import typing
@@ -116,18 +117,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, source: str =
         key, raw = _split_override(item)
         parts = _key_parts(key)
         if not key or any(not part for part in parts):
-            raise ConfigError(f"{source} {item!r}: empty field name in {key!r}")
+            raise ConfigError(f"{source} {item!r}: empty field name in {key!r}; expected dotted.key=value, e.g. "
+                              "optimizer.lr=3e-4")  # fmt: skip
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         node = data
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"{source} {item!r}: {part!r} is a value, not a section")
+                # What to give instead: an item of a list (`batch.mbs_choices.0=4`) cannot be set on its own.
+                path = ".".join(parts[: depth + 1])
+                if isinstance(child, list):
+                    now = json.dumps(child)
+                    raise ConfigError(f"{source} {item!r}: {path!r} is a list, not a section; give the whole list, "
+                                      f"e.g. {source} {path}={now if len(now) <= 60 else '[...]'}")  # fmt: skip
+                raise ConfigError(f"{source} {item!r}: {path!r} is a value, not a section; set it whole: "
+                                  f"{source} {path}=VALUE")  # fmt: skip
             node = child
         node[parts[-1]] = value
     return data

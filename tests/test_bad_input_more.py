@@ -381,6 +381,57 @@ def test_cona_takes_no_abbreviated_option_as_the_data_plane_takes_none(argv):
     assert code == 2 and f"unrecognized arguments: {short}" in error_line(err) and f"did you mean {full}?" in error_line(err)
 
 
+# An empty value (an unset shell variable) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # Each of these ran as if the option were left out, or read "" as the working directory: the default run
+        # directory trained, --measured was dropped, the report went into the run directory, the default name.
+        (["run", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", ""],
+         "argument --run-dir: empty value '' (an unset shell variable?); give DIR, or drop --run-dir"),
+        (["profile", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", " "], "argument --run-dir: empty value ' '"),
+        (["run", "--resume", ""], "argument --resume: empty value"),
+        (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--measured", ""], "argument --measured: empty value"),
+        (["plan", "--profile", "", "--job", str(JOB)], "argument --profile: empty value '' (an unset shell variable?); "
+         "give PROFILE.yaml"),
+        (["submit", "--profile", str(PROFILE), "--job", str(JOB), "--name", ""], "argument --name: empty value"),
+        (["status", ""], "argument RUN: empty value '' (an unset shell variable?); give RUN"),
+        (["stop", "x", "-n", ""], "argument -n/--namespace: empty value"),
+        (["report", "x", "--out", ""], "argument --out: empty value"),
+    ],
+)  # fmt: skip
+def test_an_empty_value_is_refused_naming_the_option(tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)  # nothing may be written where "" would have pointed
+    code, err = run_cli(argv)
+    assert code == 2 and expected in error_line(err), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "expected"),
+    [
+        # `--out ""` wrote tokens.bin into the working directory; `--input ""` tokenized all of it.
+        ("prepare", ["prepare", "--tokenizer", "t", "--input", "i", "--out", ""], "argument --out: empty value '' "
+         "(an unset shell variable?); give DIR"),
+        ("prepare", ["prepare", "--tokenizer", "t", "--input", "i", "", "--out", "o"], "argument --input: empty value"),
+        ("prepare", ["prepare", "--tokenizer", "", "--input", "i", "--out", "o"], "argument --tokenizer: empty value"),
+        ("export", ["", "--format", "hf", "--out", "x"], "argument RUN_DIR: empty value"),
+        ("export", ["run", "--format", "hf", "--out", ""], "argument --out: empty value"),
+        ("export", ["run", "--format", "hf", "--out", "x", "--job", ""], "argument --job: empty value '' (an unset "
+         "shell variable?); give JOB.yaml, or drop --job"),
+    ],
+)  # fmt: skip
+def test_the_data_plane_refuses_an_empty_value_in_one_line(capsys, module, argv, expected):
+    from cona.trainer import export, prepare
+
+    with pytest.raises(SystemExit) as info:
+        {"export": export, "prepare": prepare}[module].parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
 # L4: a backend without its clients ----------------------------------------------------------------------------
 
 

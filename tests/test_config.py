@@ -347,6 +347,32 @@ def test_strategy_parse_and_errors():
         (["render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
           "--policy", "static:dp=1,tp=1,pp=4,mbs=2,gbs=8"],
          "only fixed takes a strategy after ':' (did you mean --policy fixed:dp=1,tp=1,pp=4,mbs=2,gbs=8?)"),
+        # The name in capitals had no suggestion; a policy given twice took --policy's without a word.
+        (["render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
+          "--policy", "CONA"], "--policy 'CONA': did you mean 'cona'?"),
+        (["render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
+          "--policy", "fixed:dp=4,tp=1,pp=1,mbs=2,gbs=16", "--set", "policy.name=static"],
+         "--policy fixed:dp=4,tp=1,pp=1,mbs=2,gbs=16 and --set policy.name=static both set the policy; give it once"),
+        # A path into a list, or past a value, says what to give instead; so does an empty field name.
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set",
+          "batch.mbs_choices.0=4"],
+         "'batch.mbs_choices' is a list, not a section; give the whole list, e.g. --set batch.mbs_choices=[2, 4, 8, 16]"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set",
+          "optimizer.lr.x=1"], "'optimizer.lr' is a value, not a section; set it whole: --set optimizer.lr=VALUE"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set", "=3"],
+         "--set '=3': empty field name in ''; expected dotted.key=value"),
+        # cona profile replaces the policy and target: a --set of them was dropped (refused before any run dir).
+        (["profile", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--set",
+          "policy.name=static", "--run-dir", "/nonexistent/profile"],
+         "--set policy.name=static: cona profile runs its own schedule"),
+        # A run directory is no submitted run's name ("no such run directory" named the directory it was).
+        (["submit", "--resume", "./examples"],
+         "--resume ./examples: a path, not the name of a submitted run; a run directory is resumed with "
+         "`cona run --resume ./examples`"),
+        (["submit", "--resume", "Bad_Name"], "--resume Bad_Name: not the name of a submitted run"),
+        # -n with a path that exists here: the directory was read and -n dropped.
+        (["status", "examples", "-n", "foo"],
+         "examples: a path here, but -n/--namespace foo is for a run on Kubernetes; drop -n to use the path"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_exit_2(args, expected):

@@ -116,6 +116,7 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "blank.txt").write_text("")
     (tmp_path / "a-file").write_text("x")
+    (tmp_path / "spaces.txt").write_text("  \n\n \n")
     for args, expected in [
         (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "blank.txt")], "no text to tokenize"),
         (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--out", str(tmp_path / "a-file")],
@@ -126,6 +127,13 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
         (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "empty")], "holds no text files"),
         (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--eos", "<nope>"], "--eos '<nope>': not a token"),
         (["--tokenizer", str(tokenizer_path)], "the following arguments are required: --input, --out"),
+        # Whitespace only: found after --out was made, which was left behind empty.
+        (["--tokenizer", str(tokenizer_path), "--input", str(tmp_path / "spaces.txt")], "no text to tokenize"),
+        # Each of these is named alone, with its value (one message named both).
+        (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--workers", "0"],
+         "--workers 0: give at least 1 tokenizing process"),
+        (["--tokenizer", str(tokenizer_path), "--input", str(docs), "--chunk-mb", "nan"],
+         "--chunk-mb nan: give a positive, finite size in MB"),
     ]:
         if "--input" in args and "--out" not in args:
             args = [*args, "--out", str(tmp_path / "out")]
@@ -135,6 +143,7 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
             status = e.code
         err = capsys.readouterr().err
         assert status == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists(), args  # a refusal leaves no --out it made
 
 
 def test_an_out_that_cannot_be_written_is_one_line_and_leaves_no_partial_tokens(tmp_path, corpus, capsys, monkeypatch):
@@ -158,7 +167,7 @@ def test_an_out_that_cannot_be_written_is_one_line_and_leaves_no_partial_tokens(
     monkeypatch.setattr(prepare.os, "fsync", full_disk)
     assert prepare.main([*args, str(tmp_path / "out")]) == 2
     assert f"--out {tmp_path / 'out'}: cannot write (No space left on device)" in capsys.readouterr().err
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()  # no partial tokens, nor the empty --out it made
 
 
 def test_bytes_that_are_not_utf8_are_replaced_and_counted(tmp_path, corpus, capsys):

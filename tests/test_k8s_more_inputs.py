@@ -565,3 +565,47 @@ def test_image_references_of_every_form_are_taken(image):
     from cona.orchestrator.backends.kubernetes.render import check_spec
 
     check_spec(_profile(f"kubernetes.image={image}").kubernetes)
+
+
+def test_a_kubeconfig_that_skips_tls_verification_prints_no_warning_per_request(tmp_path, monkeypatch):
+    """`insecure-skip-tls-verify: true` (a test cluster's kubeconfig): urllib3 printed a multi-line
+    InsecureRequestWarning on every request, above the one line an error is; kubectl honours it without a word."""
+    import warnings
+
+    import urllib3
+    from cona.orchestrator.backends.kubernetes.api import default_client
+    from kubernetes import client
+    from kubernetes.config import kube_config
+
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }  # fmt: skip
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    # The client reads KUBECONFIG when it is imported: its module's default is what a later call uses.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    saved = client.Configuration.get_default_copy()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            default_client()
+            warnings.warn("unverified", urllib3.exceptions.InsecureRequestWarning, stacklevel=1)
+    finally:
+        client.Configuration.set_default(saved)
+    assert caught == []
+
+
+def test_no_kubeconfig_says_where_to_point_it(tmp_path, monkeypatch):
+    from cona.orchestrator.backends.kubernetes.api import default_client
+    from kubernetes.config import kube_config
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(BackendError) as info:
+        default_client()
+    message = str(info.value)
+    assert message.startswith("kubernetes: cannot load the API configuration: ") and "\n" not in message
+    assert message.endswith("; point KUBECONFIG (default ~/.kube/config) at the cluster's kubeconfig"), message

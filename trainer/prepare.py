@@ -373,8 +373,11 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
         from tokenizers import Tokenizer
     except ImportError:
         raise ValueError("cona data prepare needs Hugging Face tokenizers: pip install 'cona[data]'") from None
-    if workers < 1 or not (math.isfinite(chunk_mb) and chunk_mb > 0):
-        raise ValueError("--workers must be at least 1 and --chunk-mb a positive number")
+    # Each named with the value given: one message for both left the user to find which was wrong.
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: give at least 1 tokenizing process (default: all cores)")
+    if not (math.isfinite(chunk_mb) and chunk_mb > 0):
+        raise ValueError(f"--chunk-mb {chunk_mb:g}: give a positive, finite size in MB (default 1)")
     tokenizer, raw, config_eos = load_tokenizer(tokenizer_path)
     # The largest id + 1, not the count: a vocabulary with holes (an id above the count) would otherwise be written
     # in a dtype too narrow for it, wrapping around into other tokens, and recorded too small for the model.
@@ -398,7 +401,7 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     target, meta_path = out / TOKENS_FILE, out / TOKENS_META
     tmp, meta_tmp = out / f"{TOKENS_FILE}.tmp", out / f"{TOKENS_META}.tmp"
-    with _writing_to(out, (tmp, meta_tmp)):
+    with _writing_to(out, (tmp, meta_tmp), created=not out.exists()):
         out.mkdir(parents=True, exist_ok=True)
         size = max(1, int(chunk_mb * 1e6))
         tokenizer_json = raw.decode("utf-8-sig")
@@ -663,16 +666,21 @@ def _rest_tokenizer(tokenizer_json: str) -> str:
 
 
 @contextlib.contextmanager
-def _writing_to(out: Path, temporary: tuple[Path, ...]) -> Iterator[None]:
+def _writing_to(out: Path, temporary: tuple[Path, ...], *, created: bool = False) -> Iterator[None]:
     """A write under --out that fails (no room, a read-only file system, a file where a directory belongs) as one
     line naming --out; whatever ends it (that, bad input found on the way, Ctrl-C), without its partial files: a
-    corpus's worth of tokens.bin.tmp is no thing to leave behind. OSError's own text names no option, or no file."""
+    corpus's worth of tokens.bin.tmp is no thing to leave behind. OSError's own text names no option, or no file.
+    `created`: --out did not exist before, so it goes too when left empty (input found to hold only whitespace
+    left an empty directory that looked like a prepared one)."""
     try:
         yield
     except BaseException as e:
         for path in temporary:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):  # rmdir removes only an empty directory: nothing else is lost
+                out.rmdir()
         if isinstance(e, OSError):
             raise ValueError(f"--out {out}: cannot write ({e.strerror or e}); give a writable directory with room "
                              "for the tokens") from None  # fmt: skip

@@ -50,7 +50,16 @@ def default_client() -> Any:
         else:
             config.load_kube_config()
     except (config.ConfigException, OSError, TypeError, ValueError) as e:
-        raise BackendError(f"kubernetes: cannot load the API configuration: {one_line(str(e))}") from None
+        raise BackendError(f"kubernetes: cannot load the API configuration: {one_line(str(e)).rstrip('.')}; point KUBECONFIG "
+                           "(default ~/.kube/config) at the cluster's kubeconfig") from None  # fmt: skip
+    configuration = client.Configuration.get_default_copy()
+    if not configuration.verify_ssl:
+        # The kubeconfig asks for it (`insecure-skip-tls-verify: true`, common on a test cluster), as kubectl
+        # honours it without a word: urllib3 would print a multi-line InsecureRequestWarning on every request,
+        # before the one line an error is.
+        import urllib3
+
+        urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
     return client.ApiClient()
 
 
