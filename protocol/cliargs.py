@@ -89,11 +89,28 @@ def misspelled_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
     return parser, typos
 
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def _with_suggestion(message: str) -> str:
+    """argparse's `invalid choice: 'plam' (choose from 'plan', ...)` with the close choice first, as a misspelled
+    option is answered (Python 3.11's argparse names none)."""
+    match = _INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    choices = re.findall(r"'([^']*)'", match["choices"])
+    close = difflib.get_close_matches(match["given"].lower(), choices, n=1)
+    if not close:
+        return message
+    return (f"{message[: match.start()]}invalid choice: {match['given']!r}; did you mean {close[0]!r}? "
+            f"(choose from {match['choices']})")  # fmt: skip
+
+
 class OptionParser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` whose answer to a misspelled option names the close option and the command's valid
     ones (`unrecognized_message`), for arguments no option takes and for a misspelling argparse would report as a
     missing required option. Subcommands made with `add_subparsers` are of the same class. Errors are printed by
-    `fail` (argparse's usage and `PROG: error: MESSAGE`, exit 2, unless a program overrides it)."""
+    `fail` (one line, `PROG: error: MESSAGE`, exit 2, unless a program overrides it)."""
 
     _argv: list[str] | None = None
 
@@ -129,8 +146,10 @@ class OptionParser(argparse.ArgumentParser):
             owner, typos = misspelled_options(self, self._argv)
             if typos:  # `--outt DIR` left the required `--out` missing: the typo is what to fix
                 message = unrecognized_message(owner, typos)
-        self.fail(message)
+        self.fail(_with_suggestion(message))
 
     def fail(self, message: str) -> NoReturn:
-        """Print `message` as the program's one error and exit 2 (argparse's way: usage, then `PROG: error:`)."""
-        super().error(message)
+        """Print `message` as the program's one error line and exit 2: `PROG: error: MESSAGE (see PROG --help)`.
+        Not argparse's usage block above it: every other error of cona is one line (a wrapper that keeps the last
+        line of stderr, or a log grep, then shows what went wrong), and the usage is one `--help` away."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -373,6 +373,12 @@ def test_strategy_parse_and_errors():
         # -n with a path that exists here: the directory was read and -n dropped.
         (["status", "examples", "-n", "foo"],
          "examples: a path here, but -n/--namespace foo is for a run on Kubernetes; drop -n to use the path"),
+        # argparse's own errors are one line too (its usage block came above them), and a misspelled command or
+        # choice is answered with the close one.
+        (["plan", "--job", "examples/tiny-gpt.yaml"],
+         "cona plan: error: the following arguments are required: --profile (see cona plan --help)"),
+        (["plam"], "cona: error: argument COMMAND: invalid choice: 'plam'; did you mean 'plan'? (choose from 'plan', "),
+        (["render", "slurmm", "--profile", "x", "--job", "y"], "invalid choice: 'slurmm'; did you mean 'slurm'?"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_exit_2(args, expected):
@@ -388,13 +394,13 @@ def test_a_misspelled_option_is_answered_with_the_close_one_and_the_valid_ones()
     typo = run_cona("plan", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml", "--tpo", "3")
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
     assert "cona plan: error: unrecognized arguments: --tpo 3; did you mean --top?; valid options: --all, " in typo.stderr
-    listed = typo.stderr.rsplit("valid options: ", 1)[1].strip().split(", ")
+    listed = typo.stderr.rsplit("valid options: ", 1)[1].removesuffix(" (see cona plan --help)\n").split(", ")
     assert listed == sorted(listed) and {"--gbs", "--job", "--json", "--profile", "--profile-set", "--set", "--top"} <= set(listed)
     render = run_cona("render", "local", "--profile", "slurm/profiles/local-cpu.yaml", "--job", "examples/tiny-gpt.yaml",
                       "--run_dir=x")  # fmt: skip
     assert render.returncode == 2 and "did you mean --run-dir?" in render.stderr, render.stderr
     extra = run_cona("status", "a", "b")  # not an option: argparse's words, no list
-    assert extra.returncode == 2 and "unrecognized arguments: b\n" in extra.stderr, extra.stderr
+    assert extra.returncode == 2 and "unrecognized arguments: b (see cona status --help)\n" in extra.stderr, extra.stderr
 
 
 def test_version_is_the_installed_packages():

@@ -50,13 +50,13 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 
 def assert_works_or_one_line(code: int, err: str, what: str) -> str:
-    """0, or 2 with exactly one `error:` line (argparse adds its usage lines above it); returns that line."""
+    """0, or 2 with exactly one `error:` line; returns that line."""
     assert "Traceback" not in err, f"{what}: traceback\n{err}"
     assert code in (0, 2), f"{what}: exit {code}\n{err}"
     if code == 0:
         return ""
-    lines = [line for line in err.strip().splitlines() if "error:" in line]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], f"{what}: not one error line\n{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0], f"{what}: not one error line\n{err}"
     return lines[0]
 
 
