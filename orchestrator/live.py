@@ -18,6 +18,7 @@ from cona.orchestrator.runstate import (
     read_events,
     read_new_events,
     read_state,
+    unlogged_attempts,
     warn_skipped,
 )
 from cona.protocol.checkpoint_record import checkpoint_problem
@@ -303,6 +304,8 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     skipped: list[str] = []
     events = read_events(run_dir, skipped=skipped)
     warn_skipped(skipped)
+    if (lost := unlogged_attempts(run_dir, state, events)) is not None:  # else `switches 0` for a run that switched
+        print(lost, file=sys.stderr, flush=True)
     switches = [e for e in events if e.get("event") == "switch"]
     notices = [e for e in events if e["event"] in NOTICE_EVENTS]
     live = state.live

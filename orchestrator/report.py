@@ -4,12 +4,20 @@ strategy) and a Markdown summary, from the run directory alone."""
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cona.orchestrator.runstate import load_run, read_events, read_state, warn_skipped
+from cona.orchestrator.runstate import (
+    RunState,
+    load_run,
+    read_events,
+    read_state,
+    unlogged_attempts,
+    warn_skipped,
+)
 from cona.protocol.heartbeat_record import Heartbeat, perplexity, throughput_windows
 from cona.protocol.rundir import RunDir, read_jsonl
 from cona.protocol.strategy import Strategy
@@ -27,6 +35,24 @@ def _heartbeats(run_dir: RunDir, skipped: list[str]) -> tuple[list[dict[str, Any
             beats.extend(b for b, _ in typed)
             measured.extend(throughput_windows(hb for _, hb in typed))
     return sorted(beats, key=lambda b: b.get("time", 0)), sorted(measured, key=lambda hb: hb.time)
+
+
+def _heartbeats_lost(run_dir: RunDir, state: RunState, beats: list[dict[str, Any]]) -> str | None:
+    """A warning line when the heartbeat files end short of the samples state.json recorded from them, or None.
+
+    The report counts samples, steps and each attempt's throughput from the heartbeat files alone: with
+    `heartbeats/4.jsonl` deleted it said 11,904 samples for a run that reached 16,320, without a word."""
+    recorded = state.live.get("samples")
+    counted = max((b["samples"] for b in beats if isinstance(b.get("samples"), int)), default=0)
+    if not isinstance(recorded, int) or recorded <= counted:
+        return None
+    gone = [run_dir.heartbeat_file(a.number) for a in state.attempts if not run_dir.heartbeat_file(a.number).exists()]
+    if gone:
+        what = f"{gone[0]} is missing" + (f" (and {len(gone) - 1} more heartbeat files)" if len(gone) > 1 else "")
+    else:
+        what = f"the heartbeat files in {run_dir.heartbeats} were cut short or replaced"
+    return (f"cona: warning: {what}: the report counts {counted:,} samples from the heartbeats left, but state.json "
+            f"recorded {recorded:,}; restore them from a backup for the whole run")  # fmt: skip
 
 
 def _typed(record: dict[str, Any]) -> Heartbeat | None:
@@ -103,6 +129,15 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     events = read_events(run_dir, skipped=skipped)
     beats, measured = _heartbeats(run_dir, skipped)
     warn_skipped(skipped)
+    status, attempts = state.status, len(state.attempts)
+    if not run_dir.state_json.exists() and (launched := {e["attempt"] for e in events if e["event"] == "launch"}):
+        # As `cona status` says: launched, so state.json was written and is lost; not a run that never started.
+        status, attempts = "unknown", len(launched)
+        print(f"cona: warning: {run_dir.state_json} is missing, though {run_dir.events} logs launches: the report "
+              "cannot say the run's status; restore it from a backup", file=sys.stderr)  # fmt: skip
+    for lost in (unlogged_attempts(run_dir, state, events), _heartbeats_lost(run_dir, state, beats)):
+        if lost is not None:  # records gone from the files the report counts from: say so rather than count less
+            print(lost, file=sys.stderr, flush=True)
     out_dir = out_dir or run_dir.root
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = min([e["time"] for e in events if e.get("event") == "start"] or [b["time"] for b in beats[:1]] or [0.0])
@@ -156,10 +191,10 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
 
     md = out_dir / "report.md"
     lines = [
-        f"# {job.name} — {state.status}",
+        f"# {job.name} — {status}",
         "",
         f"- profile: `{profile.name}` ({profile.backend}, {profile.nodes}×{profile.gpus_per_node} {profile.accelerator.name})",
-        f"- policy: `{pol.name}`; attempts: {len(state.attempts)}; switches: {len(switches)}",
+        f"- policy: `{pol.name}`; attempts: {attempts}; switches: {len(switches)}",
     ]
     end = _wall_end(state.final, events, beats)
     if end is not None:  # heartbeats, or a run that ended before its first

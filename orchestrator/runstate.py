@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +321,24 @@ def warn_skipped(skipped: list[str]) -> None:
         print(f"cona: warning: skipped a damaged line, {skipped[0]}{more}; the rest is used", file=sys.stderr, flush=True)
 
 
+def unlogged_attempts(run_dir: RunDir, state: RunState, events: list[dict[str, Any]]) -> str | None:
+    """A warning line when events.jsonl lacks the launch records of attempts that state.json lists, or None.
+
+    A deleted, emptied or replaced events.jsonl left `cona status` saying `switches 0` and `cona report` showing no
+    attempts or switches for a run that had them, without a word. The newest attempt of a run going on is not
+    counted: the scheduler saves state.json a moment before it logs that attempt's launch."""
+    logged = {e.get("attempt") for e in events if e.get("event") == "launch"}
+    listed = state.attempts if state.final else state.attempts[:-1]
+    lost = [a.number for a in listed if a.number not in logged]
+    if not lost:
+        return None
+    which = f"attempt {lost[0]}" if len(lost) == 1 else f"{len(lost)} attempts ({lost[0]}–{lost[-1]})"
+    how = f"is missing, though state.json lists {which}" if not run_dir.events.exists() else \
+        f"has no launch record of {which} that state.json lists"  # fmt: skip
+    return (f"cona: warning: {run_dir.events} {how}: the attempts and switches it logged are left out; restore it "
+            "from a backup to see them")  # fmt: skip
+
+
 STATE_VERSION = 2
 """Version of state.json's layout. 1 (cona 0.1, unversioned): the run model's fields at the top level next to
 `attempt` and `strategy` copies of the newest attempt; still read. 2: `RunState`. Fields added to version 2 since
@@ -454,8 +474,10 @@ class RunState:
             model["last_decision"] = data.get("last_decision")
             data = {**{k: v for k, v in data.items() if k in fields}, "model": model,
                     "attempts_started": int(data.get("attempt", 0))}  # fmt: skip
+        known = {k: v for k, v in data.items() if k in fields}
+        if (problem := _state_problem(known)) is not None:
+            raise ConfigError(f"{source}: {problem}; {STATE_FIX}")
         try:
-            known = {k: v for k, v in data.items() if k in fields}
             known["attempts"] = [Attempt.from_dict(a) for a in data.get("attempts") or []]
             request = data.get("switch_requested")
             known["switch_requested"] = SwitchRequest.from_dict(request) if request else None
@@ -463,8 +485,54 @@ class RunState:
             known["pending"] = PendingSpell.from_dict(pending) if pending else None
             known["version"] = STATE_VERSION
             return cls(**known)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: unreadable run state ({e}); the run cannot be resumed from it") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: unreadable run state ({e}); {STATE_FIX}") from None
+
+
+STATE_FIX = "the run cannot be resumed from it; restore state.json from a backup, or start a new run with --run-dir"
+"""What to do about a state.json that cannot be read: the end of each line that refuses one."""
+
+RUN_STATUSES = ("created", "running", "done", "stopped", "failed")
+"""The values of `RunState.status`."""
+
+_SCALAR_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "str": (lambda v: isinstance(v, str), "text"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    "float": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "a JSON object"),
+    "list[Attempt]": (lambda v: isinstance(v, list) and all(isinstance(a, dict) for a in v), "a list of objects"),
+}
+"""The field annotations of `RunState` whose values `_state_problem` checks, with what a value must be."""
+
+
+def _state_problem(known: dict[str, Any]) -> str | None:
+    """What is wrong with the top-level values of a state.json (valid JSON, damaged or edited by hand), or None.
+
+    `RunState(**known)` takes any value: `"status": 7` was shown as the run's status, `"final": "no"` read as true,
+    and `"attempts_started": "4"` or `"model": [1]` ended `cona run --resume` (and `cona status`) in a traceback
+    further on. The nested records (attempts, pending, switch_requested) are checked by their own `from_dict`."""
+    for f in dataclasses.fields(RunState):
+        if f.name not in known or not isinstance(f.type, str):
+            continue
+        value, optional = known[f.name], f.type.endswith(" | None")
+        check = _SCALAR_CHECKS.get(f.type.removesuffix(" | None"))
+        if check is None or (value is None and optional):
+            continue
+        if value is None or not check[0](value):
+            return f"field {f.name!r} is {_shown(value)}, not {check[1]}"
+    if "status" in known and known["status"] not in RUN_STATUSES:
+        return f"field 'status' is {_shown(known['status'])}, not one of {', '.join(RUN_STATUSES)}"
+    live = known.get("model", {}).get("live")
+    if live is not None and not isinstance(live, dict):
+        return f"field 'model.live' is {_shown(live)}, not a JSON object"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A state.json value for a message: short, whatever its size."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def read_state(run_dir: RunDir, *, resume: bool = False) -> RunState:
@@ -473,8 +541,11 @@ def read_state(run_dir: RunDir, *, resume: bool = False) -> RunState:
     numbers again, re-read the old attempts' heartbeats as new and overwrite their records."""
     try:
         data = read_json(run_dir.state_json)
-    except (OSError, ValueError):
-        raise ConfigError(f"{run_dir.state_json}: unreadable; the run cannot be resumed from it") from None
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep (garbage, not a state)
+        raise ConfigError(f"{run_dir.state_json}: unreadable; {STATE_FIX}") from None
+    if data is None and run_dir.state_json.exists():
+        # The file holds `null` (read_json's None means no file): damaged, not missing, which a fresh state would be.
+        raise ConfigError(f"{run_dir.state_json}: not a JSON object; {STATE_FIX}")
     if data is None and resume and (used := sorted(used_attempts(run_dir))):
         # The scheduler saves state.json before the first launch, so attempts without it mean it was lost.
         which = f"attempt {used[0]} exists" if len(used) == 1 else f"attempts {used[0]}–{used[-1]} exist"
@@ -483,7 +554,7 @@ def read_state(run_dir: RunDir, *, resume: bool = False) -> RunState:
     if data is None:
         return RunState()
     if not isinstance(data, dict):
-        raise ConfigError(f"{run_dir.state_json}: not a JSON object; the run cannot be resumed from it")
+        raise ConfigError(f"{run_dir.state_json}: not a JSON object; {STATE_FIX}")
     return RunState.from_dict(data, source=str(run_dir.state_json))
 
 

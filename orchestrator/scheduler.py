@@ -22,6 +22,7 @@ from cona.orchestrator.policy import prior_noise_scale
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.runmodel import LiveStatus, RunModel, SwitchCompleted
 from cona.orchestrator.runstate import (
+    STATE_FIX,
     PendingSpell,
     RunState,
     SwitchRequest,
@@ -47,6 +48,7 @@ from cona.protocol.rundir import (
     read_jsonl,
 )
 from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
     from cona.orchestrator.tensorboard import TensorBoardWriter
@@ -130,7 +132,13 @@ class Scheduler:
 
     def _restore(self) -> None:
         self.state = self.check_resumable()
-        self.model.restore(self.state.model)
+        try:
+            self.model.restore(self.state.model)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            # The run model's part of state.json (estimators, measured step times) edited or damaged into valid
+            # JSON of other types (`"noise": "x"`) ended the resume in a traceback; say which file and what to do.
+            raise ConfigError(f"{self.run_dir.state_json}: its run model ('model') is unreadable ({e}); "
+                              f"{STATE_FIX}") from None  # fmt: skip
 
     @property
     def current(self) -> Attempt | None:

@@ -209,7 +209,10 @@ def read_jsonl(
             continue
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
+            # Besides JSONDecodeError and UnicodeDecodeError (both ValueErrors): a number of over 4,300 digits is a
+            # bare ValueError and a line nested too deep a RecursionError. Garbage all the same, never a record, but
+            # they ended `cona status`/`report` and the orchestrator in a line naming no file, or a traceback.
             record = None
         if isinstance(record, dict):
             records.append(record)

@@ -243,7 +243,7 @@ def test_a_file_that_changes_while_it_is_read_is_refused(tmp_path, tokenizer_pat
     monkeypatch.setattr(prep, "_read", appending)
     with pytest.raises(ValueError, match=r"a\.txt: changed while it was read; run cona data prepare again"):
         prep.prepare(tokenizer_path, tmp_path / "a.txt", tmp_path / "out", progress=False)
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()  # nothing partial, and the --out it created goes with it
 
 
 def test_an_out_is_replaced_whole_or_left_as_it_was(tmp_path, tokenizer_path, monkeypatch):
@@ -272,7 +272,10 @@ def test_odd_options_are_one_line(tmp_path, tokenizer_path, capsys):
     args = ["--tokenizer", str(tokenizer_path), "--out", str(tmp_path / "out"), "--input"]
     assert "the input is empty or only whitespace" in _error([*args, str(tmp_path / "blank.txt")], capsys)
     for chunk in ("inf", "nan", "0"):
-        assert "--chunk-mb a positive number" in _error([*args, str(tmp_path / "a.txt"), "--chunk-mb", chunk], capsys)
+        assert f"--chunk-mb {chunk}: give a positive, finite size in MB" in _error(
+            [*args, str(tmp_path / "a.txt"), "--chunk-mb", chunk], capsys)
+    assert "--workers 0: give at least 1 tokenizing process" in _error([*args, str(tmp_path / "a.txt"), "--workers", "0"],
+                                                                      capsys)  # fmt: skip
 
 
 def _job(path: Path, **data) -> object:

@@ -213,6 +213,32 @@ def test_drive_refuses_a_cut_run_yaml_before_anything(tmp_path):
     assert (sched.run_dir.events.read_bytes() if sched.run_dir.events.exists() else b"") == events
 
 
+# --- state.json of the wrong types ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"noise": "x"}, "its run model ('model') is unreadable ("),
+        ({"live": {"samples": 64}, "throughput": {"measured": "x"}}, "its run model ('model') is unreadable ("),
+    ],
+)
+def test_resume_of_a_state_json_whose_run_model_is_of_other_types_refuses_in_one_line(tmp_path, capsys, model, message):
+    """`"model": {"noise": "x"}` (valid JSON, a hand edit or damage) ended `cona run --resume` in a traceback in
+    `RunModel.restore`; so did `"status": 7` further on (`read_state` refuses that one now)."""
+    sched, backend = make_scheduler(tmp_path)
+    _state_with_attempt_one(sched.run_dir, model=model)
+    with pytest.raises(ConfigError) as err:
+        sched.start_or_resume()
+    line = str(err.value)
+    assert line.startswith(f"{sched.run_dir.state_json}: {message}") and "\n" not in line
+    assert line.endswith("restore state.json from a backup, or start a new run with --run-dir")
+    assert backend.launched == []
+    code, err_text = _cona(["run", "--resume", str(sched.run_dir.root), "--quiet"], capsys)
+    assert code == 2 and err_text.count("\n") == 1 and "Traceback" not in err_text
+    assert err_text.startswith(f"cona: error: {sched.run_dir.state_json}: {message}")
+
+
 # --- a torn tail of events.jsonl ------------------------------------------------------------------------------------
 
 

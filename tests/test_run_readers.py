@@ -141,6 +141,101 @@ def test_an_unterminated_tail_that_is_no_record_is_said_but_a_torn_record_is_lef
     assert f"{run.heartbeat_file(1)}: the last {len(beats)} bytes" in capsys.readouterr().err
 
 
+def test_lines_json_cannot_take_are_skipped_as_damaged_not_an_error_naming_no_file(tmp_path, capsys):
+    """A number of over 4,300 digits is a bare ValueError in `json.loads` (not a JSONDecodeError): `cona status`,
+    `cona report` and `cona run --resume` exited 2 with Python's message and no file; a line nested 100,000 deep
+    (a RecursionError) ended them in a traceback."""
+    run = make_run(tmp_path)
+    log_event(run, "start", strategy=A.to_dict())
+    log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
+    write_beats(run, 1, [beat(val_loss=5.1)])
+    write_state(run, RunState(status="done", final=True))
+    for junk in (b'{"event": "x", "time": 1' + b"0" * 5000 + b"}\n", b"[" * 100_000 + b"]" * 100_000 + b"\n"):
+        good = run.events.read_bytes()
+        with open(run.events, "ab") as f:
+            f.write(junk)
+        with open(run.heartbeat_file(1), "ab") as f:
+            f.write(junk)
+        capsys.readouterr()
+        assert status_summary(run)["switches"] == []
+        err = capsys.readouterr().err
+        assert err == f"cona: warning: skipped a damaged line, {run.events}: the line at byte {len(good)} is not a " \
+                      "JSON object; the rest is used\n"  # fmt: skip
+        write_report(run)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "(and 1 more)" in err and str(run.events) in err
+        assert "samples: 16; steps: 1" in (run.root / "report.md").read_text()
+        run.events.write_bytes(good)
+        write_beats(run, 1, [beat(val_loss=5.1)])
+
+
+def _ended_run_of_two_attempts(tmp_path) -> RunDir:
+    """A stopped run of attempts 1 and 2 (a switch between them), as its files say."""
+    run = make_run(tmp_path)
+    log_event(run, "start", strategy=A.to_dict())
+    log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
+    log_event(run, "switch", attempt=1, **{"from": A.to_dict()}, to=B.to_dict(), reason="R 1.2× current")
+    log_event(run, "launch", attempt=2, strategy=B.to_dict(), reason="switch in place")
+    log_event(run, "stopped", reason="stopped on request")
+    write_beats(run, 1, [beat(time=10.0, samples=16), beat(time=11.0, step=2, samples=32)])
+    write_beats(run, 2, [beat(attempt=2, time=12.0, step=3, samples=48, strategy=B.to_dict()),
+                         beat(attempt=2, time=13.0, step=4, samples=64, strategy=B.to_dict())])  # fmt: skip
+    write_state(run, RunState(status="stopped", final=True, attempts_started=2, model={"live": {"samples": 64}},
+                              attempts=[Attempt(number=1, strategy=A), Attempt(number=2, strategy=B)]))  # fmt: skip
+    return run
+
+
+def test_files_lost_from_an_ended_run_are_said_by_status_and_report_not_counted_as_less(tmp_path, capsys):
+    """events.jsonl deleted or emptied: `cona status` said `switches 0` and `cona report` showed no attempts and no
+    switches for a run that had them; a heartbeat file deleted: the report counted the samples of the files left
+    (11,904 of 16,320 in the bug hunt); state.json deleted: the report said `created` with 0 attempts. None warned."""
+    run = _ended_run_of_two_attempts(tmp_path)
+    capsys.readouterr()
+    status_summary(run)
+    write_report(run)
+    assert capsys.readouterr().err == ""  # whole: nothing to say
+
+    run.heartbeat_file(2).unlink()
+    write_report(run)
+    assert capsys.readouterr().err == (
+        f"cona: warning: {run.heartbeat_file(2)} is missing: the report counts 32 samples from the heartbeats left, "
+        "but state.json recorded 64; restore them from a backup for the whole run\n"
+    )
+    write_beats(run, 2, [beat(attempt=2, time=12.0, step=3, samples=48, strategy=B.to_dict())])
+    write_report(run)  # cut short rather than deleted
+    assert "heartbeat files in " in capsys.readouterr().err
+
+    events = run.events.read_bytes()
+    for damage in ("delete", "empty"):
+        run.events.unlink() if damage == "delete" else run.events.write_bytes(b"")
+        how = "is missing, though state.json lists 2 attempts (1–2)" if damage == "delete" else \
+            "has no launch record of 2 attempts (1–2) that state.json lists"  # fmt: skip
+        line = f"cona: warning: {run.events} {how}: the attempts and switches it logged are left out; restore it " \
+               "from a backup to see them\n"  # fmt: skip
+        assert status_summary(run)["switches"] == []
+        assert capsys.readouterr().err == line
+        write_report(run)
+        assert line in capsys.readouterr().err
+    run.events.write_bytes(events)
+
+    run.state_json.unlink()
+    write_report(run)
+    assert capsys.readouterr().err == (f"cona: warning: {run.state_json} is missing, though {run.events} logs "
+                                       "launches: the report cannot say the run's status; restore it from a backup\n")  # fmt: skip
+    text = (run.root / "report.md").read_text()
+    assert text.startswith("# tiny-gpt — unknown") and "attempts: 2; switches: 1" in text
+
+
+def test_the_newest_attempt_of_a_run_going_on_may_lack_its_launch_record_for_a_moment(tmp_path, capsys):
+    """The scheduler saves state.json a moment before it logs the launch: no warning for that attempt then."""
+    run = _ended_run_of_two_attempts(tmp_path)
+    write_state(run, RunState(status="running", attempts_started=3, model={"live": {"samples": 64}},
+                              attempts=[Attempt(number=n, strategy=A) for n in (1, 2, 3)]))  # fmt: skip
+    capsys.readouterr()
+    status_summary(run)
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------- #3: resuming from an older checkpoint is shown
 
 

@@ -95,6 +95,47 @@ def test_unusable_state_is_one_clear_line(tmp_path, text, message):
 
 
 @pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (json.dumps({"version": 2, "status": 7}), "field 'status' is 7, not text"),
+        (json.dumps({"version": 2, "status": "paused"}), "field 'status' is 'paused', not one of created, running"),
+        (json.dumps({"version": 2, "attempts_started": "4"}), "field 'attempts_started' is '4', not a whole number"),
+        (json.dumps({"version": 2, "final": "no"}), "field 'final' is 'no', not true or false"),
+        ('{"version": 2, "paused_s": NaN}', "field 'paused_s' is nan, not a finite number"),
+        (json.dumps({"version": 2, "model": [1]}), "field 'model' is [1], not a JSON object"),
+        (json.dumps({"version": 2, "model": {"live": "x"}}), "field 'model.live' is 'x', not a JSON object"),
+        (json.dumps({"version": 2, "attempts": "many"}), "field 'attempts' is 'many', not a list of objects"),
+        (json.dumps({"version": 2, "reason": "x" * 100}), None),
+        ("null", "state.json: not a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "state.json: unreadable"),
+    ],
+)
+def test_a_state_json_of_the_wrong_types_is_refused_in_one_line_saying_what_to_do(tmp_path, text, message):
+    """Valid JSON of other types used to be taken in: `"status": 7` was shown as the run's status, `"final": "no"`
+    read as true, and `"attempts_started": "4"`, `"model": [1]` or `"model": {"live": "x"}` ended `cona run --resume` (and
+    `cona status`) in a traceback. A file holding `null` read as a missing one, and JSON nested too deep as a
+    traceback. Each is now one line naming the file, the field and what to do."""
+    run = RunDir(tmp_path)
+    run.state_json.write_text(text)
+    if message is None:  # a long text in a text field is fine
+        assert read_state(run).reason == "x" * 100
+        return
+    with pytest.raises(ConfigError) as err:
+        read_state(run)
+    line = str(err.value)
+    assert line.startswith(f"{run.state_json}: ") and message in line and "\n" not in line
+    assert line.endswith("restore state.json from a backup, or start a new run with --run-dir")
+
+
+def test_numbers_of_either_json_kind_and_nulls_where_allowed_still_read(tmp_path):
+    run = RunDir(tmp_path)
+    run.state_json.write_text(json.dumps({"version": 2, "status": "stopped", "paused_s": 3, "run_started": None,
+                                          "hang_cancelled": None, "reason": None, "model": {}}))  # fmt: skip
+    state = read_state(run)
+    assert (state.status, state.paused_s, state.run_started, state.reason) == ("stopped", 3, None, None)
+
+
+@pytest.mark.parametrize(
     ("content", "message"),
     [
         (b"\xff\xfe profile: {}", "run.yaml: not UTF-8 text (byte 0xff at offset 0)"),
