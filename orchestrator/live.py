@@ -302,7 +302,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
     skipped: list[str] = []
-    events = read_events(run_dir, skipped=skipped)
+    events = read_events(run_dir, skipped=skipped, settled=state.final)  # an ended run's torn tail is never finished
     warn_skipped(skipped)
     if (lost := unlogged_attempts(run_dir, state, events)) is not None:  # else `switches 0` for a run that switched
         print(lost, file=sys.stderr, flush=True)

@@ -126,7 +126,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     profile, job = load_run(run_dir)
     state = read_state(run_dir)
     skipped: list[str] = []
-    events = read_events(run_dir, skipped=skipped)
+    events = read_events(run_dir, skipped=skipped, settled=state.final)  # an ended run's torn tail is never finished
     beats, measured = _heartbeats(run_dir, skipped)
     warn_skipped(skipped)
     status, attempts = state.status, len(state.attempts)

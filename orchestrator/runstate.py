@@ -297,11 +297,11 @@ def _usable_events(
     return usable
 
 
-def read_events(run_dir: RunDir, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+def read_events(run_dir: RunDir, *, skipped: list[str] | None = None, settled: bool = False) -> list[dict[str, Any]]:
     """The usable records of events.jsonl (`event_problem`), the whole file as it is now. When `skipped` is given,
-    each line left out is described in it: damaged lines, a tail that can never become a record (`read_jsonl`), and
-    records of the wrong shape."""
-    return _usable_events(run_dir, read_jsonl(run_dir.events, damaged=skipped)[0], skipped)
+    each line left out is described in it: damaged lines, a tail that can never become a record (`read_jsonl`; with
+    `settled`, a run that has ended, any tail), and records of the wrong shape."""
+    return _usable_events(run_dir, read_jsonl(run_dir.events, damaged=skipped, settled=settled)[0], skipped)
 
 
 def read_new_events(

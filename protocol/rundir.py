@@ -173,7 +173,7 @@ def drop_torn_tail(path: Path) -> tuple[int, bytes]:
 
 
 def read_jsonl(
-    path: Path, *, offset: int | None = None, damaged: list[str] | None = None
+    path: Path, *, offset: int | None = None, damaged: list[str] | None = None, settled: bool = False
 ) -> tuple[list[dict[str, Any]], int]:
     """Records from byte `offset` on, and the offset after the last whole line (where the next call starts).
 
@@ -185,7 +185,8 @@ def read_jsonl(
     back to the tail on its next call, so it is left alone: its writer may still finish it, and saying it on every
     call would repeat. A reader of the whole file as it is now (no `offset`: `cona status`, `cona report`) is told
     through `damaged` of a tail that can never become a record (`_tail_damage`), which would otherwise be dropped
-    without a word.
+    without a word; with `settled` (no writer of the file is left: the run has ended) of any tail, a record its
+    writer was killed in the middle of (the run's last `stopped` record, dropped without a word).
     """
     start = offset or 0
     try:
@@ -219,6 +220,8 @@ def read_jsonl(
         elif damaged is not None:
             damaged.append(f"{path}: the line at byte {at} is not a JSON object")
     held = _tail_damage(tail) if tail else None
+    if held is None and tail and settled:
+        held = "a record cut short (its writer ended in the middle of it)"
     if held is not None and damaged is not None:
         damaged.append(f"{path}: the last {len(tail)} bytes, from byte {end}, have no newline and hold {held}, "
                        "not a record being written")  # fmt: skip

@@ -115,7 +115,7 @@ def test_an_unterminated_tail_that_is_no_record_is_said_but_a_torn_record_is_lef
     log_event(run, "start", strategy=A.to_dict())
     log_event(run, "launch", attempt=1, strategy=A.to_dict(), reason="initial strategy")
     write_beats(run, 1, [beat(val_loss=5.1)])
-    write_state(run, RunState(status="done", final=True))
+    write_state(run, RunState(status="running"))
     capsys.readouterr()
 
     with open(run.events, "ab") as f:
@@ -123,6 +123,14 @@ def test_an_unterminated_tail_that_is_no_record_is_said_but_a_torn_record_is_lef
     status_summary(run)
     write_report(run)
     assert capsys.readouterr().err == ""
+    # Once the run has ended no writer is left to finish it: the record its writer was killed in (the run's last
+    # `stopped` or `done`) was dropped without a word.
+    write_state(run, RunState(status="done", final=True))
+    status_summary(run)
+    write_report(run)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(f"{run.events}: the last 44 bytes, from byte " in line for line in err), err
+    assert all("hold a record cut short (its writer ended in the middle of it)" in line for line in err), err
 
     size = run.events.stat().st_size
     run.events.write_bytes(b"\0" * size)  # the whole file, as a crash can leave it
