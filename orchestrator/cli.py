@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -384,7 +385,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     load_run(run_dir)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out}: a file, not a directory; give a directory for the report")
-    png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
+    try:
+        png, md = write_report(run_dir, out_dir=Path(args.out) if args.out else None)
+    except OSError as e:
+        if args.out or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            raise
+        # A run directory on a read-only mount or another user's (an archive, a colleague's run) is still
+        # readable: the report can go elsewhere.
+        raise UserError(f"{e.filename or run_dir.root}: {e.strerror}; write the report elsewhere with --out DIR") from None
     print(f"wrote {md} and {png}")
     return 0
 

@@ -411,3 +411,26 @@ def test_a_run_without_a_lock_file_or_on_kubernetes_is_not_judged_by_the_lock(tm
     code, out, _ = cona(["stop", str(k8s.root)], capsys)
     assert code == 0 and out.startswith(f"asked {k8s.root} to stop: the trainer checkpoints")
     assert k8s.read_control().command == "stop"
+
+
+def test_a_report_that_cannot_be_written_in_the_run_directory_points_to_out(tmp_path, capsys, monkeypatch):
+    """A run directory on a read-only mount (an archive, another user's run) is still readable: the one line says
+    the report can go elsewhere with --out (root writes through chmod, so the mount is simulated)."""
+    import errno
+
+    from cona.orchestrator import report
+
+    run = make_run(tmp_path)
+    write_state(run, RunState(status="done", final=True))
+
+    def read_only(run_dir, *, out_dir=None):
+        if out_dir is None:
+            raise OSError(errno.EROFS, "Read-only file system", str(run_dir.root / "report.png"))
+        return write_report(run_dir, out_dir=out_dir)
+
+    monkeypatch.setattr(report, "write_report", read_only)
+    code, _, err = cona(["report", str(run.root)], capsys)
+    assert code == 2 and err == (f"cona: error: {run.root / 'report.png'}: Read-only file system; write the report "
+                                 "elsewhere with --out DIR\n")  # fmt: skip
+    code, _, err = cona(["report", str(run.root), "--out", str(tmp_path / "elsewhere")], capsys)
+    assert code == 0 and (tmp_path / "elsewhere" / "report.md").exists(), err
