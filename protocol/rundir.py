@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,16 @@ class SwitchPoints:
         return any(start < point <= end for point in self.samples)
 
 
+CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
+"""The name of a checkpoint directory (`RunDir.checkpoint_dir`). Only these are listed, resumed from or pruned: a
+`step-abc` or `step-1` someone left in checkpoints/ is not cona's (it was skipped on every resume as "no COMPLETE
+marker, it was being written", and one that sorted before the newest checkpoint was deleted as a partial save)."""
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return CHECKPOINT_NAME.fullmatch(name) is not None
+
+
 def _marked(path: Path) -> bool:
     """Whether the checkpoint directory `path` holds its COMPLETE marker. One this user may not look into counts as
     marked: it may be complete, and listed it reaches the resume's checks, which name it and say what to do (left
@@ -467,14 +478,14 @@ class RunDir:
         """Complete checkpoint directories, oldest first (a directory without its marker is not complete)."""
         if not self.checkpoints.is_dir():
             return []
-        found = [p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and _marked(p)]
+        found = [p for p in self.checkpoints.iterdir() if is_checkpoint_name(p.name) and _marked(p)]
         return sorted(found, key=lambda p: p.name)
 
     def incomplete_checkpoints(self) -> list[Path]:
         if not self.checkpoints.is_dir():
             return []
         return sorted(
-            p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and not _marked(p)
+            p for p in self.checkpoints.iterdir() if is_checkpoint_name(p.name) and not _marked(p)
         )
 
     def latest_checkpoint(self) -> Path | None:
@@ -487,8 +498,8 @@ class RunDir:
         back under its name before it lists the checkpoints)."""
         if not self.checkpoints.is_dir():
             return False
-        names = ("step-", ".resave-step-", ".replaced-step-")
-        return any(p.name.startswith(names) and _marked(p) for p in self.checkpoints.iterdir())
+        return any(is_checkpoint_name(p.name.removeprefix(".resave-").removeprefix(".replaced-")) and _marked(p)
+                   for p in self.checkpoints.iterdir())  # fmt: skip
 
     def recorded_progress(self) -> tuple[int, int]:
         """From the heartbeats of every attempt: the most samples the run reached, and the most it ever had in a

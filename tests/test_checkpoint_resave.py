@@ -140,3 +140,22 @@ def test_stale_resave_leftovers_beside_a_valid_checkpoint_are_removed(tmp_path, 
     assert ckpt.resume_candidates(run_dir) == [path]
     assert "kept" in (path / "trainer_state.json").read_text()
     assert _hidden(run_dir) == []
+
+
+def test_directories_not_named_as_checkpoints_are_neither_resumed_nor_pruned(tmp_path, model, capsys):
+    """`step-abc` or `step-1` in checkpoints/ is not cona's: it was skipped on every resume as a save "being
+    written", and one that sorted before the newest checkpoint was removed as a partial save."""
+    net, optimizer = model
+    run_dir = RunDir(tmp_path)
+    run_dir.checkpoints.mkdir(parents=True)
+    for name in ("step-abc", "step-0000001", "step-"):
+        (run_dir.checkpoints / name).mkdir()
+        (run_dir.checkpoints / name / "notes.txt").write_text("mine")
+    _save(run_dir, net, optimizer, step=5, tag="first")
+    _save(run_dir, net, optimizer, step=6, tag="second")
+    notices: list = []
+    assert ckpt.resume_candidates(run_dir, notices) == [run_dir.checkpoint_dir(6), run_dir.checkpoint_dir(5)]
+    assert notices == [] and "skipping" not in capsys.readouterr().err
+    assert all((run_dir.checkpoints / name / "notes.txt").read_text() == "mine"
+               for name in ("step-abc", "step-0000001", "step-"))  # fmt: skip
+    assert run_dir.has_marked_checkpoint() and run_dir.incomplete_checkpoints() == []

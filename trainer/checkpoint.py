@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import HeartbeatEvent
-from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json
+from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json, is_checkpoint_name
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -310,7 +310,7 @@ def recover_resaves(run_dir: RunDir) -> list[str]:
         return []
     restored = []
     names = sorted({name for p in root.iterdir() if p.name.startswith((RESAVE_PREFIX, REPLACED_PREFIX))
-                    and (name := p.name.split("-", 1)[1]).startswith("step-")})  # fmt: skip
+                    and is_checkpoint_name(name := p.name.split("-", 1)[1])})  # fmt: skip
     for name in names:
         path, staged, replaced = root / name, root / (RESAVE_PREFIX + name), root / (REPLACED_PREFIX + name)
         try:
@@ -450,7 +450,7 @@ def resume_candidates(run_dir: RunDir, notices: list[tuple[HeartbeatEvent, str]]
     for line in recover_resaves(run_dir):
         notice(HeartbeatEvent.CHECKPOINT_RESTORED, line)
     candidates = []
-    for path in sorted((p for p in run_dir.checkpoints.iterdir() if p.name.startswith("step-")), reverse=True):
+    for path in sorted((p for p in run_dir.checkpoints.iterdir() if is_checkpoint_name(p.name)), reverse=True):
         problem = verify_checkpoint(path)
         if problem is None:
             candidates.append(path)
