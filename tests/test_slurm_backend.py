@@ -563,6 +563,60 @@ def test_a_down_node_of_the_job_is_reported_lost_and_idle_nodes_are_available(en
     assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("n2",), outcome
 
 
+# `sinfo SINFO_NODE_ARGS` on Slurm 22.05 (the local cluster) after `scontrol update nodename=n2 state=drain`, then
+# `state=down`: the long state of a DOWN+DRAIN node is `drained`, like that of a healthy drained node (n3).
+SINFO_DOWN_DRAIN = "n1|mixed|mixed|\nn2|drained|down+drain|\nn3|drained|idle+drain|\nn4|down*|down+not_responding|\n"
+
+
+def test_a_node_that_went_down_while_drained_is_lost(env):
+    """A node drained and then DOWN (`scontrol update state=down`, a node failure during a maintenance drain):
+    sinfo's `%T` says `drained`, which alone is no loss; the complete state (`down+drain`) says it is. Before,
+    an elastic run whose job Slurm requeued off such a node never shrank: the requeued job restarted on fewer
+    nodes than its attempt asked for and crashed, and the relaunch queued for the drained node."""
+    assert parse_sinfo_nodes(SINFO_DOWN_DRAIN) == {"n1": "mixed", "n2": "down+drain", "n3": "drained",
+                                                   "n4": "down*"}  # fmt: skip
+    assert [n for n, s in parse_sinfo_nodes(SINFO_DOWN_DRAIN).items() if node_is_down(s)] == ["n2", "n4"]
+    # An sinfo without StateComplete prints that field empty: the long state alone, as with `-o '%N|%T'`.
+    assert parse_sinfo_nodes("n1|idle||\nn2|drained||\n") == {"n1": "idle", "n2": "drained"}
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    (run.attempt_dir(1) / "slurm.json").write_text(json.dumps({"submission": attempt.extra["submission"],
+                                                               "nodelist": "n1,n2"}))  # fmt: skip
+    fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="BeginTime", restarts=1)  # requeued off n2
+    fake.sinfo = "n1|idle|idle|\nn2|drained|down+drain|\n"  # `-n n1,n2`: the nodes the attempt started on
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.PENDING and outcome.lost_nodes == ("n2",), outcome
+    assert "node n2 DOWN" in outcome.detail
+    sinfo = next(c for c in reversed(fake.calls) if c[0] == "sinfo")
+    assert "StateComplete" in " ".join(sinfo), sinfo
+    fake.jobs["101"] = _job("101", "RUNNING", nodes="n1")
+    fake.sinfo = SINFO_DOWN_DRAIN
+    assert backend.available_nodes(attempt) == 1  # n2 down, n3 drained, n4 down: only the job's n1
+
+
+def test_a_requeued_job_back_on_fewer_nodes_than_its_attempt_needs_reports_the_missing_node_lost(env):
+    """An elastic job (`--nodes=1-2`) switched in place to attempt 2 on n1,n2; Slurm requeued it and it runs again
+    on n1 alone (n2 drained meanwhile: not DOWN). Its helper waits rather than run attempt 2 on one node; the poll
+    names n2 lost so that the scheduler replans for one node, instead of a crash and a relaunch queued for n2."""
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4, elastic={1: S2, 2: S4})
+    (run.attempt_dir(1) / "slurm.json").write_text(json.dumps({"submission": first.extra["submission"],
+                                                               "nodelist": "n1,n2", "restarts": 0}))  # fmt: skip
+    second = backend.continued(first, number=2, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING", nodes="n1", restarts=1)
+    fake.sinfo = "n1|mixed|mixed|\n"
+    outcome = backend.poll(second)
+    assert outcome.status is AttemptStatus.CRASHED and outcome.lost_nodes == ("n2",), outcome
+    assert "on n1 only" in outcome.detail and "node n2 not in the allocation" in outcome.detail
+    # The elastic start itself runs the table's strategy for the nodes it got: nothing is missing.
+    assert backend.poll(first).lost_nodes == ()
+    # Back on both nodes, or COMPLETING (Slurm drops each node from the list as it finishes): nothing is missing.
+    fake.jobs["101"] = _job("101", "RUNNING", nodes="n[1-2]", restarts=1)
+    assert backend.poll(second).status is AttemptStatus.RUNNING
+    fake.jobs["101"] = _job("101", "COMPLETING", nodes="n1", restarts=1)
+    assert backend.poll(second).lost_nodes == ()
+
+
 def test_an_attempt_continued_in_place_is_watched_in_the_same_job(env):
     """An in-place switch: the next attempt's launch record carries the job's submission (a requeued job finds it),
     the continued attempt is the same job, and its end is read from its own slurm-exit.json."""

@@ -510,10 +510,11 @@ def _launch(run: Path, attempt: int, submission: str, nnodes: int = 2, nproc: in
             "strategy": strategy})  # fmt: skip
 
 
-def _run_helper(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+def _run_helper(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(HELPER), *args], capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, str(HELPER), *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **env} if env else None,
+    )  # fmt: skip
 
 
 def test_helper_next_runs_its_own_launch_unless_the_run_moved_on(tmp_path):
@@ -694,3 +695,36 @@ def test_next_after_a_requeue_before_an_offered_in_place_switch_runs_the_previou
     _write(run / "attempts" / "1" / "exit.json", {"exit_code": 42, "next_attempt": 2, "time": time.time()})
     r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5")
     assert r.returncode == 0 and r.stdout.split()[0] == "2", r.stderr
+
+
+def test_next_waits_when_a_requeued_elastic_job_came_back_on_fewer_nodes(tmp_path):
+    """An elastic job (`--nodes=1-2`) switched in place (attempt 2: 2 nodes, no `by_nnodes`) and Slurm requeued
+    it onto 1 node (the other drained meanwhile): its srun failed "Only allocated 1 nodes asked for 2" and the
+    attempt counted as a crash. `next` now waits for the orchestrator to replan (it sees the job on too few nodes);
+    its elastic start (`by_nnodes`) still runs the table's strategy for the nodes it got."""
+    run = tmp_path / "run"
+    job = {"SLURM_NNODES": "1"}  # Slurm sets it in the job; the helper checks the node count only then
+    _launch(run, 1, "s")
+    launch = json.loads((run / "attempts" / "1" / "launch.json").read_text())
+    table = {"1": {"strategy": {"dp": 2, "tp": 1, "pp": 1, "mbs": 1, "gbs": 2}, "nproc_per_node": 2},
+             "2": {"strategy": launch["strategy"], "nproc_per_node": 2}}  # fmt: skip
+    _write(run / "attempts" / "1" / "launch.json", {**launch, "by_nnodes": table})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5", "--nnodes", "1", env=job)
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["1", "1", "2"], r.stderr
+    _launch(run, 2, "s")  # the switch in place, on the 2 nodes the job had
+    _write(run / "attempts" / "2" / "launch.json",
+           {**json.loads((run / "attempts" / "2" / "launch.json").read_text()), "in_place": True})  # fmt: skip
+    _write(run / "attempts" / "1" / "exit.json", {"exit_code": 42, "next_attempt": 2, "time": time.time()})
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "1", "--nnodes", "1", env=job)
+    assert r.returncode == 3 and r.stdout == "", r.stdout
+    assert r.stderr.count("attempt 2 needs 2 node(s), this job has 1; waiting") == 1, r.stderr
+    # Outside a Slurm job (no SLURM_NNODES: the batch script's default of 1) the count is not checked.
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5", "--nnodes", "1",
+                    env={"SLURM_NNODES": ""})  # fmt: skip
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["2", "2", "2"], r.stderr
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5", "--nnodes", "2", env=job)
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["2", "2", "2"], r.stderr
+    _launch(run, 3, "other")  # the orchestrator replanned and submitted another job: this one ends
+    r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5", "--nnodes", "1", env=job)
+    assert r.returncode == 4, r.stderr
+

@@ -206,13 +206,32 @@ def parse_sacct(text: str) -> dict[str, SlurmJobInfo]:
     return jobs
 
 
+SINFO_NODE_ARGS = ("-h", "-N", "-O", "NodeList:|,StateLong:|,StateComplete:|")
+"""`sinfo` arguments for each node's state, as `parse_sinfo_nodes` reads them: `NODE|LONG|COMPLETE|`.
+
+Not `-o '%N|%T'` alone: `%T` (StateLong) names a drained node by its DRAIN flag whatever its base state, so a node
+that went DOWN while draining or drained (an admin's `scontrol update state=down`, a node failure during a
+maintenance drain) shows as `drained`/`draining`, the same as a healthy drained one, and an elastic run never saw
+it lost. StateComplete (`down+drain`) keeps the base state. An sinfo that does not know StateComplete prints the
+field empty (and exits 0): the long state alone is then used, as before."""
+
+
 def parse_sinfo_nodes(text: str) -> dict[str, str]:
-    """Parse `sinfo -h -N -o '%N|%T'` → {node: state}; a trailing `*` means not responding."""
+    """Parse `sinfo SINFO_NODE_ARGS` (`NODE|LONG|COMPLETE|`) or `sinfo -h -N -o '%N|%T'` → {node: state}.
+
+    The state is the long one (`idle`, `down*`, `drained`, ...; a trailing `*` means not responding), except for a
+    drained node whose complete state has a DOWN base: that one (`down+drain`), which `node_is_down` takes as lost
+    while `drained` is not."""
     states: dict[str, str] = {}
     for line in text.splitlines():
-        name, sep, state = line.strip().partition("|")
-        if sep and name:
-            states[name] = state.strip().lower()
+        fields = [field.strip().lower() for field in line.strip().split("|")]
+        if len(fields) < 2 or not fields[0]:
+            continue
+        name, state = fields[0], fields[1]
+        complete = fields[2] if len(fields) > 2 else ""
+        if complete.split("+")[0].startswith("down") and not node_is_down(state):
+            state = complete  # `drained`/`draining` that is DOWN underneath
+        states[name] = state
     return states
 
 
@@ -382,7 +401,7 @@ class SlurmBackend(Backend):
     def node_states(self, nodes: list[str]) -> dict[str, str]:
         if not nodes:
             return {}
-        result = self._cmd(["sinfo", "-h", "-N", "-o", "%N|%T", "-n", ",".join(nodes)])
+        result = self._cmd(["sinfo", *SINFO_NODE_ARGS, "-n", ",".join(nodes)])
         return parse_sinfo_nodes(result.stdout) if result.returncode == 0 else {}
 
     def down_nodes(self, nodes: list[str]) -> list[str]:
@@ -757,6 +776,16 @@ class SlurmBackend(Backend):
                     f"node {','.join(down)} DOWN (job {job_id} {info.state}{restarts})",
                     lost_nodes=tuple(down),
                 )
+            missing = self._nodes_not_regained(attempt, info)
+            if missing:
+                return Outcome(
+                    AttemptStatus.CRASHED,
+                    None,
+                    f"job {job_id} {info.state}{restarts} on {','.join(info.nodes)} only: attempt {attempt.number} "
+                    f"needs {self.placement(attempt.strategy)[0]} node(s), node {','.join(missing)} not in the "
+                    "allocation",
+                    lost_nodes=missing,
+                )
             return Outcome(
                 AttemptStatus.RUNNING, None, f"job {job_id} {info.state} on {','.join(info.nodes)}{restarts}"
             )
@@ -783,10 +812,29 @@ class SlurmBackend(Backend):
             lost_nodes=tuple(down),
         )
 
+    def _nodes_not_regained(self, attempt: Attempt, info: SlurmJobInfo) -> tuple[str, ...]:
+        """The nodes `attempt` started on that its job, running again on fewer nodes than the attempt needs, no
+        longer holds; () when it holds enough.
+
+        Only an elastic job (`--nodes=MIN-MAX`) that Slurm requeued can come back smaller: off a node drained
+        meanwhile (DRAIN alone is no lost node, `node_is_down`), or one that was DOWN only for a moment. Its elastic
+        start (`by_nnodes`) runs the table's strategy for what it got; any later attempt of it (a switch in place,
+        a relaunch in the allocation) has one node count, and the job's helper waits rather than run it on too few
+        nodes (`slurm_helper.py` `_too_few_nodes`). Reported as lost nodes, so the scheduler replans for the nodes
+        left and resubmits (`Scheduler._shrink`) instead of a crash, and a relaunch that queues for the missing
+        node."""
+        if "by_nnodes" in attempt.extra or info.state != "RUNNING" or not info.nodes:
+            return ()  # COMPLETING: Slurm drops each node from the list as it finishes
+        short = self.placement(attempt.strategy)[0] - len(info.nodes)
+        if short <= 0:
+            return ()
+        started = str((self._started_record(attempt) or {}).get("nodelist", ""))
+        return tuple([n for n in started.split(",") if n and n not in info.nodes][:short])
+
     def available_nodes(self, attempt: Attempt) -> int | None:
         """The nodes of the profile's partition that `attempt`'s job holds, plus those idle (neither DOWN nor
         draining); None when Slurm does not answer."""
-        argv = ["sinfo", "-h", "-N", "-o", "%N|%T"] + (["-p", self.profile.slurm.partition] if self.profile.slurm.partition else [])
+        argv = ["sinfo", *SINFO_NODE_ARGS] + (["-p", self.profile.slurm.partition] if self.profile.slurm.partition else [])
         try:
             result = self._cmd(argv)
             info = self.job_info(attempt.backend_id) if attempt.backend_id else None

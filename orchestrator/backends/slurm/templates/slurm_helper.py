@@ -190,6 +190,10 @@ def cmd_next(argv):
         }
         return _print_next(a, record)
 
+    # The nodes this job holds now ($SLURM_NNODES); None when not given or not set by Slurm (the batch script
+    # defaults it to 1 outside a job): not checked then, as an attempt must not wait for a count nobody knows.
+    allocated = int(a["nnodes"]) if "--nnodes" in argv and os.environ.get("SLURM_NNODES") else None
+    said_short = None
     while True:
         launches = _launches(run_dir, submission)
         current = _newest_launch(run_dir)[0]  # the attempt the run is on, in whichever job
@@ -203,7 +207,18 @@ def cmd_next(argv):
         if candidates:
             attempt = candidates[-1]
             if current == attempt:
-                return _print_next(a, launches[_runnable(run_dir, launches, attempt)])
+                record = launches[_runnable(run_dir, launches, attempt)]
+                if not _too_few_nodes(record, allocated):
+                    return _print_next(a, record)
+                # An elastic job (`--nodes=MIN-MAX`) that Slurm requeued can start again on fewer nodes than the
+                # attempt it ran when that attempt is not its elastic start (a switch in place, a relaunch in the
+                # allocation: no `by_nnodes` to choose from). Its srun would fail ("Only allocated 1 nodes asked
+                # for 2") and the attempt count as a crash; wait instead: the orchestrator sees the job on fewer
+                # nodes than the attempt needs and replans for them (SlurmBackend: `lost_nodes`, a shrink).
+                if said_short != attempt:
+                    said_short = attempt
+                    sys.stderr.write(f"cona: attempt {attempt} needs {record.get('nnodes')} node(s), this job has "
+                                     f"{allocated}; waiting for the orchestrator to replan\n")
             if current > attempt:
                 sys.stderr.write(f"cona: the run moved on to attempt {current}; not running {attempt}\n")
                 return 4
@@ -213,6 +228,17 @@ def cmd_next(argv):
         if time.monotonic() >= deadline:
             return 3
         time.sleep(0.5)
+
+
+def _too_few_nodes(record, allocated):
+    """Whether `record` (not an elastic one: those run the strategy planned for the nodes the job got) asks for
+    more nodes than the job has (`allocated`, unknown when None)."""
+    if allocated is None or isinstance(record.get("by_nnodes"), dict):
+        return False
+    try:
+        return int(record.get("nnodes") or 1) > allocated
+    except (TypeError, ValueError):
+        return False
 
 
 def _runnable(run_dir, launches, attempt):
