@@ -246,9 +246,10 @@ def _check_backend_clients(profile: ClusterProfile) -> None:
     """The backend's command-line clients, before a run directory is created or an attempt launched: a Slurm
     profile without `sbatch` on PATH left a run directory behind whose status said running."""
     if profile.backend == "slurm":
-        from cona.orchestrator.backends.slurm.backend import check_clients
+        from cona.orchestrator.backends.slurm.backend import check_clients, check_partition
 
         check_clients()
+        check_partition(profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

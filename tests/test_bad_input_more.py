@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -440,6 +442,54 @@ def test_a_slurm_run_without_sbatch_leaves_no_run_directory(tmp_path, monkeypatc
     run = tmp_path / "run"
     code, err = run_cli(["run", "--profile", str(PROFILES / "local-slurm.yaml"), "--job", str(JOB), "--run-dir", str(run)])
     assert code == 1 and "sbatch not found" in error_line(err) and not run.exists()
+
+
+def _slurm_clients(tmp_path, sinfo: str) -> str:
+    """A PATH with the Slurm clients a run needs (doing nothing) and an `sinfo` that prints `sinfo`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", ""), ("scontrol", ""), ("scancel", ""), ("sinfo", f"printf '{sinfo}'")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize(
+    ("sinfo", "overrides", "expected"),
+    [
+        # The partition Slurm would leave the job pending in for ever (PartitionNodeLimit), said before any run dir.
+        ("n1|debug*\\nn2|debug*\\n", ["nodes=3"],
+         "slurm.partition 'debug' has 2 node(s), the profile needs 3 (nodes=3): Slurm would leave every job pending "
+         "for ever; lower nodes (--profile-set nodes=2) or pick another partition; no run directory was created"),
+        ("n1|debug*\\nn2|debug*\\n", ["nodes=3", "min_nodes=3"], "(nodes=3)"),
+        ("n1|debug*\\nn2|debug*\\n", ["nodes=4", "min_nodes=3"], "the profile needs 3 (min_nodes=3)"),
+        ("n1|gpu*\\nn1|cpu\\n", [], "slurm.partition 'debug': no such partition on this cluster (sinfo lists cpu, gpu)"),
+        ("n1|gpu*\\nn1|cpu\\n", ["slurm.partition=null", "nodes=2"], "the default partition 'gpu' has 1 node(s)"),
+    ],
+)  # fmt: skip
+def test_a_slurm_partition_that_cannot_run_the_job_is_said_before_the_run(tmp_path, monkeypatch, sinfo, overrides,
+                                                                          expected):  # fmt: skip
+    monkeypatch.setenv("PATH", _slurm_clients(tmp_path, sinfo))
+    run = tmp_path / "run"
+    sets = [x for o in overrides for x in ("--profile-set", o)]
+    code, err = run_cli(["run", "--profile", str(PROFILES / "local-slurm.yaml"), *sets, "--job", str(JOB),
+                         "--run-dir", str(run)])  # fmt: skip
+    assert code == 1 and expected in error_line(err) and not run.exists(), err
+
+
+def test_a_slurm_partition_with_room_or_an_sinfo_that_does_not_answer_is_not_judged(tmp_path):
+    from cona.orchestrator.backends.slurm.backend import check_partition, partition_problem
+
+    profile = load_profile(PROFILES / "local-slurm.yaml")
+    assert partition_problem(profile, "n1|debug*\nn2|debug*\nn2|other\n") is None
+    assert partition_problem(profile, "") is None  # a cluster that lists nothing: nothing to judge by
+    elastic = load_profile(PROFILES / "local-slurm.yaml", ["nodes=4", "min_nodes=2"])
+    assert partition_problem(elastic, "n1|debug*\nn2|debug*\n") is None  # starts on 2, grows if more come
+
+    def failing(argv, env=None):
+        return subprocess.CompletedProcess(argv, 1, "", "slurm_load_partitions: Unable to contact slurm controller")
+
+    check_partition(load_profile(PROFILES / "local-slurm.yaml", ["nodes=9"]), runner=failing)  # no error: not judged
 
 
 def test_a_launch_the_backend_refuses_leaves_the_run_failed_with_why_and_resumable(tmp_path):

@@ -122,6 +122,52 @@ def check_clients() -> None:
         raise SlurmError(f"{_client_missing(missing[0])}; no run directory was created or changed")
 
 
+def check_partition(profile: ClusterProfile, runner: Any = None) -> None:
+    """SlurmError, in one line, when the profile's partition cannot run its jobs at all (`partition_problem`): `cona
+    run` asks before it creates a run directory. Slurm itself accepts such a job and leaves it PENDING for ever
+    (`PartitionNodeLimit`), with nothing in the queue that says it waits for what will never come. Not checked when
+    `sinfo` does not answer (a cluster that hides it): the job's pending reason is then what shows."""
+    try:
+        result = (runner or _run)(["sinfo", "-h", "-N", "-o", "%N|%P"])
+    except (OSError, subprocess.SubprocessError):
+        return
+    if result.returncode == 0:
+        problem = partition_problem(profile, result.stdout)
+        if problem is not None:
+            raise SlurmError(f"{problem}; no run directory was created or changed")
+
+
+def partition_problem(profile: ClusterProfile, sinfo_nodes: str) -> str | None:
+    """Why the partition of `profile` (`slurm.partition`, else the cluster's default) cannot run its jobs, from
+    `sinfo -h -N -o '%N|%P'` (one line per node and partition, the default partition marked `*`), or None: no such
+    partition, or fewer nodes in it than the run needs (`nodes`; `min_nodes` for an elastic run, which starts on
+    what there is). Nodes that are down or drained count: they may come back."""
+    members: dict[str, set[str]] = {}
+    default = None
+    for line in sinfo_nodes.splitlines():
+        node, sep, partition = line.strip().partition("|")
+        if not sep or not node or not partition:
+            continue
+        if partition.endswith("*"):
+            partition = default = partition[:-1]
+        members.setdefault(partition, set()).add(node)
+    if not members:
+        return None  # nothing listed (a cluster that hides its nodes): nothing to judge by
+    wanted = profile.slurm.partition or default
+    if wanted is None:
+        return None
+    if wanted not in members:
+        return (f"slurm.partition {wanted!r}: no such partition on this cluster (sinfo lists "
+                f"{', '.join(sorted(members))}); fix slurm.partition in the profile")  # fmt: skip
+    need, have = node_range(profile)[0], len(members[wanted])
+    if need <= have:
+        return None
+    which = f"slurm.partition {wanted!r}" if profile.slurm.partition else f"the default partition {wanted!r}"
+    field = "min_nodes" if is_elastic(profile) else "nodes"
+    return (f"{which} has {have} node(s), the profile needs {need} ({field}={need}): Slurm would leave every job "
+            f"pending for ever; lower {field} (--profile-set {field}={have}) or pick another partition")
+
+
 # --- parsers (pure; unit-tested on recorded outputs) ---------------------------------------------------------
 
 
