@@ -359,8 +359,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         return 0
     request_stop(run_dir)
     if orphan is not None:  # the orchestrator died, its trainer trains on unattended and reads control.json itself
-        print(f"asked {run_dir.root} to stop: its orchestrator (pid {orphan.pid}) is gone, but attempt {orphan.attempt}'s "
-              "trainer is still writing; it checkpoints at its next step boundary and exits; resume later with "
+        seen = "'s trainer is still writing" if orphan.heartbeating else " was launched lately (no heartbeat yet)"
+        print(f"asked {run_dir.root} to stop: its orchestrator (pid {orphan.pid}) is gone, but attempt {orphan.attempt}"
+              f"{seen}; it checkpoints at its next step boundary and exits; resume later with "
               f"`cona run --resume {run_dir.root}`")  # fmt: skip
         return 0
     print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")

@@ -144,14 +144,19 @@ class Orphaned:
     trainer_seen_s: float | None
     """Seconds since the current attempt's trainer last wrote, when that is recent enough that it may still train:
     an orchestrator that dies leaves its trainer training, and a resume adopts it. None: no sign of it."""
+    heartbeating: bool = True
+    """Whether that was a heartbeat; False: the attempt's launch record, its trainer has sent none yet (starting,
+    or never started: the orchestrator may have died in the launch)."""
 
     def status(self, run_dir: RunDir) -> tuple[str, str]:
         """(status, reason) for `cona status`."""
         resume = f"`cona run --resume {run_dir.root}`"
         if self.trainer_seen_s is None:
             return "not running", f"its orchestrator (pid {self.pid}) is gone; resume with {resume}"
-        return "running", (f"its orchestrator (pid {self.pid}) is gone, but attempt {self.attempt}'s trainer wrote "
-                           f"{_duration(self.trainer_seen_s)} ago and may train on unattended; {resume} adopts it, "
+        seen = (f"attempt {self.attempt}'s trainer wrote {_duration(self.trainer_seen_s)} ago and may train on "
+                "unattended") if self.heartbeating else (f"attempt {self.attempt} was launched "
+                f"{_duration(self.trainer_seen_s)} ago and has sent no heartbeat yet: it may be starting")  # fmt: skip
+        return "running", (f"its orchestrator (pid {self.pid}) is gone, but {seen}; {resume} adopts it, "
                            f"`cona stop {run_dir.root}` stops it")  # fmt: skip
 
 
@@ -186,21 +191,22 @@ def _uses_run_lock(profile: ClusterProfile) -> bool:
         return False
 
 
-def _trainer_seen(run_dir: RunDir, job: Job, state: RunState) -> float | None:
+def _trainer_seen(run_dir: RunDir, job: Job, state: RunState) -> tuple[float | None, bool]:
     """Seconds since the current attempt's trainer last wrote its heartbeat file (before its first heartbeat: since
-    its launch record), when within the heartbeat (startup) timeout and it has written no exit record; else None."""
+    its launch record), when within the heartbeat (startup) timeout and it has written no exit record, else None;
+    and whether it was the heartbeat file."""
     current = state.current
     if current is None or run_dir.exit_file(current.number).exists():
-        return None
+        return None, False
     now = time.time()
-    for path, limit in ((run_dir.heartbeat_file(current.number), job.policy.heartbeat_timeout_s),
-                        (run_dir.launch_file(current.number), job.policy.startup_timeout_s)):  # fmt: skip
+    for path, limit, heartbeat in ((run_dir.heartbeat_file(current.number), job.policy.heartbeat_timeout_s, True),
+                                   (run_dir.launch_file(current.number), job.policy.startup_timeout_s, False)):  # fmt: skip
         try:
             age = now - path.stat().st_mtime
         except OSError:
             continue
-        return max(age, 0.0) if age < limit else None
-    return None
+        return (max(age, 0.0) if age < limit else None), heartbeat
+    return None, False
 
 
 def orphaned(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunState) -> Orphaned | None:
@@ -213,7 +219,8 @@ def orphaned(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunSt
     if pid is None:
         return None
     current = state.current
-    return Orphaned(pid=pid, attempt=current.number if current else None, trainer_seen_s=_trainer_seen(run_dir, job, state))
+    seen, heartbeating = _trainer_seen(run_dir, job, state)
+    return Orphaned(pid=pid, attempt=current.number if current else None, trainer_seen_s=seen, heartbeating=heartbeating)
 
 
 class LiveView:

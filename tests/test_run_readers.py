@@ -396,6 +396,14 @@ def test_status_and_stop_of_a_run_whose_orchestrator_is_gone(tmp_path, capsys):
     assert code == 0 and "its orchestrator (pid 4345) is gone, but attempt 1's trainer is still writing" in out
     assert run.read_control().command == "stop"  # the trainer reads control.json itself
 
+    # No heartbeat yet, only the launch record: it was launched, not seen training ("its trainer wrote" said so).
+    run.heartbeat_file(1).unlink()
+    run.launch_file(1).parent.mkdir(parents=True, exist_ok=True)
+    run.launch_file(1).write_text("{}")
+    summary = status_summary(run)
+    assert summary["status"] == "running" and "is gone, but attempt 1 was launched " in summary["reason"]
+    assert "ago and has sent no heartbeat yet: it may be starting" in summary["reason"], summary["reason"]
+
 
 def test_a_run_without_a_lock_file_or_on_kubernetes_is_not_judged_by_the_lock(tmp_path, capsys):
     """No orchestrator.lock: none ever ran here, or it cannot be told; a Kubernetes run is kept apart by a Lease in
