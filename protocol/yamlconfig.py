@@ -5,6 +5,7 @@ Torch-free: the orchestrator imports this on login nodes.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
@@ -199,6 +200,9 @@ def validate(
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
+        retry = _as_written(data, e.errors(), overrides)
+        if retry is not None:  # each retry turns at least one field into text, which is no string_type error again
+            return validate(model, retry, source=source, overrides=overrides, flag=flag)
         # A misspelled key usually also causes a "missing" error for the intended one: report the typo first.
         errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
         first = _describe(model, errors[0])
@@ -209,6 +213,31 @@ def validate(
         inside = [o for o, key in keys if key.startswith(path + ".")]  # a field of the section that is wrong
         origin = f", set by {flag} {given[-1]}" if given else f", with {flag} {' '.join(inside)}" if inside else ""
         raise ConfigError(f"{source}: {first}{more}{origin}") from None
+
+
+def _as_written(data: dict[str, Any], errors: list[Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any] | None:
+    """`data` with each text field that an override set to what YAML read as a number given the override's own text
+    instead, or None when there is none. On the command line the text is what was meant: YAML 1.1 reads
+    `--profile-set slurm.time_limit=1:00:00` as the number 3600 (base 60) and `data.path=2024` as an integer, and
+    the fix the error suggested, quotes, has to survive the shell (`'slurm.time_limit="1:00:00"'`). A file's value
+    is left as it is: there the quotes are easy, and its error says so."""
+    raw = {key: value.strip() for key, value in map(_split_override, overrides)}
+    fixed: dict[tuple[str, ...], str] = {}
+    for error in errors:
+        value, loc = error.get("input"), tuple(error["loc"])
+        path = ".".join(str(p) for p in loc)
+        if (error["type"] == "string_type" and isinstance(value, int | float) and not isinstance(value, bool)
+                and path in raw and raw[path] and all(isinstance(p, str) for p in loc)):  # fmt: skip
+            fixed[loc] = raw[path]
+    if not fixed:
+        return None
+    out = copy.deepcopy(data)
+    for loc, text in fixed.items():
+        node = out
+        for part in loc[:-1]:
+            node = node[part]
+        node[loc[-1]] = text
+    return out
 
 
 class StrictModel(pydantic.BaseModel):

@@ -12,7 +12,7 @@ from cona.protocol.job import PRESETS, ModelSpec
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError, parse_bytes
 
-from tests.conftest import EXAMPLES, REPO, run_cona
+from tests.conftest import EXAMPLES, PROFILES, REPO, run_cona
 
 ALL_PROFILES = sorted((REPO / "slurm" / "profiles").glob("*.yaml")) + sorted(
     (REPO / "manifests" / "profiles").glob("*.yaml")
@@ -437,3 +437,20 @@ def test_a_dotted_label_key_is_set_quoted_or_escaped(tmp_path):
     # Plain dotted keys are unchanged, and the value may still hold quotes and `=`.
     data = apply_overrides({}, ['optimizer.lr=0.001', 'name="a=b"'])
     assert data == {"optimizer": {"lr": 0.001}, "name": "a=b"}
+
+
+def test_a_text_field_set_on_the_command_line_takes_the_text_as_written(tmp_path):
+    """YAML 1.1 reads `1:00:00` as 3600 (base 60) and `2` as an integer; on the command line the text is what was
+    meant (the error's advice, quotes, had to survive the shell). In a file the quotes are asked for, as before."""
+    profile = load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=1:00:00"])
+    assert profile.slurm.time_limit == "1:00:00"
+    assert load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=  2 "]).slurm.time_limit == "2"
+    assert load_job(EXAMPLES / "tiny-gpt.yaml", ["name=2024"]).name == "2024"
+    with pytest.raises(ConfigError, match=r"unknown unit '' in '80'.*set by --profile-set accelerator\.memory=80"):
+        load_profile(PROFILES / "local-slurm.yaml", ["accelerator.memory=80"])  # the text, judged by its own rule
+    with pytest.raises(ConfigError, match=r"field 'batch\.base_gbs'"):
+        load_job(EXAMPLES / "tiny-gpt.yaml", ["batch.base_gbs=abc"])  # a number field keeps its own check
+    edited = tmp_path / "profile.yaml"
+    edited.write_text((PROFILES / "local-slurm.yaml").read_text().replace('time_limit: "01:00:00"', "time_limit: 24:00:00"))
+    with pytest.raises(ConfigError, match=r"'slurm\.time_limit'.*\(got 86400\); YAML read a number here: write the value in quotes"):
+        load_profile(edited)
