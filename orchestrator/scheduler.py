@@ -146,12 +146,12 @@ class Scheduler:
 
     def _launch(
         self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False,
-        plan: ElasticPlan | None = None, up_to: int | None = None,
+        elastic: dict[int, Strategy] | None = None,
     ) -> Attempt:  # fmt: skip
         """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it.
 
-        `plan`: an elastic (re)start, which the backend may begin on any node count of the planning table (at most
-        `up_to`) with that count's strategy."""
+        `elastic`: an elastic (re)start, which the backend may begin on any node count of this table ({node count:
+        strategy}, from the planning table) with that count's strategy."""
         number = self.state.attempts_started + 1
         if not in_place:
             # Processes already went on as an in-place switch's attempt; any other launch starts from a checkpoint.
@@ -172,9 +172,8 @@ class Scheduler:
             if in_place:
                 assert previous is not None
                 attempt = self.backend.continued(previous, number=number, strategy=strategy)
-            elif plan is not None:
-                attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous,
-                                              elastic=plan.by_nodes(up_to=up_to))  # fmt: skip
+            elif elastic is not None:
+                attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous, elastic=elastic)
             else:
                 attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
         except BackendError as e:
@@ -369,7 +368,8 @@ class Scheduler:
         self.state.switch_requested = None
         self.state.strategy_since = time.time()
         self._save()
-        return self._launch(target, previous=attempt, why=f"shrink after losing node {lost}", plan=plan, up_to=left)
+        return self._launch(target, previous=attempt, why=f"shrink after losing node {lost}",
+                            elastic=plan.by_nodes(up_to=left))  # fmt: skip
 
     def _user_stop_requested(self) -> bool:
         record = self.run_dir.read_control()
@@ -389,6 +389,22 @@ class Scheduler:
             return
         wait_s = max(120.0, 10 * self.job.policy.decision_interval_s)
         self.run_dir.write_switch_points(SwitchPoints(samples=tuple(points), wait_s=wait_s))
+
+    def _relaunch(self, attempt: Attempt, *, why: str) -> Attempt:
+        """Launch `attempt`'s strategy again (`_relaunch_strategy`) from the last complete checkpoint: after a crash,
+        a hang, a preemption, a disruption, or the user's resume of an ended run.
+
+        An elastic run's relaunch may begin on fewer nodes, down to `min_nodes`, with the planning table's strategy
+        for them, as its start and a shrink do: with the node count fixed, a node drained or gone meanwhile (not
+        seen DOWN while the attempt ran: it crashed first, or it went during the backoff) held the relaunch in the
+        queue for as long as it stayed away, while the run could train on the rest. On as many nodes as before it
+        runs the same strategy (a relaunch is no switch)."""
+        strategy = self._relaunch_strategy(attempt)
+        if not self.elastic:
+            return self._launch(strategy, previous=attempt, why=why)
+        nodes = nodes_of(strategy, self.profile)
+        table = {**self._replan(why).by_nodes(up_to=nodes), nodes: strategy}
+        return self._launch(strategy, previous=attempt, why=why, elastic=table)
 
     def _relaunch_strategy(self, attempt: Attempt) -> Strategy:
         """The strategy to relaunch `attempt` with after a crash, hang, preemption or disruption: its own, unless
@@ -435,8 +451,8 @@ class Scheduler:
                       prior_noise_scale=prior_noise_scale(self.job.policy, base_gbs=self.job.batch.base_gbs))  # fmt: skip
             if self.elastic:  # start on whatever the cluster gives, with the strategy planned for it
                 plan = self._replan("start")
-                return self._launch(plan.strategy_for(plan.max_nodes) or strategy, previous=None, plan=plan,
-                                    why="initial strategy (elastic)")  # fmt: skip
+                return self._launch(plan.strategy_for(plan.max_nodes) or strategy, previous=None,
+                                    elastic=plan.by_nodes(), why="initial strategy (elastic)")  # fmt: skip
             return self._launch(strategy, previous=None, why="initial strategy" + (f": {reason}" if reason else ""))
         request = self.state.switch_requested
         control = self.run_dir.read_control()
@@ -448,7 +464,7 @@ class Scheduler:
         elif resumed is not None:
             # The ended run's last attempt was handled when it ended: relaunch now, under the user's resume, rather
             # than handle its end a second time (a second attempt-end, and "resume after preemption").
-            return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"resume of the {resumed} run")
+            return self._relaunch(attempt, why=f"resume of the {resumed} run")
         else:
             log_event(self.run_dir, "resume", attempt=attempt.number, note="orchestrator restarted; attempt not running")
         return attempt
@@ -632,13 +648,11 @@ class Scheduler:
                 # The trainer held at a switch point longer than the switch points' wait_s (this orchestrator was
                 # down or slow) and checkpointed there: relaunch at the point under the schedule's strategy.
                 log_event(self.run_dir, "hold-timeout", attempt=attempt.number, detail=exit_record.reason)
-                return self._launch(self._relaunch_strategy(attempt), previous=attempt,
-                                    why="relaunch at the switch point after the trainer's hold timed out")
+                return self._relaunch(attempt, why="relaunch at the switch point after the trainer's hold timed out")
             if requested is None:
                 # Every switch request is saved before it is sent, so nobody asked for this one: carry on as before.
                 log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)
-                return self._launch(self._relaunch_strategy(attempt), previous=attempt,
-                                    why="resume after an unrequested switch exit")
+                return self._relaunch(attempt, why="resume after an unrequested switch exit")
             return self._follow_switch(attempt, requested.target, requested=requested, requested_at=requested.time)
         if status in (AttemptStatus.STOPPED, AttemptStatus.DISRUPTED) and self.state.stop_requested:
             # A disrupted attempt of a run asked to stop is not relaunched just to stop again.
@@ -649,7 +663,7 @@ class Scheduler:
         if status is AttemptStatus.STOPPED:
             # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
             self.state.restarts_in_row = 0
-            return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="resume after preemption")
+            return self._relaunch(attempt, why="resume after preemption")
         if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
             return self._relaunch_disrupted(attempt, detail)
         if status is AttemptStatus.UNSTARTABLE:
@@ -688,7 +702,7 @@ class Scheduler:
                   **({"reason": reason} if reason else {}))  # fmt: skip
         self._save()
         time.sleep(backoff)
-        return self._launch(self._relaunch_strategy(attempt), previous=attempt, why=f"relaunch after {what}")
+        return self._relaunch(attempt, why=f"relaunch after {what}")
 
     def _replayed_crash(self, reason: str, strategy: dict[str, int]) -> int | None:
         """The attempt whose crash, the one just before this (a relaunched crash in a row), the trainer explained in
@@ -729,7 +743,7 @@ class Scheduler:
         log_event(self.run_dir, "disruption", attempt=attempt.number, detail=detail, checkpoint=checkpoint,
                   without_progress=count, restarts=self.state.restarts_in_row)  # fmt: skip
         self._save()
-        return self._launch(self._relaunch_strategy(attempt), previous=attempt, why="relaunch after a disruption")
+        return self._relaunch(attempt, why="relaunch after a disruption")
 
     def _refusal_advice(self, recorded: ExitRecord) -> str:
         """What to do about a refused input, by where its exit record says the fix lies (`ExitRecord.fix`,

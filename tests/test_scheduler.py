@@ -497,3 +497,40 @@ def test_drive_says_nothing_feasible_in_one_line(tmp_path):
     state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=True)
     assert failure is not None and failure.startswith("no feasible strategy for tiny-gpt on a100-4x8;")
     assert "\n" not in failure and state.status == "created"
+
+
+class _ElasticScripted(ScriptedBackend):
+    """ScriptedBackend that also records the planning table each launch was given (`elastic`)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.tables: list[dict[int, Strategy] | None] = []
+
+    def launch(self, *, attempt: int, strategy: Strategy, previous: Attempt | None = None,
+               elastic: dict[int, Strategy] | None = None) -> Attempt:  # fmt: skip
+        self.tables.append(elastic)
+        return super().launch(attempt=attempt, strategy=strategy, previous=previous)
+
+
+def test_an_elastic_runs_relaunch_may_start_on_fewer_nodes_and_runs_the_same_strategy_on_all(tmp_path):
+    """A crash or a disruption of an elastic run: the relaunch may begin on fewer nodes (down to min_nodes) with the
+    planning table's strategy for them, as the start and a shrink do; with the node count fixed it waited in the
+    queue for a node drained or gone meanwhile. On all its nodes it is the same strategy (a relaunch is no switch)."""
+    profile = load_profile(PROFILES / "local-slurm.yaml", ["min_nodes=1"])  # 2 nodes × 2 processes
+    job = load_job(EXAMPLES / "tiny-gpt.yaml", ["data.path=examples/tiny-gpt.yaml", "policy.name=fixed",
+                                                "policy.strategy=dp=2,tp=1,pp=2,mbs=2,gbs=16"])  # fmt: skip
+    run_dir = RunDir(tmp_path / "run")
+    create_run(run_dir=run_dir, profile=profile, job=job)
+    backend = _ElasticScripted(run_dir=run_dir, profile=profile, job=job)
+    sched = Scheduler(run_dir=run_dir, profile=profile, job=job, backend=backend, poll_interval_s=0.01)
+    backend.outcomes = {1: CRASHED, 2: DISRUPTED, 3: DONE}
+    assert sched.run().status == "done"
+    fixed = Strategy.parse("dp=2,tp=1,pp=2,mbs=2,gbs=16")
+    assert [s for _, s in backend.launched] == [fixed] * 3
+    assert all(t is not None and set(t) == {1, 2} and t[2] == fixed and t[1].world_size == 2 for t in backend.tables)
+    reasons = [e["reason"] for e in _events(sched, "elastic-plan")]
+    assert reasons == ["start", "relaunch after crashed", "relaunch after a disruption"], reasons
+    # A run that is not elastic relaunches on its node count, as before.
+    plain, scripted = make_scheduler(tmp_path / "plain")
+    scripted.outcomes = {1: CRASHED, 2: DONE}
+    assert plain.run().status == "done" and not _events(plain, "elastic-plan")

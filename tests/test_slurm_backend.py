@@ -228,6 +228,23 @@ def test_in_place_relaunch_when_node_count_stays(env):
     assert launch["submission"] == first.extra["submission"] and launch["nproc_per_node"] == 2
 
 
+def test_an_elastic_relaunch_keeps_the_allocation_its_job_holds(env):
+    """A relaunch of an elastic run carries the planning table, so that a resubmission may start on fewer nodes;
+    but a job that still holds the attempt's nodes, waiting for a hand-off, runs it in its allocation (a
+    resubmission could lose them). Only a job that is gone is resubmitted with `--nodes=MIN-MAX`."""
+    backend, fake, run = env
+    first = backend.launch(attempt=1, strategy=S4)
+    _exit(run, 1, first.extra["submission"], 1, "wait")
+    fake.jobs["101"] = _job("101", "RUNNING")
+    second = backend.launch(attempt=2, strategy=S4, previous=first, elastic={1: S2, 2: S4})
+    assert second.backend_id == "101" and second.extra["mode"] == "relaunch" and "by_nnodes" not in second.extra
+    assert sum(1 for c in fake.calls if c[0] == "sbatch") == 1
+    fake.jobs["101"] = _job("101", "COMPLETED")  # the job gave up waiting: resubmitted, elastic
+    third = backend.launch(attempt=3, strategy=S4, previous=second, elastic={1: S2, 2: S4})
+    assert third.backend_id == "102" and set(third.extra["by_nnodes"]) == {"1", "2"}
+    assert "--nodes=1-2" in next(c for c in reversed(fake.calls) if c[0] == "sbatch")
+
+
 def test_resubmit_when_node_count_changes(env):
     backend, fake, run = env
     first = backend.launch(attempt=1, strategy=S4)

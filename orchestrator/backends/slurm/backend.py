@@ -575,16 +575,17 @@ class SlurmBackend(Backend):
         (self.run_dir.root / "attempts").mkdir(parents=True, exist_ok=True)  # sbatch --output lies there
         extra: dict[str, Any] = {"nnodes": nnodes, "nproc_per_node": nproc}
         node_counts = self.node_request(strategy, elastic)
+        if previous is not None and self._can_relaunch_in_allocation(previous, nnodes):
+            # A new srun step of the same allocation (new processes; an in-place switch keeps them, `continued`).
+            # Also for an elastic relaunch: the job holds that many nodes now, and a resubmission could lose them.
+            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="relaunch")
+            self.write_launch(attempt, strategy, **extra)
+            return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
         if elastic and len(elastic) > 1:
             # `--nodes=MIN-MAX`: Slurm starts the job on as many nodes of the range as it can give, and the batch
             # script's helper runs the table's strategy for `$SLURM_NNODES` (no round trip through the queue).
             table = {str(n): {"strategy": s.to_dict(), "nproc_per_node": self.placement(s)[1]} for n, s in elastic.items()}
             extra["by_nnodes"] = table
-        elif previous is not None and self._can_relaunch_in_allocation(previous, nnodes):
-            # A new srun step of the same allocation (new processes; an in-place switch keeps them, `continued`).
-            extra.update(submission=str(previous.extra["submission"]), job_id=previous.backend_id, mode="relaunch")
-            self.write_launch(attempt, strategy, **extra)
-            return Attempt(attempt, strategy, backend_id=previous.backend_id, started_at=time.time(), extra=extra)
 
         if previous is not None and previous.backend_id:
             # A job idling in its hand-off loop runs nothing and ends once it sees the newer attempt; any other
