@@ -465,6 +465,11 @@ def _slurm_clients(tmp_path, sinfo: str) -> str:
         ("n1|debug*\\nn2|debug*\\n", ["nodes=4", "min_nodes=3"], "the profile needs 3 (min_nodes=3)"),
         ("n1|gpu*\\nn1|cpu\\n", [], "slurm.partition 'debug': no such partition on this cluster (sinfo lists cpu, gpu)"),
         ("n1|gpu*\\nn1|cpu\\n", ["slurm.partition=null", "nodes=2"], "the default partition 'gpu' has 1 node(s)"),
+        # A time limit above the partition's: pending for ever (PartitionTimeLimit), or refused at submission.
+        ("n1|debug*|30:00\\nn2|debug*|30:00\\n", [],
+         "slurm.time_limit 01:00:00 is above the time limit of slurm.partition 'debug', 30:00: Slurm would leave "
+         "every job pending for ever (PartitionTimeLimit); lower it (--profile-set slurm.time_limit=30:00)"),
+        ("n1|debug*|1-00:00:00\\nn2|debug*|1-00:00:00\\n", ["slurm.time_limit=2-00:00:00"], "above the time limit"),
     ],
 )  # fmt: skip
 def test_a_slurm_partition_that_cannot_run_the_job_is_said_before_the_run(tmp_path, monkeypatch, sinfo, overrides,
@@ -482,6 +487,10 @@ def test_a_slurm_partition_with_room_or_an_sinfo_that_does_not_answer_is_not_jud
 
     profile = load_profile(PROFILES / "local-slurm.yaml")
     assert partition_problem(profile, "n1|debug*\nn2|debug*\nn2|other\n") is None
+    for limit in ("infinite", "UNLIMITED", "1:00:00", "2-00:00:00", "n/a", ""):  # room, none, or not understood
+        assert partition_problem(profile, f"n1|debug*|{limit}\nn2|debug*|{limit}\n") is None, limit
+    untimed = load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit="])  # no --time: the partition's
+    assert partition_problem(untimed, "n1|debug*|30:00\nn2|debug*|30:00\n") is None
     assert partition_problem(profile, "") is None  # a cluster that lists nothing: nothing to judge by
     elastic = load_profile(PROFILES / "local-slurm.yaml", ["nodes=4", "min_nodes=2"])
     assert partition_problem(elastic, "n1|debug*\nn2|debug*\n") is None  # starts on 2, grows if more come

@@ -38,6 +38,7 @@ from cona.orchestrator.backends.slurm.script import (
     python_command,
     render_batch_script,
 )
+from cona.orchestrator.backends.slurm.spec import slurm_time_seconds
 from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
@@ -128,7 +129,7 @@ def check_partition(profile: ClusterProfile, runner: Any = None) -> None:
     (`PartitionNodeLimit`), with nothing in the queue that says it waits for what will never come. Not checked when
     `sinfo` does not answer (a cluster that hides it): the job's pending reason is then what shows."""
     try:
-        result = (runner or _run)(["sinfo", "-h", "-N", "-o", "%N|%P"])
+        result = (runner or _run)(["sinfo", "-h", "-N", "-o", "%N|%P|%l"])
     except (OSError, subprocess.SubprocessError):
         return
     if result.returncode == 0:
@@ -139,18 +140,24 @@ def check_partition(profile: ClusterProfile, runner: Any = None) -> None:
 
 def partition_problem(profile: ClusterProfile, sinfo_nodes: str) -> str | None:
     """Why the partition of `profile` (`slurm.partition`, else the cluster's default) cannot run its jobs, from
-    `sinfo -h -N -o '%N|%P'` (one line per node and partition, the default partition marked `*`), or None: no such
-    partition, or fewer nodes in it than the run needs (`nodes`; `min_nodes` for an elastic run, which starts on
-    what there is). Nodes that are down or drained count: they may come back."""
+    `sinfo -h -N -o '%N|%P|%l'` (one line per node and partition, the default partition marked `*`, its time limit
+    last), or None: no such partition, fewer nodes in it than the run needs (`nodes`; `min_nodes` for an elastic
+    run, which starts on what there is), or a `slurm.time_limit` above the partition's (`PartitionTimeLimit`: pending
+    for ever, or refused at submission where the cluster enforces it). Nodes that are down or drained count: they
+    may come back."""
     members: dict[str, set[str]] = {}
+    limits: dict[str, str] = {}
     default = None
     for line in sinfo_nodes.splitlines():
-        node, sep, partition = line.strip().partition("|")
-        if not sep or not node or not partition:
+        node, _, rest = line.strip().partition("|")
+        partition, _, limit = rest.partition("|")
+        if not node or not partition:
             continue
         if partition.endswith("*"):
             partition = default = partition[:-1]
         members.setdefault(partition, set()).add(node)
+        if limit.strip():
+            limits[partition] = limit.strip()
     if not members:
         return None  # nothing listed (a cluster that hides its nodes): nothing to judge by
     wanted = profile.slurm.partition or default
@@ -159,13 +166,21 @@ def partition_problem(profile: ClusterProfile, sinfo_nodes: str) -> str | None:
     if wanted not in members:
         return (f"slurm.partition {wanted!r}: no such partition on this cluster (sinfo lists "
                 f"{', '.join(sorted(members))}); fix slurm.partition in the profile")  # fmt: skip
-    need, have = node_range(profile)[0], len(members[wanted])
-    if need <= have:
-        return None
     which = f"slurm.partition {wanted!r}" if profile.slurm.partition else f"the default partition {wanted!r}"
-    field = "min_nodes" if is_elastic(profile) else "nodes"
-    return (f"{which} has {have} node(s), the profile needs {need} ({field}={need}): Slurm would leave every job "
-            f"pending for ever; lower {field} (--profile-set {field}={have}) or pick another partition")
+    need, have = node_range(profile)[0], len(members[wanted])
+    if need > have:
+        field = "min_nodes" if is_elastic(profile) else "nodes"
+        return (f"{which} has {have} node(s), the profile needs {need} ({field}={need}): Slurm would leave every "
+                f"job pending for ever; lower {field} (--profile-set {field}={have}) or pick another partition")
+    try:
+        asked, allowed = slurm_time_seconds(profile.slurm.time_limit), slurm_time_seconds(limits.get(wanted, ""))
+    except ValueError:  # a limit this parser does not know (`n/a`): not judged
+        return None
+    if asked is not None and allowed is not None and asked > allowed:
+        return (f"slurm.time_limit {profile.slurm.time_limit} is above the time limit of {which}, "
+                f"{limits[wanted]}: Slurm would leave every job pending for ever (PartitionTimeLimit); lower it "
+                f"(--profile-set slurm.time_limit={limits[wanted]}) or pick another partition")
+    return None
 
 
 # --- parsers (pure; unit-tested on recorded outputs) ---------------------------------------------------------
