@@ -15,6 +15,7 @@ from cona.orchestrator.job import Job
 from cona.orchestrator.runstate import (
     RunState,
     event_line,
+    launched_without_state,
     read_events,
     read_new_events,
     read_state,
@@ -325,7 +326,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
                    "detail": spell.detail, "timed_out": spell.timed_out}  # fmt: skip
     status, reason = state.status, state.reason
     # An attempt was launched (state.json is written before every launch), but the run's record of it is gone.
-    if not run_dir.state_json.exists() and any(e["event"] == "launch" for e in events):
+    if launched_without_state(run_dir, events):
         status = "unknown"
         reason = f"{run_dir.state_json.name} is missing; the last event in {run_dir.events.name} is {events[-1]['event']!r}"
     orphan = orphaned(run_dir, profile=profile, job=job, state=state) if status == "running" else None

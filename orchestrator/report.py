@@ -12,6 +12,7 @@ from typing import Any
 
 from cona.orchestrator.runstate import (
     RunState,
+    launched_without_state,
     load_run,
     read_events,
     read_state,
@@ -130,7 +131,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     beats, measured = _heartbeats(run_dir, skipped)
     warn_skipped(skipped)
     status, attempts = state.status, len(state.attempts)
-    if not run_dir.state_json.exists() and (launched := {e["attempt"] for e in events if e["event"] == "launch"}):
+    if launched := launched_without_state(run_dir, events):
         # As `cona status` says: launched, so state.json was written and is lost; not a run that never started.
         status, attempts = "unknown", len(launched)
         print(f"cona: warning: {run_dir.state_json} is missing, though {run_dir.events} logs launches: the report "

@@ -321,6 +321,14 @@ def warn_skipped(skipped: list[str]) -> None:
         print(f"cona: warning: skipped a damaged line, {skipped[0]}{more}; the rest is used", file=sys.stderr, flush=True)
 
 
+def launched_without_state(run_dir: RunDir, events: list[dict[str, Any]]) -> set[int]:
+    """The attempts events.jsonl logs launches of when state.json is missing, else none: state.json is written before
+    every launch, so it was lost, not a run that never started (`cona status` and `cona report` say `unknown`)."""
+    if run_dir.state_json.exists():
+        return set()
+    return {e["attempt"] for e in events if e["event"] == "launch"}
+
+
 def unlogged_attempts(run_dir: RunDir, state: RunState, events: list[dict[str, Any]]) -> str | None:
     """A warning line when events.jsonl lacks the launch records of attempts that state.json lists, or None.
 
