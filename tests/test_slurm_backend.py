@@ -23,6 +23,7 @@ from cona.orchestrator.backends.slurm import (
     parse_scontrol_job,
     parse_sinfo_nodes,
     parse_squeue,
+    stuck_pending_advice,
 )
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.switchcost import SwitchKind
@@ -315,6 +316,52 @@ def test_poll_pending_and_requeued(env):
     fake.jobs["101"] = _job("101", "RUNNING", restarts=1)
     fake.sinfo = "n1|mixed\nn2|mixed\n"
     assert backend.poll(attempt).status == AttemptStatus.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("reason", "fix"),
+    [
+        ("InvalidQOS", "slurm.qos"),
+        ("QOSNotAllowed", "slurm.qos"),
+        ("InvalidAccount", "slurm.account"),
+        ("AccountNotAllowed", "slurm.account"),
+        ("BadConstraints", "--constraint"),
+        ("DependencyNeverSatisfied", "--dependency"),
+        ("PartitionTimeLimit", "slurm.partition"),
+        ("QOSMaxWallDurationPerJobLimit", "its QOS"),
+        ("QOSMaxGRESPerNode", "its QOS"),
+        ("QOSMinGRES", "its QOS"),
+        ("AssocMaxNodePerJobLimit", "the account"),
+        ("AssocMaxCpuMinutesPerJobLimit", "the account"),
+    ],
+)
+def test_pending_reasons_that_waiting_does_not_resolve(reason, fix):
+    advice = stuck_pending_advice(reason)
+    assert advice is not None and fix in advice
+
+
+@pytest.mark.parametrize(
+    "reason",
+    ["None", "", "Resources", "Priority", "BeginTime", "Dependency", "ReqNodeNotAvail", "NodeDown", "JobHeldUser",
+     "JobHeldAdmin", "QOSGrpGRES", "AssocGrpCpuLimit", "QOSMaxJobsPerUserLimit", "AssocMaxJobsLimit",
+     "MaxGRESPerAccount", "QOSMaxGRESPerUser", "PartitionDown", "Reservation"],
+)  # fmt: skip
+def test_pending_reasons_that_other_jobs_or_nodes_resolve(reason):
+    # Aggregate limits end as other jobs end, a DOWN node comes back, a hold is a person's to release.
+    assert stuck_pending_advice(reason) is None
+
+
+def test_a_job_pending_for_a_reason_waiting_does_not_resolve_is_stuck(env):
+    backend, fake, _ = env
+    assert backend.pending_timeout_s == backend.profile.slurm.pending_timeout_s == 120
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="Resources")
+    assert not backend.poll(attempt).stuck
+    fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="QOSMaxWallDurationPerJobLimit")
+    outcome = backend.poll(attempt)
+    assert outcome.status == AttemptStatus.PENDING and outcome.stuck
+    assert outcome.detail.startswith("job 101 PENDING (QOSMaxWallDurationPerJobLimit): Slurm will not start it")
+    assert "slurm.time_limit" in outcome.detail and "\n" not in outcome.detail
 
 
 def test_poll_running_on_down_node(env):

@@ -255,6 +255,27 @@ def test_schedule_to_fewer_nodes_resubmits_with_one_node(slurm_run):
     assert_samples(slurm_run, 1600)
 
 
+def test_a_job_slurm_will_never_start_fails_the_run_with_what_to_fix(slurm_run):
+    """A job pending for a reason that waiting does not resolve (here a `--dependency` on a job that failed:
+    DependencyNeverSatisfied) is cancelled past `slurm.pending_timeout_s`, and the run fails in one line naming the
+    reason and what to fix; before, it pended for ever."""
+    failed = _sh("sbatch", "--parsable", "--wrap", "false").stdout.strip().split(";")[0]
+    wait_for(lambda: slurm_state(failed) == "FAILED", timeout=60, what=f"job {failed} to fail")
+    slurm_run.start("--profile-set", f'slurm.extra_sbatch=["--dependency=afterok:{failed}"]',
+                    "--profile-set", "slurm.pending_timeout_s=3")  # fmt: skip
+    job = slurm_run.job_id()
+    assert slurm_run.proc is not None
+    slurm_run.proc.wait(timeout=120)
+    last = slurm_run.output().strip().splitlines()[-1]
+    assert slurm_run.proc.returncode == 2, slurm_run.logs()
+    assert last.startswith(f"cona: error: attempt 1 could not start: job {job} PENDING (DependencyNeverSatisfied): "
+                           "Slurm will not start it, the --dependency in slurm.extra_sbatch"), last  # fmt: skip
+    timeout = slurm_run.events("pending-timeout")
+    assert len(timeout) == 1 and timeout[0]["action"] == "fail", slurm_run.logs()
+    assert [e["status"] for e in slurm_run.events("attempt-end")] == ["unstartable"], slurm_run.logs()
+    wait_for(lambda: slurm_state(job) in ("CANCELLED", ""), timeout=60, what=f"job {job} cancelled")
+
+
 def test_scancel_mid_run_resubmits_and_resumes(slurm_run):
     slurm_run.start("--policy", f"fixed:{S4}")
     job = slurm_run.job_id()

@@ -104,6 +104,49 @@ class SlurmJobInfo:
         return int(status) if status.isdigit() else None
 
 
+_ACCOUNT_ADVICE = "fix slurm.account (sacctmgr show assoc user=$USER lists yours)"
+_QOS_ADVICE = "fix slurm.qos (sacctmgr show assoc user=$USER format=qos lists yours)"
+_PARTITION_ADVICE = ("the partition cannot run it (scontrol show partition): change slurm.partition, nodes or "
+                     "slurm.time_limit")  # fmt: skip
+STUCK_PENDING_REASONS: dict[str, str] = {
+    "InvalidAccount": _ACCOUNT_ADVICE,
+    "AccountNotAllowed": _ACCOUNT_ADVICE + " or slurm.partition (the partition does not allow the account)",
+    "InvalidQOS": _QOS_ADVICE,
+    "QOSNotAllowed": _QOS_ADVICE + " or slurm.partition (the partition does not allow the QOS)",
+    "BadConstraints": "no node of the partition has the features asked for: fix --constraint in slurm.extra_sbatch",
+    "PartitionNodeLimit": _PARTITION_ADVICE,
+    "PartitionTimeLimit": _PARTITION_ADVICE,
+    "PartitionConfig": _PARTITION_ADVICE,
+    "MaxMemPerLimit": "the memory asked for is above the partition's limit: lower --mem in slurm.extra_sbatch",
+    "DependencyNeverSatisfied": "the --dependency in slurm.extra_sbatch can no longer be met: remove it",
+    "ReservationInvalid": "the --reservation in slurm.extra_sbatch is not usable: fix or remove it",
+    "ReservationDeleted": "the --reservation in slurm.extra_sbatch was deleted: remove it",
+    "JobHoldMaxRequeue": "Slurm held the job after too many requeues (MaxBatchRequeue): look at its log in attempts/",
+}
+"""Slurm's pending reasons that waiting does not resolve (Slurm's job_reason_codes), with what to fix. Per-job
+limits of a QOS or association (`QOSMax...PerJob...`, `AssocMax...PerNode`, `QOSMin...`) are added by
+`stuck_pending_advice`. Not here: reasons that end as other jobs end or nodes come back (Resources, Priority,
+ReqNodeNotAvail, the aggregate `...Grp...`, `...PerUser`, `...PerAccount` limits), and holds, which a person
+releases (JobHeldUser, JobHeldAdmin)."""
+_PER_JOB_LIMIT = re.compile(r"(QOS|Assoc)(Max\w*Per(Job|Node)\w*|Min\w+)")
+"""A QOS's or association's limit on one job (`QOSMaxWallDurationPerJobLimit`, `AssocMaxGRESPerNode`,
+`QOSMinGRES`): the job itself asks for more (or less) than it allows."""
+
+
+def stuck_pending_advice(reason: str) -> str | None:
+    """What to fix when a job pends for `reason` that waiting does not resolve (`STUCK_PENDING_REASONS`, a per-job
+    limit); None when waiting may bring it (a queue, a node coming back, other jobs ending)."""
+    advice = STUCK_PENDING_REASONS.get(reason)
+    if advice is not None:
+        return advice
+    limit = _PER_JOB_LIMIT.fullmatch(reason)
+    if limit is None:
+        return None
+    owner = "its QOS (sacctmgr show qos)" if limit.group(1) == "QOS" else "the account (sacctmgr show assoc)"
+    return (f"the job asks for more than {owner} allows one job: lower slurm.time_limit or nodes, or pick another "
+            "slurm.qos or slurm.account")  # fmt: skip
+
+
 REQUIRED_CLIENTS = ("sbatch", "scontrol", "scancel")
 """The Slurm commands a run cannot do without: submit, watch and cancel its jobs (`sacct` and `sinfo` are asked
 when they answer)."""
@@ -405,6 +448,11 @@ class SlurmBackend(Backend):
         if warning and warning not in _said:
             _said.add(warning)
             print(f"cona: warning: {warning}", file=sys.stderr, flush=True)
+
+    @property
+    def pending_timeout_s(self) -> float:
+        assert self.profile.slurm is not None  # checked in __init__
+        return self.profile.slurm.pending_timeout_s
 
     # -- Slurm commands ------------------------------------------------------------------------------------
 
@@ -828,8 +876,10 @@ class SlurmBackend(Backend):
                 started = self._started_record(attempt) or {}
                 down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
                 lost = f"; node {','.join(down)} DOWN" if down else ""
-                return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}",
-                               lost_nodes=tuple(down))  # fmt: skip
+                advice = stuck_pending_advice(info.reason)
+                fix = f": Slurm will not start it, {advice}" if advice else ""
+                return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}{fix}",
+                               stuck=advice is not None, lost_nodes=tuple(down))  # fmt: skip
             down = self.down_nodes(info.nodes)
             if down:
                 return Outcome(

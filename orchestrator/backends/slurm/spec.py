@@ -150,6 +150,12 @@ class SlurmSpec(StrictModel):
     signal_before_timeout_s: int = 120
     """Send SIGUSR1 this many seconds before the time limit so the trainer checkpoints (0: no signal); below
     `time_limit` and at most 65535 (sbatch's limit)."""
+    pending_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a job may stay pending for a reason that waiting does not resolve (an invalid account or QOS, a
+    per-job limit of the QOS, `BadConstraints`: `STUCK_PENDING_REASONS` in `backend.py`) before the run fails with
+    the reason and what to fix; the job is cancelled. Counted from the first poll that finds the attempt pending
+    (`Scheduler._note_pending`). A job that waits for nodes (Resources, Priority, a DOWN node coming back) waits
+    without limit; past this time an event `pending-timeout` reports it once."""
     rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
     """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
     python: str = "python3"
