@@ -661,9 +661,10 @@ class Scheduler:
             log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples)
             return None
         if status is AttemptStatus.STOPPED:
-            # Preempted or signalled from outside: the checkpoint is there, carry on with the same strategy.
+            # Preempted, at a time limit, or a stopped run resumed: the checkpoint is there, carry on with the same
+            # strategy. The reason says which, from what the trainer recorded (`signal SIGUSR1 (4 ranks)`).
             self.state.restarts_in_row = 0
-            return self._relaunch(attempt, why="resume after preemption")
+            return self._relaunch(attempt, why=_resume_reason(self.run_dir.read_exit(attempt.number)))
         if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
             return self._relaunch_disrupted(attempt, detail)
         if status is AttemptStatus.UNSTARTABLE:
@@ -762,6 +763,18 @@ class Scheduler:
         self._finish("failed", reason=reason)
         log_event(self.run_dir, "failed", reason=reason)
         raise RunFailed(f"{reason}; logs: {self.run_dir.attempt_dir(attempt.number)}")
+
+
+def _resume_reason(stopped: ExitRecord | None) -> str:
+    """The launch reason of the relaunch after a stopped attempt, from the reason its trainer recorded: a signal
+    (SIGTERM: a preemption, a deleted pod, a time limit reached; SIGUSR1: Slurm's signal ahead of the time limit),
+    a stop on request (the run is being resumed), or anything else as written."""
+    reason = stopped.reason if stopped is not None else ""
+    if reason.startswith("signal "):
+        return f"resume after {reason.removeprefix('signal ')}"
+    if reason.startswith("stop (control seq"):
+        return "resume after a stop on request"
+    return f"resume after a stop: {reason}" if reason else "resume after a stop from outside"
 
 
 def device_counts(profile: ClusterProfile, job: Job) -> list[int]:

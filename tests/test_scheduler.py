@@ -22,7 +22,7 @@ from cona.orchestrator.runstate import (
     request_stop,
     write_state,
 )
-from cona.orchestrator.scheduler import RunFailed, Scheduler
+from cona.orchestrator.scheduler import RunFailed, Scheduler, _resume_reason
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir
 from cona.protocol.strategy import Strategy
@@ -534,3 +534,20 @@ def test_an_elastic_runs_relaunch_may_start_on_fewer_nodes_and_runs_the_same_str
     plain, scripted = make_scheduler(tmp_path / "plain")
     scripted.outcomes = {1: CRASHED, 2: DONE}
     assert plain.run().status == "done" and not _events(plain, "elastic-plan")
+
+
+@pytest.mark.parametrize(
+    ("reason", "launch"),
+    [
+        ("signal SIGUSR1 (4 ranks)", "resume after SIGUSR1 (4 ranks)"),  # Slurm's signal ahead of the time limit
+        ("signal SIGTERM (1 rank)", "resume after SIGTERM (1 rank)"),  # a preemption, a deleted pod
+        ("stop (control seq 3)", "resume after a stop on request"),
+        ("max_steps", "resume after a stop: max_steps"),
+        ("", "resume after a stop from outside"),
+        (None, "resume after a stop from outside"),
+    ],
+)
+def test_the_relaunch_after_a_stop_says_what_stopped_it(reason, launch):
+    # It said "resume after preemption" for every stop, a Slurm time limit and a deleted pod among them.
+    record = None if reason is None else ExitRecord(ExitCode.STOPPED, "STOPPED", reason, 10, time.time())
+    assert _resume_reason(record) == launch

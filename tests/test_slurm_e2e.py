@@ -188,6 +188,8 @@ def test_cona_policy_switches_in_place_inside_the_allocation(slurm_run, tmp_path
             assert slurm_run.run.read_exit(n).next_attempt == n + 1
     ended = slurm_run.attempt_json(last, "slurm-exit.json")
     assert (ended["attempt"], ended["started_as"], ended["action"]) == (last, 1, "done"), ended
+    batch_log = (slurm_run.run.root / "attempts" / f"slurm-{job}.out").read_text()
+    assert f"attempt {last} (started as attempt 1, switched in place) ended (srun 0): done" in batch_log, batch_log
     accounting = _sh("sacct", "-n", "-P", "-j", job, "-o", "JobID")
     if accounting.returncode == 0 and accounting.stdout.strip():  # the cluster keeps accounting (CI does)
         steps = [x for x in accounting.stdout.split() if "." in x and x.rsplit(".", 1)[1].isdigit()]
@@ -259,7 +261,7 @@ def test_a_job_slurm_will_never_start_fails_the_run_with_what_to_fix(slurm_run):
     """A job pending for a reason that waiting does not resolve (here a `--dependency` on a job that failed:
     DependencyNeverSatisfied) is cancelled past `slurm.pending_timeout_s`, and the run fails in one line naming the
     reason and what to fix; before, it pended for ever."""
-    failed = _sh("sbatch", "--parsable", "--wrap", "false").stdout.strip().split(";")[0]
+    failed = _sh("sbatch", "--parsable", "--output=/dev/null", "--wrap", "false").stdout.strip().split(";")[0]
     wait_for(lambda: slurm_state(failed) == "FAILED", timeout=60, what=f"job {failed} to fail")
     slurm_run.start("--profile-set", f'slurm.extra_sbatch=["--dependency=afterok:{failed}"]',
                     "--profile-set", "slurm.pending_timeout_s=3")  # fmt: skip
