@@ -21,6 +21,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.protocol.heartbeat_record import Heartbeat, perplexity, throughput_windows
 from cona.protocol.rundir import RunDir, read_jsonl
+from cona.protocol.samples_log import SamplesAuditError, audit
 from cona.protocol.strategy import Strategy
 
 
@@ -54,6 +55,28 @@ def _heartbeats_lost(run_dir: RunDir, state: RunState, beats: list[dict[str, Any
         what = f"the heartbeat files in {run_dir.heartbeats} were cut short or replaced"
     return (f"cona: warning: {what}: the report counts {counted:,} samples from the heartbeats left, but state.json "
             f"recorded {recorded:,}; restore them from a backup for the whole run")  # fmt: skip
+
+
+def _sample_order(run_dir: RunDir, *, counted: int, final: bool) -> str | None:
+    """The report's line on the order the samples were trained in (`samples/<attempt>.jsonl`, `samples_log.audit`):
+    the model's history covers samples 0..N-1 once each, or why that cannot be said (also warned on stderr, since
+    nothing else reads these files). None for a run without a samples log (not started, or older than the log)."""
+    try:
+        found = audit(run_dir)
+    except (SamplesAuditError, OSError) as e:
+        print(f"cona: warning: {run_dir.samples_log}: {e}; the report cannot vouch for the order the samples were "
+              "trained in (training does not read these files)", file=sys.stderr, flush=True)  # fmt: skip
+        return f"- sample order: not verified ({e})"
+    if not found.files:
+        return None
+    line = (f"- sample order: the model's history covers samples 0–{max(found.samples - 1, 0):,} once each, in order, "
+            f"across {found.files} attempt(s) (`samples/`, audited)")  # fmt: skip
+    if found.retrained_steps:
+        line += (f"; {found.retrained_steps} step(s) trained again after a crash, their checkpoint never written "
+                 "(their updates were lost with it)")  # fmt: skip
+    if final and found.samples != counted:
+        line += f"; the heartbeats count {counted:,} samples"
+    return line
 
 
 def _typed(record: dict[str, Any]) -> Heartbeat | None:
@@ -204,6 +227,9 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         if paused := sum(resumed - ended for ended, resumed in pauses if resumed <= end):
             wall += f" (without the {paused:.1f} s it lay stopped before `cona run --resume`)"
         lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; wall time: {wall}")
+    order = _sample_order(run_dir, counted=beats[-1].get("samples", 0) if beats else 0, final=state.final)
+    if order is not None:
+        lines.append(order)
     if evals:
         best = min(evals, key=lambda b: b["val_loss"])
         lines.append(f"- best validation loss {best['val_loss']:.4f} (perplexity {perplexity(best['val_loss']):.3f}) "

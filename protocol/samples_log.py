@@ -18,6 +18,7 @@ repeat. Any violation raises `SamplesAuditError` naming the file, line and what 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -52,15 +53,47 @@ def _attempt_files(run_dir: RunDir) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplesAudit:
+    """What `audit` found: the surviving history and what was trained but lost with an unwritten checkpoint."""
+
+    ranges: list[tuple[int, int]]
+    """The per-step sample ranges [(start, end), …] of the surviving history, in step order."""
+    retrained_steps: int
+    """Step records a later `resume` discarded: steps trained again after a crash, since the checkpoint that would
+    have kept them was never written."""
+    files: int
+    """Attempt files read."""
+
+    @property
+    def samples(self) -> int:
+        return self.ranges[-1][1] if self.ranges else 0
+
+
 def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
     """The per-step sample ranges [(start, end), …] of the run's surviving history, in step order.
 
     Consecutive ranges touch (each start equals the previous end) and the first starts at 0, so together they are
     exactly samples 0 … N−1 once each. Raises `SamplesAuditError` on a gap, an overlap or a malformed record.
     """
+    return audit(run_dir).ranges
+
+
+def _int(record: dict, key: str, where: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplesAuditError(f"{where}: {key} is {value!r}, not a whole number")
+    return value
+
+
+def audit(run_dir: RunDir | Path | str) -> SamplesAudit:
+    """`audit_samples` with what it discarded on the way (`SamplesAudit`). A torn last line of a file is left out
+    (it may still be being written); every other damaged line raises `SamplesAuditError` naming the file and line."""
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
     kept: list[tuple[int, int, int]] = []  # (step, start, end)
-    for _attempt, path in _attempt_files(run_dir):
+    retrained = 0
+    files = _attempt_files(run_dir)
+    for _attempt, path in files:
         with open(path, "rb") as f:
             data = f.read()
         whole = data[: data.rfind(b"\n") + 1]  # a torn last line is still being written
@@ -70,10 +103,14 @@ def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
             where = f"{path.name} line {number}"
             try:
                 record = json.loads(raw)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, a number of thousands of digits, deep nesting
                 raise SamplesAuditError(f"{where}: not valid JSON") from None
+            if not isinstance(record, dict):
+                raise SamplesAuditError(f"{where}: expected {{step, start, end}} or {{resume, samples}}")
             if "resume" in record:
-                step, samples = int(record["resume"]), int(record.get("samples", -1))
+                step = _int(record, "resume", where)
+                samples = _int(record, "samples", where) if "samples" in record else -1
+                retrained += sum(1 for r in kept if r[0] > step)
                 kept = [r for r in kept if r[0] <= step]
                 last_step, last_end = (kept[-1][0], kept[-1][2]) if kept else (0, 0)
                 if last_step != step:
@@ -86,10 +123,9 @@ def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
                         f"{where}: resumes at sample {samples}, but step {step} ended at sample {last_end}"
                     )
                 continue
-            try:
-                step, start, end = int(record["step"]), int(record["start"]), int(record["end"])
-            except (KeyError, TypeError, ValueError):
-                raise SamplesAuditError(f"{where}: expected {{step, start, end}} or {{resume, samples}}") from None
+            if not {"step", "start", "end"} <= record.keys():
+                raise SamplesAuditError(f"{where}: expected {{step, start, end}} or {{resume, samples}}")
+            step, start, end = (_int(record, key, where) for key in ("step", "start", "end"))
             last_step, last_end = (kept[-1][0], kept[-1][2]) if kept else (0, 0)
             if step != last_step + 1:
                 raise SamplesAuditError(f"{where}: step {step} follows step {last_step} (expected {last_step + 1})")
@@ -101,4 +137,4 @@ def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
             if end <= start:
                 raise SamplesAuditError(f"{where}: step {step} has an empty range [{start}, {end})")
             kept.append((step, start, end))
-    return [(start, end) for _step, start, end in kept]
+    return SamplesAudit([(start, end) for _step, start, end in kept], retrained, len(files))

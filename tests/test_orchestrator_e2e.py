@@ -133,6 +133,8 @@ def test_main_command_switches_and_reaches_target(tmp_path):
     assert total == state.live["samples"]
     assert (run_dir.root / "report.png").stat().st_size > 10_000
     assert "report:" in out
+    report = (run_dir.root / "report.md").read_text()
+    assert f"covers samples 0–{total - 1:,} once each, in order, across " in report, report
 
 
 @pytest.mark.slow

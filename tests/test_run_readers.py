@@ -234,6 +234,55 @@ def test_files_lost_from_an_ended_run_are_said_by_status_and_report_not_counted_
     assert text.startswith("# tiny-gpt — unknown") and "attempts: 2; switches: 1" in text
 
 
+def _samples_logs(run: RunDir, logs: dict[int, list[dict]]) -> None:
+    run.samples_log.mkdir(parents=True, exist_ok=True)
+    for attempt, records in logs.items():
+        (run.samples_log / f"{attempt}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_report_vouches_for_the_sample_order_or_says_why_it_cannot(tmp_path, capsys):
+    """samples/<attempt>.jsonl, the record of which samples each step trained, was read by no cona command (only by
+    the tests' audit), so a damaged one went unsaid. The report now audits it: the history covers 0..N-1 once each,
+    steps retrained after a crash are counted, and a damaged file is named with its line."""
+    run = _ended_run_of_two_attempts(tmp_path)
+    steps = [{"step": k, "start": 16 * (k - 1), "end": 16 * k} for k in range(1, 5)]
+    # Attempt 1 trained steps 1–3, but its last checkpoint was at step 2: attempt 2 trains step 3 again.
+    _samples_logs(run, {1: [{"resume": 0, "samples": 0}, *steps[:3]], 2: [{"resume": 2, "samples": 32}, *steps[2:]]})
+    capsys.readouterr()
+    write_report(run)
+    assert capsys.readouterr().err == ""
+    text = (run.root / "report.md").read_text()
+    assert ("- sample order: the model's history covers samples 0–63 once each, in order, across 2 attempt(s) "
+            "(`samples/`, audited); 1 step(s) trained again after a crash") in text, text  # fmt: skip
+
+    for damage, why in [
+        ([{"resume": 2, "samples": 32}, steps[3]], "2.jsonl line 2: step 4 follows step 2 (expected 3)"),
+        ([{"resume": 2, "samples": 32}, {"step": 3, "start": 40, "end": 48}], "starts at sample 40 but the previous "
+         "step ended at 32 (gap)"),
+        ([{"resume": 2, "samples": 32}, [3]], "2.jsonl line 2: expected {step, start, end} or {resume, samples}"),
+        ([{"resume": "2", "samples": 32}], "2.jsonl line 1: resume is '2', not a whole number"),
+        ([{"resume": 2, "samples": 32}, {"step": 3, "start": 32, "end": 10**5000}], "2.jsonl line 2: not valid JSON"),
+    ]:  # fmt: skip
+        if damage[-1] == {"step": 3, "start": 32, "end": 10**5000}:
+            (run.samples_log / "2.jsonl").write_text(json.dumps(damage[0]) + '\n{"step": 3, "start": 32, "end": '
+                                                     + "9" * 5000 + "}\n")  # fmt: skip
+        else:
+            _samples_logs(run, {2: damage})
+        write_report(run)
+        err = capsys.readouterr().err
+        assert err.startswith(f"cona: warning: {run.samples_log}: ") and why in err and err.count("\n") == 1, err
+        assert "- sample order: not verified (" in (run.root / "report.md").read_text()
+
+    # A torn last line is a record still being written (a run going on), not damage; a finished run whose history
+    # ends short of its heartbeats says both counts.
+    (run.samples_log / "2.jsonl").write_text(json.dumps({"resume": 2, "samples": 32}) + "\n" + json.dumps(steps[2])
+                                             + '\n{"step": 4, "sta')  # fmt: skip
+    write_report(run)
+    assert capsys.readouterr().err == ""
+    assert "covers samples 0–47 once each" in (text := (run.root / "report.md").read_text()), text
+    assert "; the heartbeats count 64 samples" in text
+
+
 def test_the_newest_attempt_of_a_run_going_on_may_lack_its_launch_record_for_a_moment(tmp_path, capsys):
     """The scheduler saves state.json a moment before it logs the launch: no warning for that attempt then."""
     run = _ended_run_of_two_attempts(tmp_path)
