@@ -264,7 +264,7 @@ class LiveView:
             # resume-run: a stopped or failed run taken up again (`cona run --resume`); without it the console
             # shows only the next launch, whose reason reads as if the cluster had preempted it.
             elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "resume-run", "stop-requested",
-                          "time-budget", "disruption", "pending", "pending-timeout", "pods-not-created"):
+                          "time-budget", "disruption", "pending", "pending-timeout", "pods-not-created", "cpu-shortage"):
                 print(f"cona: {event_line(e)}", flush=True)
         warn_skipped(skipped)
 

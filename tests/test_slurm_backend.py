@@ -26,6 +26,7 @@ from cona.orchestrator.backends.slurm import (
     stuck_pending_advice,
 )
 from cona.orchestrator.profile import load_profile
+from cona.orchestrator.runstate import read_events
 from cona.orchestrator.switchcost import SwitchKind
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import RunDir
@@ -128,6 +129,7 @@ class FakeSlurm:
         self.sinfo = "n1|mixed\nn2|mixed\n"
         self.calls: list[list[str]] = []
         self.next_job = 100
+        self.config = "TaskPlugin              = task/none\n"
 
     def __call__(self, argv, env=None):
         self.calls.append(list(argv))
@@ -137,6 +139,8 @@ class FakeSlurm:
             if text is None:
                 return _cp(1, "", "slurm_load_jobs error: Invalid job id specified")
             return _cp(0, text)
+        if cmd == "scontrol" and argv[1:3] == ["show", "config"]:
+            return _cp(0, self.config)
         if cmd == "sacct":
             if self.sacct is None:
                 return _cp(1, "", "sacct: error: Slurm accounting storage is disabled")
@@ -362,6 +366,29 @@ def test_a_job_pending_for_a_reason_waiting_does_not_resolve_is_stuck(env):
     assert outcome.status == AttemptStatus.PENDING and outcome.stuck
     assert outcome.detail.startswith("job 101 PENDING (QOSMaxWallDurationPerJobLimit): Slurm will not start it")
     assert "slurm.time_limit" in outcome.detail and "\n" not in outcome.detail
+
+
+@pytest.mark.parametrize(
+    ("cpus", "plugin", "warned"),
+    [(2, "task/cgroup,task/affinity", True), (2, "task/affinity", True), (2, "task/none", False),
+     (4, "task/cgroup", False), (0, "task/cgroup", False)],
+)  # fmt: skip
+def test_a_job_with_fewer_cpus_than_trainers_on_a_confining_cluster_is_said_once(env, cpus, plugin, warned):
+    """cona asks for one task per node and no CPUs: without --exclusive or --cpus-per-gpu (and no DefCpuPerGPU) a
+    node's trainers share one CPU where tasks are confined to theirs. Said once per job, from what Slurm gave."""
+    backend, fake, run = env
+    fake.config = f"AccountingStorageType   = accounting_storage/none\nTaskPlugin              = {plugin}\n"
+    attempt = backend.launch(attempt=1, strategy=S4)  # 2 nodes x 2 trainers
+    fake.jobs["101"] = _job("101", "RUNNING").replace("NumNodes=2", f"NumNodes=2 NumCPUs={cpus}")
+    for _ in range(3):
+        assert backend.poll(attempt).status == AttemptStatus.RUNNING
+    said = [e for e in read_events(run) if e["event"] == "cpu-shortage"]
+    assert len(said) == int(warned), said
+    if warned:
+        assert said[0]["detail"] == (f"job 101 holds 2 CPU(s) for its 4 trainer processes ({plugin} confines them "
+                                     "to those): add --exclusive (whole nodes) or --cpus-per-gpu=N to "
+                                     "slurm.extra_sbatch")  # fmt: skip
+    assert sum(c[:3] == ["scontrol", "show", "config"] for c in fake.calls) == (cpus == 2)  # asked once, if at all
 
 
 def test_poll_running_on_down_node(env):

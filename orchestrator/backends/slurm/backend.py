@@ -89,6 +89,8 @@ class SlurmJobInfo:
     exit_code: str = ""
     """`status:signal` of the batch script, e.g. `0:0`, `3:0`, `0:15`."""
     batch_host: str = ""
+    num_cpus: int = 0
+    """CPUs the job holds on all its nodes together (scontrol `NumCPUs=`; 0: not said)."""
 
     @property
     def alive(self) -> bool:
@@ -145,6 +147,17 @@ def stuck_pending_advice(reason: str) -> str | None:
     owner = "its QOS (sacctmgr show qos)" if limit.group(1) == "QOS" else "the account (sacctmgr show assoc)"
     return (f"the job asks for more than {owner} allows one job: lower slurm.time_limit or nodes, or pick another "
             "slurm.qos or slurm.account")  # fmt: skip
+
+
+def cpu_shortage(info: SlurmJobInfo, processes: int, task_plugin: str) -> str | None:
+    """A warning when the running job holds fewer CPUs than it runs trainer processes on a cluster that confines
+    tasks to their CPUs (`TaskPlugin` task/cgroup or task/affinity), else None. cona asks for one task per node and
+    no CPUs: unless the cluster sets DefCpuPerGPU, Slurm then gives each node one CPU, which all of the node's
+    trainers (and their data loading) share."""
+    if not info.num_cpus or info.num_cpus >= processes or not re.search(r"cgroup|affinity", task_plugin):
+        return None
+    return (f"job {info.job_id} holds {info.num_cpus} CPU(s) for its {processes} trainer processes ({task_plugin} "
+            "confines them to those): add --exclusive (whole nodes) or --cpus-per-gpu=N to slurm.extra_sbatch")  # fmt: skip
 
 
 REQUIRED_CLIENTS = ("sbatch", "scontrol", "scancel")
@@ -277,6 +290,7 @@ def parse_scontrol_job(text: str) -> SlurmJobInfo | None:
         num_nodes=int(num_nodes.split("-")[0]) if num_nodes.split("-")[0].isdigit() else 0,
         exit_code=field("ExitCode"),
         batch_host=field("BatchHost"),
+        num_cpus=int(field("NumCPUs")) if field("NumCPUs").isdigit() else 0,
     )
 
 
@@ -444,6 +458,9 @@ class SlurmBackend(Backend):
         self._runner = runner or _run
         self._jobs: dict[str, str] = {}
         """The jobs of this run that `close` releases: job id → the job's submission (which names its records)."""
+        self._cpus_checked: set[str] = set()
+        """The jobs whose CPUs `_check_cpus` has looked at."""
+        self._task_plugin: str | None = None
         warning = save_outlasts_signal(profile, job) if job is not None else None
         if warning and warning not in _said:
             _said.add(warning)
@@ -484,6 +501,29 @@ class SlurmBackend(Backend):
             except SlurmError:
                 self._use_sacct = False
         return self._use_sacct
+
+    @property
+    def task_plugin(self) -> str:
+        """The cluster's `TaskPlugin` (`scontrol show config`, asked once; empty when it does not say)."""
+        if self._task_plugin is None:
+            result = self._cmd(["scontrol", "show", "config"])
+            found = re.search(r"^TaskPlugin\s*=\s*(\S+)", result.stdout if result.returncode == 0 else "", re.M)
+            self._task_plugin = found.group(1) if found else ""
+        return self._task_plugin
+
+    def _check_cpus(self, attempt: Attempt, info: SlurmJobInfo) -> None:
+        """Warn once per job (stderr and a `cpu-shortage` event) when it runs more trainers than it holds CPUs."""
+        if info.job_id in self._cpus_checked:
+            return
+        self._cpus_checked.add(info.job_id)
+        processes = int(attempt.extra.get("nnodes", 0)) * int(attempt.extra.get("nproc_per_node", 0))
+        if not 0 < info.num_cpus < processes:  # enough, or not said: no need to ask for the cluster's config
+            return
+        warning = cpu_shortage(info, processes, self.task_plugin)
+        if warning is not None:  # `cona run`'s console prints it (`LiveView`); `cona status` lists the event
+            from cona.orchestrator.runstate import log_event
+
+            log_event(self.run_dir, "cpu-shortage", attempt=attempt.number, detail=warning)
 
     def job_info(self, job_id: str) -> SlurmJobInfo | None:
         """The job as slurmctld knows it (None once it has been purged, MinJobAge after its end)."""
@@ -880,6 +920,7 @@ class SlurmBackend(Backend):
                 fix = f": Slurm will not start it, {advice}" if advice else ""
                 return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}{fix}",
                                stuck=advice is not None, lost_nodes=tuple(down))  # fmt: skip
+            self._check_cpus(attempt, info)
             down = self.down_nodes(info.nodes)
             if down:
                 return Outcome(
