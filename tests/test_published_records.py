@@ -287,3 +287,17 @@ def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys, out):
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"--out {tmp_path / out}: " in err, err
+
+
+def test_a_table_2_section_gets_its_ratio_line_as_runs_and_table_1_do(tmp_path, capsys):
+    # It printed only a rank correlation: the range of predicted/published was in the table's rows alone.
+    rows = [{"scheme": "ptd-p", "gpus": 32, "t": 2, "p": 2, "mbs": 1, "tflops": 120},
+            {"scheme": "zero-3", "gpus": 32, "t": 1, "p": 1, "mbs": 1, "tflops": 90}]  # fmt: skip
+    path = tmp_path / "record.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "table_2": {"model": MODEL, "gbs": 512, "rows": rows}}))
+    assert main(["--record", str(path), "--out", str(tmp_path / "x.json")]) == 0
+    out = capsys.readouterr().out
+    ratios = [c["ratio"] for c in json.loads((tmp_path / "x.json").read_text())["cases"]]
+    line = next(x for x in out.splitlines() if x.startswith("table_2: predicted/published"))
+    assert line.startswith(f"table_2: predicted/published from {min(ratios):.2f} to {max(ratios):.2f} (worst "), line
+    assert "table_2: rank correlation" in out
