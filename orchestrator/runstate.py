@@ -127,6 +127,47 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
     return profile, job
 
 
+AMENDABLE_PROFILE_SECTIONS = ("slurm",)
+"""The profile sections `amend_profile` changes: how the run's jobs are submitted (an account, a QOS, a partition,
+`extra_sbatch`, the time limit), not what the run was planned for (nodes, devices, network), which would change
+the strategies its checkpoints and records were made under."""
+
+
+def amend_profile(run_dir: RunDir, overrides: list[str]) -> ClusterProfile:
+    """Apply `--profile-set` overrides of `AMENDABLE_PROFILE_SECTIONS` to an ended run's stored profile (for `cona
+    run --resume RUN --profile-set slurm.qos=...`, after a job Slurm would never start), rewrite run.yaml whole and
+    log a `profile-amended` event; the new profile. ConfigError, in one line, for another field, a run whose
+    orchestrator still holds it or that has not ended, or a value the profile refuses."""
+    from cona.protocol.yamlconfig import apply_overrides
+
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key.split(".")[0] not in AMENDABLE_PROFILE_SECTIONS or "." not in key:
+            raise ConfigError(f"--profile-set {item}: a resumed run keeps the profile it was planned for; only "
+                              f"{', '.join(s + '.*' for s in AMENDABLE_PROFILE_SECTIONS)} (how its jobs are submitted) "
+                              "can change on --resume; start a new run (--run-dir) for the rest")  # fmt: skip
+    with RunLock(run_dir.lock):  # no orchestrator of this run is running while run.yaml is rewritten
+        state = read_state(run_dir, resume=True)
+        if not state.final:
+            raise ConfigError(f"{run_dir.root}: the run has not ended (status {state.status}); its profile can change "
+                              "on --resume once it has stopped or failed (`cona stop`)")  # fmt: skip
+        load_run(run_dir, resume=True)  # a damaged run.yaml is refused as a resume refuses it
+        document = load_yaml(run_dir.run_yaml)
+        stored = document["profile"]
+        if not isinstance(stored.get("slurm"), dict):
+            raise ConfigError(f"--profile-set {overrides[0]}: the run's profile {stored.get('name')!r} has no slurm "
+                              "section (its backend is not Slurm)")  # fmt: skip
+        amended = validate(ClusterProfile, apply_overrides(dict(stored), list(overrides), source="--profile-set"),
+                           source=f"{run_dir.run_yaml} (profile)", overrides=overrides, flag="--profile-set")  # fmt: skip
+        document["profile"] = amended.model_dump(mode="json")
+        document.pop("complete", None)
+        document["amended"] = [*document.get("amended", []), {"time": time.time(), "profile_set": list(overrides)}]
+        document["complete"] = True  # last, as `create_run` writes it
+        atomic_write_text(run_dir.run_yaml, yaml.safe_dump(document, sort_keys=False))
+        log_event(run_dir, "profile-amended", profile_set=list(overrides))
+    return amended
+
+
 def check_run_yaml(run_dir: RunDir) -> None:
     """ConfigError, naming run.yaml, unless it is the whole file `create_run` wrote (for an orchestrator that goes
     on with a run: `Scheduler.check_resumable`)."""

@@ -266,7 +266,9 @@ def test_resume_and_rerun_never_drop_what_the_command_asks_for(tmp_path):
     run = tmp_path / "run"
     create_run(run_dir=RunDir(run), profile=load_profile(PROFILE), job=load_job(JOB))
     for argv, expected in [
-        (["run", "--resume", str(run), "--set", "optimizer.lr=99"], "drop --profile/--profile-set/--job/--set"),
+        (["run", "--resume", str(run), "--set", "optimizer.lr=99"], "drop --profile/--job/--set"),
+        (["run", "--resume", str(run), "--profile-set", "nodes=2"], "a resumed run keeps the profile it was planned"),
+        (["run", "--resume", str(run), "--profile-set", "slurm.qos=x"], "the run has not ended (status created)"),
         (["run", "--resume", str(run), "--policy", "static"], "--resume takes the profile, job and policy"),
         (["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", "optimizer.lr=0.5", "--run-dir", str(run)],
          f"--run-dir {run} holds a run with another job"),

@@ -5,6 +5,7 @@ On real run directories made by `create_run` and the scripted backend of tests/t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from cona.orchestrator import cli
@@ -277,3 +278,47 @@ def test_a_trainer_whose_every_checkpoint_is_damaged_says_restore_not_delete(tmp
     assert errors == [f"cona trainer: error: {RunDir(run).checkpoints}: no checkpoint can be loaded (the warnings "
                       "before this line in the attempt's log name each and why); restore them from a backup and "
                       "resume, or start over with a new --run-dir"], describe(result)  # fmt: skip
+
+
+def _ended_slurm_run(tmp_path, status: str = "failed") -> RunDir:
+    from cona.orchestrator.job import load_job
+    from cona.orchestrator.profile import load_profile
+    from cona.orchestrator.runstate import RunState, create_run, write_state
+
+    from tests.conftest import EXAMPLES, PROFILES
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILES / "local-slurm.yaml", ["slurm.qos=gone"]),
+               job=load_job(EXAMPLES / "tiny-gpt.yaml"))  # fmt: skip
+    write_state(run, RunState(status=status, final=status in ("failed", "stopped"), reason="InvalidQOS"))
+    return run
+
+
+def test_an_ended_runs_submission_settings_can_change_on_resume_and_nothing_else(tmp_path):
+    """`cona run --resume RUN --profile-set slurm.qos=...`: the fix that a job Slurm will not start asks for (an
+    invalid QOS, a partition's time limit) could only be made by editing run.yaml, which --resume refused to touch."""
+    from cona.orchestrator.runstate import RunLock, amend_profile, load_run
+
+    run = _ended_slurm_run(tmp_path)
+    amended = amend_profile(run, ["slurm.qos=normal", "slurm.time_limit=1:00:00"])
+    profile, _ = load_run(run, resume=True)  # whole again, with the fix
+    assert profile.slurm.qos == amended.slurm.qos == "normal" and profile.slurm.time_limit == "1:00:00"
+    assert profile.nodes == 2 and profile.slurm.partition == "debug"  # the rest as it was
+    [event] = [e for e in read_events(run) if e["event"] == "profile-amended"]
+    assert event["profile_set"] == ["slurm.qos=normal", "slurm.time_limit=1:00:00"]
+    before = run.run_yaml.read_bytes()
+    for overrides, expected in [
+        (["nodes=1"], "--profile-set nodes=1: a resumed run keeps the profile it was planned for; only slurm.*"),
+        (["accelerator.peak_tflops=1"], "a resumed run keeps the profile it was planned for"),
+        (["slurm=null"], "a resumed run keeps the profile it was planned for"),
+        (["slurm.time_limit=soon"], "--profile-set slurm.time_limit"),
+        (["slurm.qoss=x"], "qoss"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            amend_profile(run, overrides)
+        assert run.run_yaml.read_bytes() == before  # refused: untouched
+    with RunLock(run.lock), pytest.raises(ConfigError, match="another cona orchestrator"):
+        amend_profile(run, ["slurm.qos=x"])
+    going = _ended_slurm_run(tmp_path / "going", status="running")
+    with pytest.raises(ConfigError, match=r"the run has not ended \(status running\)"):
+        amend_profile(going, ["slurm.qos=x"])

@@ -276,6 +276,16 @@ def test_a_job_slurm_will_never_start_fails_the_run_with_what_to_fix(slurm_run):
     assert len(timeout) == 1 and timeout[0]["action"] == "fail", slurm_run.logs()
     assert [e["status"] for e in slurm_run.events("attempt-end")] == ["unstartable"], slurm_run.logs()
     wait_for(lambda: slurm_state(job) in ("CANCELLED", ""), timeout=60, what=f"job {job} cancelled")
+    # The fix it asks for, on the same run: the resume submits without the dependency and trains to the end.
+    resumed = subprocess.run(
+        [sys.executable, "-m", "cona.orchestrator.cli", "run", "--resume", str(slurm_run.run.root), "--quiet",
+         "--no-report", "--profile-set", "slurm.extra_sbatch=[]"],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}{resumed.stderr[-3000:]}\n{slurm_run.logs()}"
+    assert [e["profile_set"] for e in slurm_run.events("profile-amended")] == [["slurm.extra_sbatch=[]"]]
+    assert "--dependency" not in (slurm_run.run.root / "slurm" / "cona.sbatch").read_text()
+    assert_samples(slurm_run, 1600)
 
 
 def test_scancel_mid_run_resubmits_and_resumes(slurm_run):
