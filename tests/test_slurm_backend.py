@@ -356,7 +356,7 @@ def test_pending_reasons_that_other_jobs_or_nodes_resolve(reason):
 
 
 def test_a_job_pending_for_a_reason_waiting_does_not_resolve_is_stuck(env):
-    backend, fake, _ = env
+    backend, fake, run = env
     assert backend.pending_timeout_s == backend.profile.slurm.pending_timeout_s == 120
     attempt = backend.launch(attempt=1, strategy=S4)
     fake.jobs["101"] = _job("101", "PENDING", nodes="", reason="Resources")
@@ -366,6 +366,8 @@ def test_a_job_pending_for_a_reason_waiting_does_not_resolve_is_stuck(env):
     assert outcome.status == AttemptStatus.PENDING and outcome.stuck
     assert outcome.detail.startswith("job 101 PENDING (QOSMaxWallDurationPerJobLimit): Slurm will not start it")
     assert "slurm.time_limit" in outcome.detail and "\n" not in outcome.detail
+    assert outcome.detail.endswith(f"`cona run --resume {run.root} --profile-set slurm.FIELD=VALUE` applies the fix "
+                                   "to this run")  # fmt: skip
 
 
 @pytest.mark.parametrize(

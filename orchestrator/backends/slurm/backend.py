@@ -917,7 +917,9 @@ class SlurmBackend(Backend):
                 down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
                 lost = f"; node {','.join(down)} DOWN" if down else ""
                 advice = stuck_pending_advice(info.reason)
-                fix = f": Slurm will not start it, {advice}" if advice else ""
+                fix = (f": Slurm will not start it, {advice}; once it has failed, `cona run --resume "
+                       f"{self.run_dir.root} --profile-set slurm.FIELD=VALUE` applies the fix to this run"
+                       if advice else "")  # fmt: skip
                 return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}{fix}",
                                stuck=advice is not None, lost_nodes=tuple(down))  # fmt: skip
             self._check_cpus(attempt, info)
