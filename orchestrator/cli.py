@@ -466,8 +466,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from cona.orchestrator.profile import load_profile
 
     if args.resume:
-        if args.profile or args.job or args.overrides or args.profile_overrides or args.name or args.policy:
-            raise UserError("--resume takes the profile and job from the run; drop --profile/--job/--set/--name/--policy")
+        if args.profile or args.job or args.overrides or args.name or args.policy:
+            raise UserError("--resume takes the profile and job from the run; drop --profile/--job/--set/--name/--policy "
+                            "(--profile-set kubernetes.image=... may change how an ended run's pods are submitted)")  # fmt: skip
         if args.resume != run_name(args.resume):
             # No submitted run has such a name (`render_submission` refuses it), so no cluster is asked; a run
             # directory given here was answered "no such run directory" although it was one.
@@ -480,7 +481,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from cona.orchestrator.backends.kubernetes.remote import resume
 
         with _no_cluster_is_no_run(args, run=args.resume, directory=False):
-            print(resume(args.resume, namespace=_namespace(args)))
+            print(resume(args.resume, namespace=_namespace(args), profile_set=args.profile_overrides))
         return 0
     if args.namespace is not None:
         # A new run's objects all go to the profile's namespace (its workloads, Lease and PVC live there too):

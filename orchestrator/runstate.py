@@ -3,6 +3,7 @@ lock."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import math
@@ -127,36 +128,54 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
     return profile, job
 
 
-AMENDABLE_PROFILE_SECTIONS = ("slurm",)
-"""The profile sections `amend_profile` changes: how the run's jobs are submitted (an account, a QOS, a partition,
-`extra_sbatch`, the time limit), not what the run was planned for (nodes, devices, network), which would change
-the strategies its checkpoints and records were made under."""
+AMENDABLE_PROFILE_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "slurm": None,  # every field
+    "kubernetes": ("image", "image_pull_secrets", "service_account", "priority_class", "node_selector", "tolerations",
+                   "pending_timeout_s", "elastic_pending_timeout_s", "shm_size", "trainer_cpu", "trainer_memory",
+                   "orchestrator_cpu", "orchestrator_memory", "orchestrator_restarts"),
+}  # fmt: skip
+"""The profile fields an ended run may change on resume (`amend_profile`), by section (None: all of it): how its jobs
+or pods are submitted and scheduled (a QOS, an account, a partition, an image that can be pulled, a Secret), not what
+the run was planned for (nodes, devices, network), which would change the strategies its checkpoints and records
+were made under, nor where its objects live (a namespace, a PVC) or how they are wired (workload kind, ports)."""
 
 
-def amend_profile(run_dir: RunDir, overrides: list[str]) -> ClusterProfile:
-    """Apply `--profile-set` overrides of `AMENDABLE_PROFILE_SECTIONS` to an ended run's stored profile (for `cona
-    run --resume RUN --profile-set slurm.qos=...`, after a job Slurm would never start), rewrite run.yaml whole and
-    log a `profile-amended` event; the new profile. ConfigError, in one line, for another field, a run whose
-    orchestrator still holds it or that has not ended, or a value the profile refuses."""
-    from cona.protocol.yamlconfig import apply_overrides
-
+def check_amendable(overrides: list[str] | tuple[str, ...]) -> None:
+    """ConfigError, in one line, for an override of a field `AMENDABLE_PROFILE_FIELDS` does not list."""
     for item in overrides:
         key = item.partition("=")[0].strip()
-        if key.split(".")[0] not in AMENDABLE_PROFILE_SECTIONS or "." not in key:
-            raise ConfigError(f"--profile-set {item}: a resumed run keeps the profile it was planned for; only "
-                              f"{', '.join(s + '.*' for s in AMENDABLE_PROFILE_SECTIONS)} (how its jobs are submitted) "
-                              "can change on --resume; start a new run (--run-dir) for the rest")  # fmt: skip
-    with RunLock(run_dir.lock):  # no orchestrator of this run is running while run.yaml is rewritten
+        section, _, rest = key.partition(".")
+        fields = AMENDABLE_PROFILE_FIELDS.get(section, ())
+        if not rest or (fields is not None and rest.split(".")[0] not in fields):
+            which = (f"of {section}: {', '.join(fields)}" if rest and fields else
+                     "slurm.*, kubernetes.image and the other kubernetes fields of how pods are scheduled")  # fmt: skip
+            raise ConfigError(f"--profile-set {item}: a resumed run keeps the profile it was planned for; only how its "
+                              f"jobs are submitted can change on resume ({which}); start a new run for the rest")  # fmt: skip
+
+
+def amend_profile(run_dir: RunDir, overrides: list[str], *, lock: bool = True, token: str | None = None) -> ClusterProfile:
+    """Apply `--profile-set` overrides (`check_amendable`) to an ended run's stored profile — `cona run --resume RUN
+    --profile-set slurm.qos=...` after a job Slurm would never start, `cona submit --resume RUN --profile-set
+    kubernetes.image=...` after an image that cannot be pulled — rewrite run.yaml whole and log a `profile-amended`
+    event; returns the new profile. `lock`: under the run's flock, so that no orchestrator of the run runs meanwhile
+    (a submitted run's new orchestrator holds its Lease instead). `token`: the resume that asked (Kubernetes), logged
+    so that a restarted orchestrator does not apply it twice. ConfigError, in one line, for another field, a run that
+    has not ended or whose orchestrator holds it, or a value the profile refuses."""
+    from cona.protocol.yamlconfig import apply_overrides
+
+    check_amendable(overrides)
+    with RunLock(run_dir.lock) if lock else contextlib.nullcontext():
         state = read_state(run_dir, resume=True)
         if not state.final:
             raise ConfigError(f"{run_dir.root}: the run has not ended (status {state.status}); its profile can change "
-                              "on --resume once it has stopped or failed (`cona stop`)")  # fmt: skip
+                              "on resume once it has stopped or failed (`cona stop`)")  # fmt: skip
         load_run(run_dir, resume=True)  # a damaged run.yaml is refused as a resume refuses it
         document = load_yaml(run_dir.run_yaml)
         stored = document["profile"]
-        if not isinstance(stored.get("slurm"), dict):
-            raise ConfigError(f"--profile-set {overrides[0]}: the run's profile {stored.get('name')!r} has no slurm "
-                              "section (its backend is not Slurm)")  # fmt: skip
+        for section in {item.partition("=")[0].strip().partition(".")[0] for item in overrides}:
+            if not isinstance(stored.get(section), dict):
+                raise ConfigError(f"--profile-set {section}.*: the run's profile {stored.get('name')!r} has no "
+                                  f"{section} section (its backend is {stored.get('backend')!r})")  # fmt: skip
         amended = validate(ClusterProfile, apply_overrides(dict(stored), list(overrides), source="--profile-set"),
                            source=f"{run_dir.run_yaml} (profile)", overrides=overrides, flag="--profile-set")  # fmt: skip
         document["profile"] = amended.model_dump(mode="json")
@@ -164,7 +183,7 @@ def amend_profile(run_dir: RunDir, overrides: list[str]) -> ClusterProfile:
         document["amended"] = [*document.get("amended", []), {"time": time.time(), "profile_set": list(overrides)}]
         document["complete"] = True  # last, as `create_run` writes it
         atomic_write_text(run_dir.run_yaml, yaml.safe_dump(document, sort_keys=False))
-        log_event(run_dir, "profile-amended", profile_set=list(overrides))
+        log_event(run_dir, "profile-amended", profile_set=list(overrides), **({"token": token} if token else {}))
     return amended
 
 

@@ -32,7 +32,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     run_name,
 )
 from cona.orchestrator.job import load_job
-from cona.orchestrator.runstate import RunState, create_run, read_events, write_state
+from cona.orchestrator.runstate import RunState, create_run, load_run, read_events, write_state
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
@@ -269,6 +269,37 @@ def test_resume_replaces_the_orchestrator_job_of_an_ended_run_and_refuses_otherw
     methods = [(m, p) for m, p in k8s.backend_requests() if p.endswith("/jobs/tiny-1-orch") or p.endswith("/jobs")]
     assert ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/tiny-1-orch") in methods
     assert methods.index(("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/tiny-1-orch")) < len(methods) - 1
+
+
+def test_resume_with_a_fixed_image_changes_the_configmap_the_orchestrator_job_and_the_stored_profile(k8s, tmp_path):
+    """An attempt whose image cannot be pulled fails the run ("fix it and resume"), but the image is the profile's,
+    which a resume kept: `cona submit --resume RUN --profile-set kubernetes.image=...` now changes it — in the
+    ConfigMap, in the new orchestrator Job, and (by that orchestrator, once) in the run's stored profile."""
+    namespace_objects(k8s)
+    submit(_objects(), api_client=k8s.api_client())
+    _mirrored(k8s, "failed")
+    with pytest.raises(ConfigError, match=re.escape("--profile-set kubernetes.namespace=x: a resumed run keeps")):
+        resume("tiny-1", namespace=NS, api_client=k8s.api_client(), profile_set=["kubernetes.namespace=x"])
+    assert client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)  # refused before any change
+    resume("tiny-1", namespace=NS, api_client=k8s.api_client(), profile_set=["kubernetes.image=reg.example/cona:fixed"])
+    data = client.CoreV1Api(k8s.api_client()).read_namespaced_config_map("tiny-1", NS).data
+    assert yaml.safe_load(data["profile.yaml"])["kubernetes"]["image"] == "reg.example/cona:fixed"
+    asked = json.loads(data["profile-amended"])
+    assert asked == {"token": data["resume"], "profile_set": ["kubernetes.image=reg.example/cona:fixed"]}
+    job = client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)
+    assert job.spec.template.spec.containers[0].image == "reg.example/cona:fixed"
+
+    # The new orchestrator: the run directory on the PVC, ended, still with the old image.
+    profile = _profile(mount_path=str(tmp_path))
+    run_dir = RunDir(tmp_path / "tiny-1")
+    create_run(run_dir=run_dir, profile=profile, job=load_job(JOB))
+    write_state(run_dir, RunState(status="failed", final=True, reason="image cannot be pulled"))
+    amended = incluster._amended(run_dir, data, data["resume"])
+    assert amended is not None and amended.kubernetes.image == "reg.example/cona:fixed"
+    assert load_run(run_dir, resume=True)[0].kubernetes.image == "reg.example/cona:fixed"
+    assert incluster._amended(run_dir, data, data["resume"]) is None  # a restarted orchestrator: applied once
+    assert incluster._amended(run_dir, data, "resume-another") is None  # a later resume that asked for nothing
+    assert [e["token"] for e in read_events(run_dir) if e["event"] == "profile-amended"] == [data["resume"]]
 
 
 def test_cona_status_of_an_unknown_name_is_one_line(k8s, tmp_path):

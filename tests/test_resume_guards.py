@@ -308,7 +308,11 @@ def test_an_ended_runs_submission_settings_can_change_on_resume_and_nothing_else
     assert event["profile_set"] == ["slurm.qos=normal", "slurm.time_limit=1:00:00"]
     before = run.run_yaml.read_bytes()
     for overrides, expected in [
-        (["nodes=1"], "--profile-set nodes=1: a resumed run keeps the profile it was planned for; only slurm.*"),
+        (["nodes=1"], "--profile-set nodes=1: a resumed run keeps the profile it was planned for; only how its jobs "
+                      "are submitted can change on resume (slurm.*, kubernetes.image and the other kubernetes fields"),
+        (["kubernetes.namespace=x"], "(of kubernetes: image, image_pull_secrets, service_account,"),
+        (["kubernetes.image=reg/cona:2"], "the run's profile 'local-slurm' has no kubernetes section (its backend is "
+                                          "'slurm')"),
         (["accelerator.peak_tflops=1"], "a resumed run keeps the profile it was planned for"),
         (["slurm=null"], "a resumed run keeps the profile it was planned for"),
         (["slurm.time_limit=soon"], "--profile-set slurm.time_limit"),

@@ -28,6 +28,7 @@ import yaml
 from cona.orchestrator.backends.base import BackendError
 from cona.orchestrator.backends.kubernetes.api import KubeApi, one_line
 from cona.orchestrator.backends.kubernetes.runobjects import (
+    AMEND_KEY,
     JOB_KEY,
     OWNER_JOB_ENV,
     OWNER_UID_ENV,
@@ -49,6 +50,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
 from cona.protocol.yamlconfig import ConfigError
 
 if TYPE_CHECKING:
+    from cona.orchestrator.profile import ClusterProfile
     from cona.protocol.rundir import RunDir
 
 MAX_CONFIGMAP_BYTES = 1_000_000
@@ -202,6 +204,24 @@ def _resume_pending(run_dir: RunDir, token: str, finished_at: float | None) -> b
     return not started or (finished_at is not None and finished_at < max(started))
 
 
+def _amended(run_dir: RunDir, data: dict[str, str], token: str | None) -> ClusterProfile | None:
+    """The run's profile after the overrides `cona submit --resume` stored for `token` (`AMEND_KEY`), applied to
+    run.yaml once (`runstate.amend_profile`; a restarted orchestrator finds its `profile-amended` event); None when
+    this resume asked for none. The run's Lease, not its flock, keeps other orchestrators out."""
+    from cona.orchestrator.runstate import amend_profile, read_events
+
+    try:
+        asked = json.loads(data.get(AMEND_KEY) or "{}")
+    except ValueError:
+        asked = {}
+    if not token or not isinstance(asked, dict) or asked.get("token") != token:
+        return None
+    overrides = [str(item) for item in asked.get("profile_set") or []]
+    if not overrides or any(e.get("event") == "profile-amended" and e.get("token") == token for e in read_events(run_dir)):
+        return None
+    return amend_profile(run_dir, overrides, lock=False, token=token)
+
+
 def _cannot_go_on(mirror: StatusMirror, error: Exception) -> int:
     """Fail the run where `cona status` looks, with `error` as the reason, and return the exit code 0: a restarted
     pod would fail the same way (`restartPolicy: OnFailure` would restart it for ever), and the reason is in the
@@ -264,6 +284,10 @@ def orchestrate(run: str, *, namespace: str, api_client: Any | None = None, quie
         mirror.wait_report()
         return 0
     if state.final:
+        try:  # `cona submit --resume --profile-set ...`: the fix it names goes into the run's stored profile first
+            profile = _amended(run_dir, data, token) or profile
+        except ConfigError as e:
+            return _cannot_go_on(mirror, e)
         log_event(run_dir, "resume-requested", token=token)  # `cona submit --resume`: the scheduler resumes it
     try:
         state, failure = drive(run_dir=run_dir, profile=profile, job=job, quiet=quiet,

@@ -23,6 +23,7 @@ from cona.orchestrator.backends.kubernetes.events import ORCHESTRATOR_FIELDS, Bl
 from cona.orchestrator.backends.kubernetes.incluster import read_run_configmap
 from cona.orchestrator.backends.kubernetes.render import DNS_LABEL
 from cona.orchestrator.backends.kubernetes.runobjects import (
+    AMEND_KEY,
     PROFILE_KEY,
     REPORT_DONE_KEY,
     REPORT_ERROR_KEY,
@@ -265,13 +266,21 @@ def remote_report(run: str, *, namespace: str, out_dir: Path, wait_s: float = 12
     return md, png
 
 
-def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: float = 120.0) -> str:
+def resume(
+    run: str, *, namespace: str, api_client: Any | None = None, wait_s: float = 120.0,
+    profile_set: list[str] | tuple[str, ...] = (),
+) -> str:  # fmt: skip
     """Resume a stopped or failed submitted run: a new orchestrator Job (the old one deleted, the run's ConfigMaps
-    kept) that goes on from the last complete checkpoint. Returns what to tell the user."""
+    kept) that goes on from the last complete checkpoint. `profile_set`: overrides of how its pods are submitted
+    (`runstate.check_amendable`: an image that can be pulled, a Secret), applied to the ConfigMap's profile here (the
+    new orchestrator Job's own image among them) and to the run's stored one by the new orchestrator (`AMEND_KEY`).
+    Returns what to tell the user."""
     from cona.orchestrator.profile import ClusterProfile
-    from cona.protocol.yamlconfig import validate
+    from cona.orchestrator.runstate import check_amendable
+    from cona.protocol.yamlconfig import apply_overrides, validate
     from kubernetes import client
 
+    check_amendable(profile_set)  # before any call: a field that may not change is refused in one line
     api = _api(namespace, api_client)
     core, batch = api.core(), api.batch()
     data = read_run_configmap(api, run)
@@ -285,11 +294,19 @@ def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: f
         raise BackendError(f"kubernetes: run {run!r} is {status or 'submitted'}, not ended; stop it first "
                            f"(`cona stop {run} --namespace {namespace}`)")  # fmt: skip
     try:
-        profile = validate(ClusterProfile, yaml.safe_load(data.get(PROFILE_KEY) or "{}"),
-                           source=f"ConfigMap {namespace}/{run} {PROFILE_KEY}")  # fmt: skip
+        stored = yaml.safe_load(data.get(PROFILE_KEY) or "{}")
+        if profile_set and isinstance(stored, dict):
+            stored = apply_overrides(stored, list(profile_set), source="--profile-set")
+        profile = validate(ClusterProfile, stored, source=f"ConfigMap {namespace}/{run} {PROFILE_KEY}",
+                           overrides=profile_set, flag="--profile-set")  # fmt: skip
     except ConfigError as e:
         raise BackendError(f"kubernetes: run {run!r} cannot be resumed: {e}") from None
     assert profile.kubernetes is not None
+    token = f"resume-{time.time():.3f}"
+    patch = {RESUME_KEY: token}
+    if profile_set:
+        patch |= {PROFILE_KEY: yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False),
+                  AMEND_KEY: json.dumps({"token": token, "profile_set": list(profile_set)})}  # fmt: skip
     # The ConfigMaps are owned by the old orchestrator Job: detach them, or deleting it would delete them too.
     for configmap in (run, report_configmap_name(run)):
         api.call("patch", "configmaps", configmap, core.patch_namespaced_config_map, configmap, namespace,
@@ -301,8 +318,7 @@ def resume(run: str, *, namespace: str, api_client: Any | None = None, wait_s: f
         if time.monotonic() > deadline:
             raise BackendError(f"kubernetes: the old orchestrator Job {name!r} was not deleted within {wait_s:.0f} s")
         time.sleep(1.0)
-    token = f"resume-{time.time():.3f}"
-    api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": {RESUME_KEY: token}})
+    api.call("patch", "configmaps", run, core.patch_namespaced_config_map, run, namespace, {"data": patch})
     job = render_orchestrator_job(spec=profile.kubernetes, run=run, run_dir=data.get(RUN_DIR_KEY, ""))
     _own_configmap(api, run, api.call("create", "jobs", name, batch.create_namespaced_job, namespace, job))
     return (f"resuming run {run} ({status}) with a new orchestrator Job {name}: it goes on from the last complete "

@@ -67,6 +67,9 @@ VERSION_KEY = "cona-version"
 cannot read the profile or job (a field it does not know)."""
 RESUME_KEY = "resume"
 """Set by `cona submit --resume`: a token; the new orchestrator resumes the ended run once for it."""
+AMEND_KEY = "profile-amended"
+"""Set by `cona submit --resume --profile-set ...`: JSON `{"token", "profile_set"}`; the new orchestrator applies the
+overrides to the run's stored profile (`runstate.amend_profile`) before it resumes for that token, once."""
 REPORT_MD, REPORT_PNG = "report.md", "report.png"
 
 OWNER_JOB_ENV = "CONA_OWNER_JOB"
