@@ -591,7 +591,7 @@ class Scheduler:
             self._save()
         timeout = self.backend.pending_timeout_s
         waited = now - spell.since
-        if timeout is None or waited < timeout:
+        if timeout is None or waited < timeout or not (outcome.stuck or self.backend.reports_long_queue_waits):
             return outcome
         if not spell.timed_out:
             spell.timed_out = True

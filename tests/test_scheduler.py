@@ -417,6 +417,25 @@ def test_pending_for_capacity_past_the_timeout_is_reported_once_and_waits(tmp_pa
     assert timeouts[0]["pending_s"] >= 0.05 and timeouts[0]["timeout_s"] == 0.05
 
 
+def test_a_queue_wait_past_the_timeout_is_not_news_where_the_backend_says_so(tmp_path):
+    """Slurm: a job in the queue for hours is the norm, and `slurm.pending_timeout_s` is for stuck reasons only."""
+    loops = {"n": 0}
+
+    def script(live) -> None:
+        loops["n"] += 1
+        time.sleep(0.01)  # past the timeout from the second loop on
+        if loops["n"] == 5:
+            spell = read_state(sched.run_dir).pending
+            assert time.time() - spell.since > backend.timeout and not spell.timed_out
+            backend.outcomes[1] = DONE
+
+    sched, backend = make_scheduler(tmp_path, on_update=script)
+    backend.timeout, backend.reports_long_queue_waits = 0.01, False
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, INSUFFICIENT)
+    assert sched.run().status == "done"
+    assert not _events(sched, "pending-timeout") and backend.cancelled == []
+
+
 def test_a_stuck_attempt_past_the_timeout_fails_the_run_with_its_reason(tmp_path):
     sched, backend = make_scheduler(tmp_path, "policy.max_restarts=3")
     backend.timeout = 0.05

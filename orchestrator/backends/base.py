@@ -206,6 +206,12 @@ class Backend(abc.ABC):
         ends it if it is `Outcome.stuck`; None: pending is a queue without a limit (Slurm, local)."""
         return None
 
+    reports_long_queue_waits: bool = True
+    """Whether an attempt that waits for capacity (not `Outcome.stuck`) past `pending_timeout_s` is reported (a
+    `pending-timeout` event with action `wait`; `cona status`: past the pending timeout): Kubernetes, where a pod
+    unschedulable for ten minutes is news; not Slurm, where hours in a queue are the norm and the timeout is only
+    for reasons that waiting does not resolve."""
+
     def switch_kind(self, current: Strategy, target: Strategy, *, in_place_allowed: bool) -> SwitchKind:
         """How a switch from `current` to `target` happens on this backend (the one place that decides it).
 

@@ -466,6 +466,8 @@ class SlurmBackend(Backend):
             _said.add(warning)
             print(f"cona: warning: {warning}", file=sys.stderr, flush=True)
 
+    reports_long_queue_waits = False  # hours in a queue are the norm: the timeout is for stuck reasons only
+
     @property
     def pending_timeout_s(self) -> float:
         assert self.profile.slurm is not None  # checked in __init__

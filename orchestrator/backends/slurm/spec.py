@@ -155,7 +155,7 @@ class SlurmSpec(StrictModel):
     per-job limit of the QOS, `BadConstraints`: `STUCK_PENDING_REASONS` in `backend.py`) before the run fails with
     the reason and what to fix; the job is cancelled. Counted from the first poll that finds the attempt pending
     (`Scheduler._note_pending`). A job that waits for nodes (Resources, Priority, a DOWN node coming back) waits
-    without limit; past this time an event `pending-timeout` reports it once."""
+    without limit, and is not reported past this time (hours in a queue are the norm)."""
     rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
     """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
     python: str = "python3"
