@@ -166,6 +166,9 @@ def amend_profile(run_dir: RunDir, overrides: list[str], *, lock: bool = True, t
     check_amendable(overrides)
     with RunLock(run_dir.lock) if lock else contextlib.nullcontext():
         state = read_state(run_dir, resume=True)
+        if state.status == "done":
+            raise ConfigError(f"{run_dir.root}: the run has finished (done); there is nothing to resume with another "
+                              "profile")  # fmt: skip
         if not state.final:
             raise ConfigError(f"{run_dir.root}: the run has not ended (status {state.status}); its profile can change "
                               "on resume once it has stopped or failed (`cona stop`)")  # fmt: skip

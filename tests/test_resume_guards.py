@@ -290,7 +290,7 @@ def _ended_slurm_run(tmp_path, status: str = "failed") -> RunDir:
     run = RunDir(tmp_path / "run")
     create_run(run_dir=run, profile=load_profile(PROFILES / "local-slurm.yaml", ["slurm.qos=gone"]),
                job=load_job(EXAMPLES / "tiny-gpt.yaml"))  # fmt: skip
-    write_state(run, RunState(status=status, final=status in ("failed", "stopped"), reason="InvalidQOS"))
+    write_state(run, RunState(status=status, final=status in ("failed", "stopped", "done"), reason="InvalidQOS"))
     return run
 
 
@@ -326,3 +326,6 @@ def test_an_ended_runs_submission_settings_can_change_on_resume_and_nothing_else
     going = _ended_slurm_run(tmp_path / "going", status="running")
     with pytest.raises(ConfigError, match=r"the run has not ended \(status running\)"):
         amend_profile(going, ["slurm.qos=x"])
+    done = _ended_slurm_run(tmp_path / "done", status="done")
+    with pytest.raises(ConfigError, match=r"the run has finished \(done\); there is nothing to resume"):
+        amend_profile(done, ["slurm.qos=x"])
