@@ -129,13 +129,15 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
 
 
 AMENDABLE_PROFILE_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "env": None,  # the trainers' environment: a wrong NCCL_SOCKET_IFNAME is fixed on resume
     "slurm": None,  # every field
     "kubernetes": ("image", "image_pull_secrets", "service_account", "priority_class", "node_selector", "tolerations",
                    "pending_timeout_s", "elastic_pending_timeout_s", "shm_size", "trainer_cpu", "trainer_memory",
                    "orchestrator_cpu", "orchestrator_memory", "orchestrator_restarts"),
 }  # fmt: skip
 """The profile fields an ended run may change on resume (`amend_profile`), by section (None: all of it): how its jobs
-or pods are submitted and scheduled (a QOS, an account, a partition, an image that can be pulled, a Secret), not what
+or pods are submitted and scheduled (a QOS, an account, a partition, an image that can be pulled, a Secret) and the
+trainers' environment, not what
 the run was planned for (nodes, devices, network), which would change the strategies its checkpoints and records
 were made under, nor where its objects live (a namespace, a PVC) or how they are wired (workload kind, ports)."""
 
@@ -148,7 +150,7 @@ def check_amendable(overrides: list[str] | tuple[str, ...]) -> None:
         fields = AMENDABLE_PROFILE_FIELDS.get(section, ())
         if not rest or (fields is not None and rest.split(".")[0] not in fields):
             which = (f"of {section}: {', '.join(fields)}" if rest and fields else
-                     "slurm.*, kubernetes.image and the other kubernetes fields of how pods are scheduled")  # fmt: skip
+                     "env.*, slurm.*, kubernetes.image and the other kubernetes fields of how pods are scheduled")  # fmt: skip
             raise ConfigError(f"--profile-set {item}: a resumed run keeps the profile it was planned for; only how its "
                               f"jobs are submitted can change on resume ({which}); start a new run for the rest")  # fmt: skip
 

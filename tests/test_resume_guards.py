@@ -301,15 +301,17 @@ def test_an_ended_runs_submission_settings_can_change_on_resume_and_nothing_else
 
     run = _ended_slurm_run(tmp_path)
     amended = amend_profile(run, ["slurm.qos=normal", "slurm.time_limit=1:00:00"])
+    assert amend_profile(run, ["env.NCCL_SOCKET_IFNAME=ib0"]).env == {"NCCL_SOCKET_IFNAME": "ib0"}
     profile, _ = load_run(run, resume=True)  # whole again, with the fix
     assert profile.slurm.qos == amended.slurm.qos == "normal" and profile.slurm.time_limit == "1:00:00"
     assert profile.nodes == 2 and profile.slurm.partition == "debug"  # the rest as it was
-    [event] = [e for e in read_events(run) if e["event"] == "profile-amended"]
+    event, _ = [e for e in read_events(run) if e["event"] == "profile-amended"]
     assert event["profile_set"] == ["slurm.qos=normal", "slurm.time_limit=1:00:00"]
     before = run.run_yaml.read_bytes()
     for overrides, expected in [
         (["nodes=1"], "--profile-set nodes=1: a resumed run keeps the profile it was planned for; only how its jobs "
-                      "are submitted can change on resume (slurm.*, kubernetes.image and the other kubernetes fields"),
+                      "are submitted can change on resume (env.*, slurm.*, kubernetes.image and the other kubernetes"),
+        (["env.RANK=3"], "RANK"),
         (["kubernetes.namespace=x"], "(of kubernetes: image, image_pull_secrets, service_account,"),
         (["kubernetes.image=reg/cona:2"], "the run's profile 'local-slurm' has no kubernetes section (its backend is "
                                           "'slurm')"),

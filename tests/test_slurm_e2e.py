@@ -263,7 +263,7 @@ def test_a_job_slurm_will_never_start_fails_the_run_with_what_to_fix(slurm_run):
     reason and what to fix; before, it pended for ever."""
     failed = _sh("sbatch", "--parsable", "--output=/dev/null", "--wrap", "false").stdout.strip().split(";")[0]
     wait_for(lambda: slurm_state(failed) == "FAILED", timeout=60, what=f"job {failed} to fail")
-    slurm_run.start("--profile-set", f'slurm.extra_sbatch=["--dependency=afterok:{failed}"]',
+    slurm_run.start("--policy", f"fixed:{S4}", "--profile-set", f'slurm.extra_sbatch=["--dependency=afterok:{failed}"]',
                     "--profile-set", "slurm.pending_timeout_s=3")  # fmt: skip
     job = slurm_run.job_id()
     assert slurm_run.proc is not None
