@@ -63,7 +63,12 @@ def measured(family: str, mode: str, sp: bool, mesh) -> int:
         return saved(family, 3, mode, sp, mesh) - saved(family, 1, mode, sp, mesh)
 
     tries = [once(), once()]
-    if tries[0] != tries[1]:
+    # Every rank takes the third try if any rank needs it: each try runs collectives, and a rank that decided alone
+    # would run them while the other had moved on to the next model, and both would wait for ever (CI saw it hang
+    # 600 s once a straggling buffer made the two tries of one rank differ).
+    differ = torch.tensor([int(tries[0] != tries[1])])
+    torch.distributed.all_reduce(differ, op=torch.distributed.ReduceOp.MAX)
+    if differ.item():
         tries.append(once())
     return collections.Counter(tries).most_common(1)[0][0]
 

@@ -16,6 +16,7 @@ from cona.protocol.job import ModelSpec, ParallelSpec
 from tests.conftest import REPO
 
 WORKER = Path(__file__).resolve().parent / "sp_memory_worker.py"
+pytestmark = pytest.mark.xdist_group("sp-memory")  # one worker runs the module: one measurement, not one per worker
 
 
 @pytest.fixture(scope="module")
