@@ -178,8 +178,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.profile_overrides:  # the fix a refused submission asked for: a QOS, an account, the time limit
             from cona.orchestrator.runstate import amend_profile
 
-            profile = amend_profile(run_dir, args.profile_overrides)
-        _check_backend_clients(profile)
+            profile = amend_profile(run_dir, args.profile_overrides, check=_check_backend_clients)
+        else:
+            _check_backend_clients(profile)
     else:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")

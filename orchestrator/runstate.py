@@ -155,14 +155,18 @@ def check_amendable(overrides: list[str] | tuple[str, ...]) -> None:
                               f"jobs are submitted can change on resume ({which}); start a new run for the rest")  # fmt: skip
 
 
-def amend_profile(run_dir: RunDir, overrides: list[str], *, lock: bool = True, token: str | None = None) -> ClusterProfile:
+def amend_profile(
+    run_dir: RunDir, overrides: list[str], *, lock: bool = True, token: str | None = None,
+    check: Callable[[ClusterProfile], None] | None = None,
+) -> ClusterProfile:  # fmt: skip
     """Apply `--profile-set` overrides (`check_amendable`) to an ended run's stored profile — `cona run --resume RUN
     --profile-set slurm.qos=...` after a job Slurm would never start, `cona submit --resume RUN --profile-set
     kubernetes.image=...` after an image that cannot be pulled — rewrite run.yaml whole and log a `profile-amended`
     event; returns the new profile. `lock`: under the run's flock, so that no orchestrator of the run runs meanwhile
     (a submitted run's new orchestrator holds its Lease instead). `token`: the resume that asked (Kubernetes), logged
-    so that a restarted orchestrator does not apply it twice. ConfigError, in one line, for another field, a run that
-    has not ended or whose orchestrator holds it, or a value the profile refuses."""
+    so that a restarted orchestrator does not apply it twice. `check`: what must hold of the new profile before it is
+    written (`cona run`: the Slurm clients and partition), raising in one line. ConfigError, in one line, for another
+    field, a run that has not ended or whose orchestrator holds it, or a value the profile refuses."""
     from cona.protocol.yamlconfig import apply_overrides
 
     check_amendable(overrides)
@@ -183,6 +187,8 @@ def amend_profile(run_dir: RunDir, overrides: list[str], *, lock: bool = True, t
                                   f"{section} section (its backend is {stored.get('backend')!r})")  # fmt: skip
         amended = validate(ClusterProfile, apply_overrides(dict(stored), list(overrides), source="--profile-set"),
                            source=f"{run_dir.run_yaml} (profile)", overrides=overrides, flag="--profile-set")  # fmt: skip
+        if check is not None:  # refused: run.yaml stays as it was
+            check(amended)
         document["profile"] = amended.model_dump(mode="json")
         document.pop("complete", None)
         document["amended"] = [*document.get("amended", []), {"time": time.time(), "profile_set": list(overrides)}]

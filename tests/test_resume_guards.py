@@ -323,6 +323,12 @@ def test_an_ended_runs_submission_settings_can_change_on_resume_and_nothing_else
         with pytest.raises(ConfigError, match=re.escape(expected)):
             amend_profile(run, overrides)
         assert run.run_yaml.read_bytes() == before  # refused: untouched
+    def no_such_partition(profile) -> None:  # as `cona run`'s partition check answers (sinfo)
+        raise ConfigError(f"slurm.partition {profile.slurm.partition!r}: no such partition on this cluster")
+
+    with pytest.raises(ConfigError, match="'nosuch': no such partition"):
+        amend_profile(run, ["slurm.partition=nosuch"], check=no_such_partition)
+    assert run.run_yaml.read_bytes() == before  # refused by the check: untouched too
     with RunLock(run.lock), pytest.raises(ConfigError, match="another cona orchestrator"):
         amend_profile(run, ["slurm.qos=x"])
     going = _ended_slurm_run(tmp_path / "going", status="running")
