@@ -36,8 +36,8 @@ from cona.protocol.yamlconfig import ConfigError, load_yaml, validate
 
 
 def create_run(*, run_dir: RunDir, profile: ClusterProfile, job: Job, measured: list[dict[str, Any]] | None = None) -> None:
-    """Write the immutable run.yaml (resolved profile and job, and the step times `cona run --measured` starts the
-    throughput model with)."""
+    """Write run.yaml (resolved profile and job, and the step times `cona run --measured` starts the throughput model
+    with). Nothing changes it afterwards but `amend_profile`, and only how an ended run's jobs are submitted."""
     if run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.run_yaml}: the run already exists; resume it with `cona run --resume {run_dir.root}`")
     job = job.model_copy(deep=True)
@@ -137,9 +137,9 @@ AMENDABLE_PROFILE_FIELDS: dict[str, tuple[str, ...] | None] = {
 }  # fmt: skip
 """The profile fields an ended run may change on resume (`amend_profile`), by section (None: all of it): how its jobs
 or pods are submitted and scheduled (a QOS, an account, a partition, an image that can be pulled, a Secret) and the
-trainers' environment, not what
-the run was planned for (nodes, devices, network), which would change the strategies its checkpoints and records
-were made under, nor where its objects live (a namespace, a PVC) or how they are wired (workload kind, ports)."""
+trainers' environment; not what the run was planned for (nodes, devices, network), which would change the
+strategies its checkpoints and records were made under, nor where its objects live (a namespace, a PVC) or how they
+are wired (workload kind, ports)."""
 
 
 def check_amendable(overrides: list[str] | tuple[str, ...]) -> None:
