@@ -669,7 +669,8 @@ class Scheduler:
             return self._relaunch_disrupted(attempt, detail)
         if status is AttemptStatus.UNSTARTABLE:
             # Relaunching would wait for the same thing again: the user fixes it (the image, a Secret) and resumes.
-            self._fail(attempt, f"attempt {attempt.number} could not start: {detail}")
+            self._fail(attempt, f"attempt {attempt.number} could not start: {detail}; once fixed, "
+                                f"{self.backend.resume_hint(detail)}")  # fmt: skip
         recorded = self.run_dir.read_exit(attempt.number) if status is AttemptStatus.CRASHED else None
         if recorded is not None and recorded.exit_code == ExitCode.CONFIG:
             # The trainer refused its input (model.init_from, the data, no loadable checkpoint): every relaunch would

@@ -264,7 +264,7 @@ def _scheduler(k8s, tmp_path, pods, *, timeout_s: float, complete_after: int | N
     return sched, after
 
 
-def test_a_pod_whose_image_cannot_be_pulled_fails_the_run_past_the_pending_timeout(k8s, tmp_path):
+def test_a_pod_whose_image_cannot_be_pulled_fails_the_run_past_the_pending_timeout(k8s, tmp_path, monkeypatch):
     waiting = {"reason": "ErrImagePull", "message": 'failed to pull image "ghcr.io/x:y": not found'}
     sched, _ = _scheduler(k8s, tmp_path, {"phase": "Pending", "container_waiting": waiting}, timeout_s=0.3)
     with pytest.raises(RunFailed) as info:
@@ -274,6 +274,12 @@ def test_a_pod_whose_image_cannot_be_pulled_fails_the_run_past_the_pending_timeo
     why = 'ErrImagePull: failed to pull image "ghcr.io/x:y": not found'
     expected = f"attempt 1 could not start: image {image} cannot be pulled ({why}); pending "
     assert "\n" not in message and message.startswith(expected)
+    # What resumes it with a fixed image: `cona run` drove it here; a submitted run's orchestrator names its run.
+    fix = f"; once fixed, `cona run --resume {sched.run_dir.root} --profile-set kubernetes.image=IMAGE`; logs: "
+    assert fix in message, message
+    monkeypatch.setenv("CONA_OWNER_JOB", "exp1-orch")
+    assert sched.backend.resume_hint(message) == (f"`cona submit --resume {sched.run_dir.root.name} --namespace {NS} "
+                                                  "--profile-set kubernetes.image=IMAGE`")  # fmt: skip
     state = read_state(sched.run_dir)
     assert state.status == "failed" and state.reason.startswith(expected)
     timeouts = [e for e in read_events(sched.run_dir) if e["event"] == "pending-timeout"]

@@ -444,6 +444,7 @@ def test_a_stuck_attempt_past_the_timeout_fails_the_run_with_its_reason(tmp_path
         sched.run()
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"attempt 1 could not start: {BAD_IMAGE}; pending ")
+    assert f"(timeout 0s); once fixed, `cona run --resume {sched.run_dir.root}`; logs: " in message, message
     state = read_state(sched.run_dir)
     assert state.status == "failed" and state.reason.startswith(f"attempt 1 could not start: {BAD_IMAGE}")
     assert state.pending is None and state.restarts_in_row == 0

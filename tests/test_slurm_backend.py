@@ -366,8 +366,8 @@ def test_a_job_pending_for_a_reason_waiting_does_not_resolve_is_stuck(env):
     assert outcome.status == AttemptStatus.PENDING and outcome.stuck
     assert outcome.detail.startswith("job 101 PENDING (QOSMaxWallDurationPerJobLimit): Slurm will not start it")
     assert "slurm.time_limit" in outcome.detail and "\n" not in outcome.detail
-    assert outcome.detail.endswith(f"`cona run --resume {run.root} --profile-set slurm.FIELD=VALUE` applies the fix "
-                                   "to this run")  # fmt: skip
+    assert backend.resume_hint(outcome.detail) == (f"`cona run --resume {run.root} --profile-set slurm.FIELD=VALUE` "
+                                                   "applies the fix to this run")  # fmt: skip
 
 
 @pytest.mark.parametrize(

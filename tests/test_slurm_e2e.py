@@ -272,6 +272,7 @@ def test_a_job_slurm_will_never_start_fails_the_run_with_what_to_fix(slurm_run):
     assert slurm_run.proc.returncode == 2, slurm_run.logs()
     assert last.startswith(f"cona: error: attempt 1 could not start: job {job} PENDING (DependencyNeverSatisfied): "
                            "Slurm will not start it, the --dependency in slurm.extra_sbatch"), last  # fmt: skip
+    assert f"once fixed, `cona run --resume {slurm_run.run.root} --profile-set slurm.FIELD=VALUE`" in last, last
     timeout = slurm_run.events("pending-timeout")
     assert len(timeout) == 1 and timeout[0]["action"] == "fail", slurm_run.logs()
     assert [e["status"] for e in slurm_run.events("attempt-end")] == ["unstartable"], slurm_run.logs()

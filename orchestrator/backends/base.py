@@ -206,6 +206,11 @@ class Backend(abc.ABC):
         ends it if it is `Outcome.stuck`; None: pending is a queue without a limit (Slurm, local)."""
         return None
 
+    def resume_hint(self, detail: str) -> str:
+        """The command that resumes this run once what an unstartable attempt waited for (`detail`) is fixed: the
+        end of the run's failure line."""
+        return f"`cona run --resume {self.run_dir.root}`"
+
     reports_long_queue_waits: bool = True
     """Whether an attempt that waits for capacity (not `Outcome.stuck`) past `pending_timeout_s` is reported (a
     `pending-timeout` event with action `wait`; `cona status`: past the pending timeout): Kubernetes, where a pod

@@ -222,6 +222,16 @@ class KubernetesBackend(Backend):
     def pending_timeout_s(self) -> float:
         return self.spec.pending_timeout_s
 
+    def resume_hint(self, detail: str) -> str:
+        import os
+
+        from cona.orchestrator.backends.kubernetes.runobjects import OWNER_JOB_ENV
+
+        image = " --profile-set kubernetes.image=IMAGE" if "cannot be pulled" in detail else ""
+        if os.environ.get(OWNER_JOB_ENV):  # a submitted run's orchestrator pod: its run is named as its directory
+            return f"`cona submit --resume {self.run_dir.root.name} --namespace {self.namespace}{image}`"
+        return f"`cona run --resume {self.run_dir.root}{image}`"
+
     @property
     def elastic(self) -> bool:
         """Whether the run may train on fewer nodes than the profile's `nodes` (`min_nodes` below it)."""

@@ -468,6 +468,10 @@ class SlurmBackend(Backend):
 
     reports_long_queue_waits = False  # hours in a queue are the norm: the timeout is for stuck reasons only
 
+    def resume_hint(self, detail: str) -> str:
+        # A stuck reason's fix is a field of the profile's slurm section (`stuck_pending_advice` names it).
+        return f"`cona run --resume {self.run_dir.root} --profile-set slurm.FIELD=VALUE` applies the fix to this run"
+
     @property
     def pending_timeout_s(self) -> float:
         assert self.profile.slurm is not None  # checked in __init__
@@ -919,9 +923,7 @@ class SlurmBackend(Backend):
                 down = self.down_nodes([n for n in str(started.get("nodelist", "")).split(",") if n])
                 lost = f"; node {','.join(down)} DOWN" if down else ""
                 advice = stuck_pending_advice(info.reason)
-                fix = (f": Slurm will not start it, {advice}; once it has failed, `cona run --resume "
-                       f"{self.run_dir.root} --profile-set slurm.FIELD=VALUE` applies the fix to this run"
-                       if advice else "")  # fmt: skip
+                fix = f": Slurm will not start it, {advice}" if advice else ""
                 return Outcome(AttemptStatus.PENDING, None, f"job {job_id} {info.state}{why}{restarts}{lost}{fix}",
                                stuck=advice is not None, lost_nodes=tuple(down))  # fmt: skip
             self._check_cpus(attempt, info)
