@@ -728,3 +728,23 @@ def test_next_waits_when_a_requeued_elastic_job_came_back_on_fewer_nodes(tmp_pat
     r = _run_helper("next", "--run-dir", str(run), "--submission", "s", "--timeout", "5", "--nnodes", "1", env=job)
     assert r.returncode == 4, r.stderr
 
+
+
+def test_helper_next_reads_the_launch_records_once_per_look(tmp_path, monkeypatch, capsys):
+    """The job's next hand-off, written by the orchestrator while `next` looked: read in two passes, the record was
+    missing from this job's launches and newest in the run's, so the job ended ("runs in another job") although the
+    attempt was addressed to it (CI saw `test_switch_relaunches_inside_the_allocation` fail so). One snapshot now."""
+    run = tmp_path / "run"
+    _launch(run, 1, "mine")
+    _write(run / "attempts" / "1" / "slurm-exit.json", {"submission": "mine", "requeued": False})
+    real_glob, calls = helper.glob.glob, {"n": 0}
+
+    def glob_that_sees_the_hand_off_appear(pattern: str) -> list[str]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # between the first read and any second one: the orchestrator hands attempt 2 over
+            _launch(run, 2, "mine")
+        return real_glob(pattern)
+
+    monkeypatch.setattr(helper.glob, "glob", glob_that_sees_the_hand_off_appear)
+    code = helper.cmd_next(["--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5"])
+    assert code == 0 and capsys.readouterr().out.split()[0] == "2"

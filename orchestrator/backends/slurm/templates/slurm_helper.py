@@ -92,18 +92,22 @@ def _attempt_dir(run_dir, attempt):
     return os.path.join(run_dir, "attempts", str(attempt))
 
 
-def _launches(run_dir, submission):
-    """{attempt: launch record} of the launch.json files addressed to `submission`."""
+def _all_launches(run_dir):
+    """{attempt: launch record} of every launch.json of the run, read once (one snapshot)."""
     found = {}
     for path in glob.glob(os.path.join(glob.escape(run_dir), "attempts", "*", "launch.json")):
         record = _read_json(path)
-        if not record or record.get("submission") != submission:
-            continue
         try:
-            found[int(record["attempt"])] = record
+            found[int((record or {})["attempt"])] = record
         except (KeyError, TypeError, ValueError):
             continue
     return found
+
+
+def _launches(run_dir, submission, every=None):
+    """{attempt: launch record} of the launch.json files addressed to `submission` (of `every`, when given)."""
+    every = _all_launches(run_dir) if every is None else every
+    return {n: record for n, record in every.items() if record.get("submission") == submission}
 
 
 def _newest_launch(run_dir):
@@ -195,8 +199,11 @@ def cmd_next(argv):
     allocated = int(a["nnodes"]) if "--nnodes" in argv and os.environ.get("SLURM_NNODES") else None
     said_short = None
     while True:
-        launches = _launches(run_dir, submission)
-        current = _newest_launch(run_dir)[0]  # the attempt the run is on, in whichever job
+        # One snapshot for both: read apart, a launch record written in between (this job's next attempt) was
+        # missing from the first and newest in the second, and the job ended as if the run went on elsewhere.
+        every = _all_launches(run_dir)
+        launches = _launches(run_dir, submission, every)
+        current = max(every, default=-1)  # the attempt the run is on, in whichever job
         mine = sorted(launches)
         if after is None and mine:
             newest = mine[-1]
