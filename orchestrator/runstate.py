@@ -109,6 +109,14 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
     """The profile and job a run was created with. A run.yaml that is not whole (`run_yaml_damage`) is refused for
     `resume` (the orchestrator would go on with defaults in place of the missing job); `cona status`, `stop` and
     `report` go on with what is there, after a warning line naming it."""
+    document = _run_document(run_dir, resume=resume)
+    profile = validate(ClusterProfile, document["profile"], source=f"{run_dir.run_yaml} (profile)")
+    job = job_from_dict(document["job"], source=f"{run_dir.run_yaml} (job)")
+    return profile, job
+
+
+def _run_document(run_dir: RunDir, *, resume: bool) -> dict[str, Any]:
+    """run.yaml as parsed, checked as `load_run` says (refused or warned about when it is not whole)."""
     if not run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)")
     # `load_yaml` names the file for every way it can be unreadable (corrupt YAML, bytes that are no text, a directory).
@@ -123,9 +131,7 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
         _warned.add(run_dir.run_yaml)  # once per process: `cona report` loads the run twice
         print(f"cona: warning: {run_dir.run_yaml}: {damage}; what it lacks is shown with its defaults", file=sys.stderr,
               flush=True)  # fmt: skip
-    profile = validate(ClusterProfile, document["profile"], source=f"{run_dir.run_yaml} (profile)")
-    job = job_from_dict(document["job"], source=f"{run_dir.run_yaml} (job)")
-    return profile, job
+    return document
 
 
 AMENDABLE_PROFILE_FIELDS: dict[str, tuple[str, ...] | None] = {
@@ -178,8 +184,7 @@ def amend_profile(
         if not state.final:
             raise ConfigError(f"{run_dir.root}: the run has not ended (status {state.status}); its profile can change "
                               "on resume once it has stopped or failed (`cona stop`)")  # fmt: skip
-        load_run(run_dir, resume=True)  # a damaged run.yaml is refused as a resume refuses it
-        document = load_yaml(run_dir.run_yaml)
+        document = _run_document(run_dir, resume=True)  # a damaged run.yaml is refused as a resume refuses it
         stored = document["profile"]
         for section in {item.partition("=")[0].strip().partition(".")[0] for item in overrides}:
             if not isinstance(stored.get(section), dict):

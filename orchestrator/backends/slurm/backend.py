@@ -518,7 +518,8 @@ class SlurmBackend(Backend):
         return self._task_plugin
 
     def _check_cpus(self, attempt: Attempt, info: SlurmJobInfo) -> None:
-        """Warn once per job (stderr and a `cpu-shortage` event) when it runs more trainers than it holds CPUs."""
+        """Warn once per job (a `cpu-shortage` event, which `cona run`'s console prints) when it runs more trainers
+        than it holds CPUs."""
         if info.job_id in self._cpus_checked:
             return
         self._cpus_checked.add(info.job_id)

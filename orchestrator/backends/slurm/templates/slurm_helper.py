@@ -104,26 +104,18 @@ def _all_launches(run_dir):
     return found
 
 
-def _launches(run_dir, submission, every=None):
-    """{attempt: launch record} of the launch.json files addressed to `submission` (of `every`, when given)."""
-    every = _all_launches(run_dir) if every is None else every
-    return {n: record for n, record in every.items() if record.get("submission") == submission}
+def _addressed_to(launches, submission):
+    """The launch records of `launches` ({attempt: record}) addressed to `submission`."""
+    return {n: record for n, record in launches.items() if record.get("submission") == submission}
 
 
-def _newest_launch(run_dir):
-    """(attempt, record) of the newest attempt the orchestrator launched, in any job; (-1, {}) if none yet.
+def _newest_launch(launches):
+    """(attempt, record) of the newest attempt of `launches` ({attempt: record}, `_all_launches`), in any job;
+    (-1, {}) if none yet.
 
     Launch records are written before their attempt is submitted, so this is the attempt the run is on."""
-    newest = (-1, {})
-    for path in glob.glob(os.path.join(glob.escape(run_dir), "attempts", "*", "launch.json")):
-        record = _read_json(path)
-        try:
-            number = int((record or {})["attempt"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if number > newest[0]:
-            newest = (number, record)
-    return newest
+    newest = max(launches, default=-1)
+    return newest, launches.get(newest, {})
 
 
 def rendezvous_port(base, run_dir, job, attempt, restarts):
@@ -177,7 +169,7 @@ def cmd_next(argv):
 
     # A manual `sbatch` of a rendered script (no submission): run the newest launched attempt once.
     if not submission:
-        attempt, newest = _newest_launch(run_dir)
+        attempt, newest = _newest_launch(_all_launches(run_dir))
         strategy = newest.get("strategy") or {}
         if after is not None or attempt < 0 or not strategy:
             return 3
@@ -202,8 +194,8 @@ def cmd_next(argv):
         # One snapshot for both: read apart, a launch record written in between (this job's next attempt) was
         # missing from the first and newest in the second, and the job ended as if the run went on elsewhere.
         every = _all_launches(run_dir)
-        launches = _launches(run_dir, submission, every)
-        current = max(every, default=-1)  # the attempt the run is on, in whichever job
+        launches = _addressed_to(every, submission)
+        current = _newest_launch(every)[0]  # the attempt the run is on, in whichever job
         mine = sorted(launches)
         if after is None and mine:
             newest = mine[-1]
