@@ -441,11 +441,17 @@ class PendingSpell:
     """The backend's reason, e.g. the cluster scheduler's `0/4 nodes are available: 4 Insufficient nvidia.com/gpu`."""
     timed_out: bool = False
     """The `pending-timeout` event was logged (once per spell)."""
+    stuck_since: float | None = None
+    """The first poll of the spell's current run of `Outcome.stuck` polls (None: the last poll was not stuck). A
+    stuck attempt is failed `pending_timeout_s` after this, not after `since`: a Slurm job may pend for hours for
+    capacity before a reason that waiting does not resolve appears, and that reason gets the same grace."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PendingSpell:
+        stuck = data.get("stuck_since")
         return cls(attempt=int(data["attempt"]), since=float(data["since"]), detail=str(data.get("detail", "")),
-                   timed_out=bool(data.get("timed_out", False)))  # fmt: skip
+                   timed_out=bool(data.get("timed_out", False)),
+                   stuck_since=None if stuck is None else float(stuck))  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -577,23 +577,35 @@ class Scheduler:
         the reason, once per spell; then an attempt that is `Outcome.stuck` (waiting will not bring what it waits
         for, e.g. an image that cannot be pulled) is cancelled and ends as UNSTARTABLE (the outcome returned),
         while one that waits for capacity — a queue, like Slurm's — goes on waiting, reported (`outcome`
-        returned as it is)."""
+        returned as it is). A stuck attempt's timeout counts from the first poll of its current stuck run
+        (`PendingSpell.stuck_since`), so a reason that appears after hours in a queue gets the same grace."""
         now = time.time()
         self.state.pending_seen_at = now
         self.live.status = "pending"
         spell = self.state.pending
         if spell is None or spell.attempt != attempt.number:
-            spell = self.state.pending = PendingSpell(attempt=attempt.number, since=now, detail=outcome.detail)
+            spell = self.state.pending = PendingSpell(attempt=attempt.number, since=now, detail=outcome.detail,
+                                                      stuck_since=now if outcome.stuck else None)  # fmt: skip
             log_event(self.run_dir, "pending", attempt=attempt.number, detail=outcome.detail)
             self._save()
         elif spell.detail != outcome.detail:
             spell.detail = outcome.detail
             self._save()
+        if outcome.stuck != (spell.stuck_since is not None):  # a stuck run of polls begins, or ends
+            spell.stuck_since = now if outcome.stuck else None
+            self._save()
         timeout = self.backend.pending_timeout_s
         waited = now - spell.since
-        if timeout is None or waited < timeout or not (outcome.stuck or self.backend.reports_long_queue_waits):
+        if timeout is None:
             return outcome
-        if not spell.timed_out:
+        if outcome.stuck:
+            assert spell.stuck_since is not None
+            stuck_for = now - spell.stuck_since
+            if stuck_for < timeout:
+                return outcome
+        elif waited < timeout or not self.backend.reports_long_queue_waits:
+            return outcome
+        if not spell.timed_out or outcome.stuck:  # the failure is logged even after a queue wait's report
             spell.timed_out = True
             log_event(self.run_dir, "pending-timeout", attempt=attempt.number, pending_s=round(waited, 1),
                       timeout_s=timeout, detail=outcome.detail, action="fail" if outcome.stuck else "wait")  # fmt: skip
@@ -601,7 +613,9 @@ class Scheduler:
         if not outcome.stuck:
             return outcome
         self.backend.cancel(attempt)  # frees what its pods hold already (nodes, GPUs)
-        detail = f"{outcome.detail}; pending {waited:.0f}s (timeout {timeout:.0f}s)"
+        # The time stuck is said apart from the time pending where they differ (a queue wait came first).
+        stuck = f", stuck {stuck_for:.0f}s" if waited - stuck_for >= 1 else ""
+        detail = f"{outcome.detail}; pending {waited:.0f}s{stuck} (timeout {timeout:.0f}s)"
         return Outcome(AttemptStatus.UNSTARTABLE, None, detail)
 
     def _check_hang(self, attempt: Attempt) -> None:

@@ -472,7 +472,7 @@ def test_a_stuck_attempt_before_the_timeout_waits(tmp_path):
 def test_the_pending_clock_survives_an_orchestrator_restart(tmp_path):
     """The spell began 100 s ago under the previous orchestrator: the timeout of 50 s is already past."""
     sched, backend = make_scheduler(tmp_path)
-    spell = PendingSpell(attempt=1, since=time.time() - 100, detail=BAD_IMAGE)
+    spell = PendingSpell(attempt=1, since=time.time() - 100, detail=BAD_IMAGE, stuck_since=time.time() - 100)
     _state_with_attempt_one(sched.run_dir, pending=spell)
     backend.timeout = 50.0
     backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
@@ -480,6 +480,34 @@ def test_the_pending_clock_survives_an_orchestrator_restart(tmp_path):
         sched.run()
     assert not _events(sched, "pending")  # the same spell: not announced again
     assert len(_events(sched, "pending-timeout")) == 1
+
+
+def test_a_reason_that_turns_stuck_after_a_queue_wait_gets_the_whole_grace(tmp_path):
+    """Slurm: hours pending for `Priority`, then `PartitionDown` — the timeout counts from the first stuck poll, and a
+    stuck reason that clears (the partition is up again) starts the count afresh the next time."""
+    polls: list[PendingSpell] = []
+
+    def script(live) -> None:
+        polls.append(read_state(sched.run_dir).pending)
+        if len(polls) == 2:  # the partition came back up before the timeout
+            backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, INSUFFICIENT)
+        elif len(polls) == 3:
+            backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
+        elif len(polls) == 5:
+            sched.state.pending.stuck_since = time.time() - 60  # 60 s stuck by the next poll: past the timeout
+
+    sched, backend = make_scheduler(tmp_path, on_update=script)
+    now = time.time()
+    _state_with_attempt_one(sched.run_dir, pending=PendingSpell(attempt=1, since=now - 7200, detail=INSUFFICIENT))
+    backend.timeout, backend.reports_long_queue_waits = 50.0, False
+    backend.outcomes[1] = Outcome(AttemptStatus.PENDING, None, BAD_IMAGE, stuck=True)
+    with pytest.raises(RunFailed, match=r"could not start: .*; pending 720\ds, stuck 6\ds \(timeout 50s\)"):
+        sched.run()
+    first, cleared, again = polls[0], polls[2], polls[3]
+    assert first.stuck_since is not None and first.stuck_since >= now  # from the first stuck poll, not `since`
+    assert cleared.stuck_since is None and again.stuck_since > first.stuck_since
+    assert [e["action"] for e in _events(sched, "pending-timeout")] == ["fail"]
+    assert backend.cancelled == [1]
 
 
 def test_nothing_feasible_is_said_as_render_says_it(tmp_path):

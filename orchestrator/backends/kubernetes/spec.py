@@ -124,7 +124,8 @@ class KubernetesSpec(StrictModel):
     the clock starts at the first poll that finds the attempt pending and survives an orchestrator restart). Past
     it: an event `pending-timeout` with the reason, once; a pod that waits for something waiting does not bring
     (ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, ...: `STUCK_WAITING_REASONS` in
-    `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`), as do
+    `backend.py`) ends the attempt and fails the run with that reason (`image ... cannot be pulled (...)`) once it has lasted
+    this long itself (a pod scheduled after a long queue wait gets the whole time for its pull), as do
     pods the API server refuses to create for good (a Job's `FailedCreate` event: a PriorityClass or ServiceAccount
     that does not exist, Pod Security, a ResourceQuota smaller than the attempt's pods together; `events.explain_refusal`), while an
     unschedulable pod (`0/4 nodes are available: 4 Insufficient nvidia.com/gpu`) or a ResourceQuota used up by other

@@ -153,8 +153,8 @@ class SlurmSpec(StrictModel):
     pending_timeout_s: float = Field(default=120.0, gt=0)
     """How long a job may stay pending for a reason that waiting does not resolve (an invalid account or QOS, a
     per-job limit of the QOS, `BadConstraints`: `STUCK_PENDING_REASONS` in `backend.py`) before the run fails with
-    the reason and what to fix; the job is cancelled. Counted from the first poll that finds the attempt pending
-    (`Scheduler._note_pending`). A job that waits for nodes (Resources, Priority, a DOWN node coming back) waits
+    the reason and what to fix; the job is cancelled. Counted from the first poll that finds such a reason
+    (`Scheduler._note_pending`), not from the start of the queue wait before it. A job that waits for nodes (Resources, Priority, a DOWN node coming back) waits
     without limit, and is not reported past this time (hours in a queue are the norm)."""
     rendezvous_port_base: int = Field(29500, gt=1023, lt=65000)
     """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
