@@ -337,6 +337,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+NEVER_STARTED_S = 60.0
+"""A run directory this old with no orchestrator lock, no attempt and no state was never started (`cmd_stop`)."""
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from cona.orchestrator.runstate import load_run, read_state, request_stop
     from cona.protocol.rundir import RunDir
@@ -354,6 +358,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     state = read_state(run_dir)
     if state.final:
         print(f"{run_dir.root} already ended ({state.status}); nothing to stop")
+        return 0
+    import time
+
+    never = state.status == "created" and not state.attempts and not run_dir.lock.exists()
+    if never and time.time() - run_dir.run_yaml.stat().st_mtime > NEVER_STARTED_S:
+        # No orchestrator ever took this run: a stop written now would be acted on by the next `cona run --resume`,
+        # which would stop after its first step. (Within NEVER_STARTED_S of its creation `cona run` may be about
+        # to take it: the stop is written, and that orchestrator acts on it.)
+        print(f"{run_dir.root} was created but never started; nothing to stop (no stop command written); start it "
+              f"with `cona run --resume {run_dir.root}`")  # fmt: skip
         return 0
     orphan = orphaned(run_dir, profile=profile, job=job, state=state)
     if orphan is not None and orphan.trainer_seen_s is None:

@@ -8,6 +8,7 @@ the trainer needs from it, whether to measure the Adam-preconditioned gradient n
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,7 @@ class PolicySpec(StrictModel):
     """The strategy of the `fixed` policy."""
     schedule: list[ScheduleEntry] = Field(default_factory=list)
     """The (samples, strategy) pairs of the `schedule` policy, in increasing samples."""
-    prior_noise_scale: float | None = Field(None, gt=0)
+    prior_noise_scale: float | None = Field(None, gt=0, le=1e15)  # the largest B_noise ranked (`policy.MAX_NOISE_SCALE`)
     """B_noise assumed before the estimate is stable (samples); set, every batch is ranked under it from the start.
     Unset: `batch.base_gbs`, the batch the LR was tuned at, taken as the estimator's value and multiplied by
     `critical_batch_factor` like every estimate; cona starts at the base batch unless another batch's R under that
@@ -48,7 +49,7 @@ class PolicySpec(StrictModel):
     """`plain` is McCandlish's tr Σ/|G|²; `adam` preconditions by Adam's second moment (Pollux). The `adam`
     estimate depends on the batch being trained (measured from one state of the tiny GPT: 14.6 → 64.0 samples from
     batch 16 to 256, where `plain` stays within 3%; `python -m benchmarks.noise_batch`), so it is not the default."""
-    critical_batch_factor: float = Field(5.0, gt=0)
+    critical_batch_factor: float = Field(5.0, gt=0, le=1e6)  # beyond: every estimate ranks as the ceiling
     """Multiplies the estimated B_noise before ranking. The two-batch estimate sits below the batch at which larger
     batches stop paying (the critical batch fitted from fixed-batch runs): 1.2–7× on the tiny GPT (median about 3 at
     the full benchmark's targets, 6.7 at the earlier `--quick` ones, about 12× late in a run); near or above it on
@@ -118,8 +119,9 @@ class PolicySpec(StrictModel):
             if not self.schedule:
                 raise ValueError("policy 'schedule' needs policy.schedule: a list of {samples, strategy}")
             starts = [e.samples for e in self.schedule]
-            if starts != sorted(starts) or starts[0] != 0:
-                raise ValueError("policy.schedule must start at samples 0 and increase")
+            if starts[0] != 0 or any(a >= b for a, b in itertools.pairwise(starts)):
+                raise ValueError(f"policy.schedule must start at samples 0 and increase strictly (got samples "
+                                 f"{starts}): one entry per point where the strategy changes")  # fmt: skip
         # A strategy the named policy never reads is a forgotten `name:`: the run would switch online instead.
         if self.strategy and self.name != "fixed":
             raise ValueError(f"policy.strategy is read only by policy 'fixed', not {self.name!r}; set policy.name: "

@@ -357,7 +357,11 @@ def device_hint(profile: ClusterProfile, job: Job, devices: int, gbs_values: lis
     and pp bounded by the model (`layout_reason`): tiny-llama (2 key/value heads, 4 layers, gbs ≤ 128 in
     micro-batches of 2 or more) uses at most 64·2·4 = 512 devices, so on 128 nodes of 8 every candidate is rejected
     for a reason that names no device count at all."""
-    dp_max = max(gbs_values or job.batch.candidate_gbs()) // min(job.batch.mbs_choices)
+    largest, smallest_mbs = max(gbs_values or job.batch.candidate_gbs()), min(job.batch.mbs_choices)
+    dp_max = largest // smallest_mbs
+    if not dp_max:
+        return (f"no micro-batch of batch.mbs_choices fits the largest global batch {largest} (the smallest is "
+                f"{smallest_mbs}): add smaller ones, or raise {batch_field}; ")  # fmt: skip
     # tp divides the heads (`feasibility.layout_problem`); uneven stages count, as the planner may split them so.
     layouts = [(tp * pp, tp, pp) for tp in _divisors(job.model.num_heads) for pp in range(1, job.model.num_layers + 1)
                if not layout_reason(job=job, profile=profile, dp=dp_max, tp=tp, pp=pp, uneven=True)]  # fmt: skip
@@ -365,13 +369,19 @@ def device_hint(profile: ClusterProfile, job: Job, devices: int, gbs_values: lis
     usable = dp_max * model_ranks
     if devices <= usable:
         return ""
+    if not usable:
+        return f"no tp and pp of {job.name} pass the model's layout rules on {profile.name}; "
     # An elastic run starts on the largest node count of its range that can start: its lower end is what to lower.
     per_node, nodes = profile.gpus_per_node, "min_nodes" if profile.min_nodes is not None else "nodes"
-    change = (f"set {nodes} to at most {usable // per_node} (--profile-set {nodes}={usable // per_node})"
-              if usable >= per_node else
-              f"set gpus_per_node to at most {usable} (--profile-set gpus_per_node={usable})")  # fmt: skip
-    why = (f"dp ≤ {dp_max} replicas of mbs ≥ {min(job.batch.mbs_choices)} in the largest global batch, tp ≤ {tp}, "
-           f"pp ≤ {pp}") if usable else "no tp and pp pass the model's layout rules"  # fmt: skip
+    if usable >= per_node:
+        change = f"set {nodes} to at most {usable // per_node} (--profile-set {nodes}={usable // per_node})"
+    else:  # not one whole node: one node, with fewer devices on it
+        sets = [f"--profile-set {n}=1" for n in ("nodes", "min_nodes")
+                if (profile.nodes if n == "nodes" else profile.min_nodes or 1) > 1]  # fmt: skip
+        sets.append(f"--profile-set gpus_per_node={usable}")
+        one = "one node with " if len(sets) > 1 else ""
+        change = f"use {one}at most {usable} devices ({' '.join(sets)})"
+    why = f"dp ≤ {dp_max} replicas of mbs ≥ {smallest_mbs} in the largest global batch, tp ≤ {tp}, pp ≤ {pp}"
     return (f"{devices} devices are more than {job.name} can use, at most {usable} devices ({why}): {change}, or "
             f"raise {batch_field}; ")  # fmt: skip
 

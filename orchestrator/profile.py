@@ -25,7 +25,7 @@ class AcceleratorSpec(StrictModel):
 
     name: str = "gpu"
     """A label, e.g. `A100-80GB`, `H100-SXM` or `cpu`."""
-    peak_tflops: float = Field(gt=0)
+    peak_tflops: float = Field(ge=1e-6)  # a floor: a denormal peak divides the cost model by zero
     """Peak dense bf16 TFLOP/s of one device (one process's share of the cores for `cpu`)."""
     memory: str
     """Device memory with its unit, e.g. `80 GB` or `80 GiB`."""

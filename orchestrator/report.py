@@ -69,13 +69,17 @@ def _sample_order(run_dir: RunDir, *, counted: int, final: bool) -> str | None:
         return f"- sample order: not verified ({e})"
     if not found.files:
         return None
-    line = (f"- sample order: the model's history covers samples 0–{max(found.samples - 1, 0):,} once each, in order, "
+    covered = max(found.samples - 1, 0)
+    line = (f"- sample order: the model's history covers samples 0–{covered:,} once each, in order, "
             f"across {found.files} attempt(s) (`samples/`, audited)")  # fmt: skip
     if found.retrained_steps:
-        line += (f"; {found.retrained_steps} step(s) trained again after a crash, their checkpoint never written "
-                 "(their updates were lost with it)")  # fmt: skip
+        line += (f"; {found.retrained_steps} step(s) trained again after a crash or a damaged checkpoint, the "
+                 "checkpoint that would have kept them never written or passed over (their updates were lost with it)")  # fmt: skip
     if final and found.samples != counted:
         line += f"; the heartbeats count {counted:,} samples"
+        if found.samples < counted:  # an attempt's log lost or cut short: the rest of the history went unseen
+            print(f"cona: warning: {run_dir.samples_log}: the logs cover samples 0–{covered:,}, but the heartbeats "
+                  f"count {counted:,}; the report cannot vouch for the order of the rest", file=sys.stderr, flush=True)  # fmt: skip
     return line
 
 
@@ -168,7 +172,9 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     pauses = _pauses(events)
     clock = _run_clock(t0, pauses)
 
-    evals = [b for b in beats if b.get("val_loss") is not None]
+    # A NaN (a damaged line; a diverged trainer stops before it reports one) is no evaluation: min() of it gave
+    # "best validation loss nan".
+    evals = [b for b in beats if isinstance(b.get("val_loss"), int | float) and math.isfinite(b["val_loss"])]
     switches = [e for e in events if e.get("event") == "switch"]
     pol = job.policy
     noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)

@@ -124,7 +124,8 @@ def _run_document(run_dir: RunDir, *, resume: bool) -> dict[str, Any]:
     if "profile" not in document or "job" not in document:
         raise ConfigError(f"{run_dir.run_yaml}: missing the profile or job section")
     damage = run_yaml_damage(document)
-    if damage and resume:
+    cut_inside = damage and not all(isinstance(document[k], dict) for k in ("profile", "job"))
+    if damage and (resume or cut_inside):  # cut inside a section's first line: nothing of it to show with defaults
         raise ConfigError(f"{run_dir.run_yaml}: {damage}; restore it from a backup (cona writes it once, whole, when "
                           "the run is created) or start a new run with --run-dir")  # fmt: skip
     if damage and run_dir.run_yaml not in _warned:
@@ -317,7 +318,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    # Finite: Python's json reads `1e999` as inf and `NaN` as nan, and a report's wall time came out "inf s".
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_strategy(value: Any) -> bool:
@@ -552,7 +554,9 @@ class RunState:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "state.json") -> RunState:
         version = data.get("version", 1)
-        if not isinstance(version, int) or version > STATE_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ConfigError(f"{source}: field 'version' is {_shown(version)}, not a whole number; {STATE_FIX}")
+        if version > STATE_VERSION:
             raise ConfigError(
                 f"{source}: written by a newer cona (state version {version}; this cona reads up to "
                 f"{STATE_VERSION}); resume the run with the cona that started it, or upgrade cona"
@@ -613,9 +617,22 @@ def _state_problem(known: dict[str, Any]) -> str | None:
             return f"field {f.name!r} is {_shown(value)}, not {check[1]}"
     if "status" in known and known["status"] not in RUN_STATUSES:
         return f"field 'status' is {_shown(known['status'])}, not one of {', '.join(RUN_STATUSES)}"
-    live = known.get("model", {}).get("live")
+    model = known.get("model", {})
+    live = model.get("live")
     if live is not None and not isinstance(live, dict):
         return f"field 'model.live' is {_shown(live)}, not a JSON object"
+    # What `cona status` formats: a count as `{:,}`, a loss as a number, the decision's reason as text.
+    for key in ("step", "samples"):
+        value = (live or {}).get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            return f"field 'model.live.{key}' is {_shown(value)}, not a count"
+    for key in ("train_loss", "val_loss", "val_perplexity", "noise_scale", "samples_per_s", "eta_s"):
+        value = (live or {}).get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return f"field 'model.live.{key}' is {_shown(value)}, not a number"
+    decision = model.get("last_decision")
+    if decision is not None and not (isinstance(decision, dict) and isinstance(decision.get("reason"), str)):
+        return f"field 'model.last_decision' is {_shown(decision)}, not a decision with its reason"
     return None
 
 
@@ -631,6 +648,9 @@ def read_state(run_dir: RunDir, *, resume: bool = False) -> RunState:
     numbers again, re-read the old attempts' heartbeats as new and overwrite their records."""
     try:
         data = read_json(run_dir.state_json)
+    except PermissionError:  # the file may well be intact: restoring it from a backup is not the fix
+        raise ConfigError(f"{run_dir.state_json}: permission denied; run cona as the user that owns the run, or "
+                          "give this user read access") from None
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep (garbage, not a state)
         raise ConfigError(f"{run_dir.state_json}: unreadable; {STATE_FIX}") from None
     if data is None and run_dir.state_json.exists():

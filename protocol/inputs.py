@@ -71,7 +71,7 @@ def missing_data_hint(path: str) -> str:
     if given.suffix == "":  # a directory (what `cona data prepare` writes), or a text file without a suffix
         return (f"tokenize a corpus into it with `cona data prepare --tokenizer TOKENIZER.json --input TEXT --out "
                 f"{path}`, {other}")  # fmt: skip
-    return f"give an existing text file, directory of text files or token file: {other}"
+    return "give an existing text file, directory of text files or token file with --set data.path=PATH"
 
 
 def corpus_files(directory: Path, suffixes: tuple[str, ...], *, compressed: tuple[str, ...] = ()) -> tuple[list[Path], list[Path]]:
@@ -195,6 +195,11 @@ def data_files(job: JobSpec) -> DataFiles:
                                "set data.path to a file or directory that holds it")  # fmt: skip
     else:
         files = [path]
+        if fmt == "tokens" and path.suffix.lower() in (".txt", ".md"):
+            # Text read as raw ids becomes ids far beyond the vocabulary: the trainer would refuse it only after
+            # the run exists.
+            raise InputRefused(f"data.path {spec.path!r} is a text file, but data.format is tokens (raw token ids); "
+                               "set data.format: auto or bytes, or tokenize it with `cona data prepare`", fix=FIX_JOB)  # fmt: skip
     if fmt == "bytes" and job.model.vocab_size < 256:
         raise InputRefused(f"model.vocab_size={job.model.vocab_size}: a byte-level corpus needs at least 256; set "
                            "model.vocab_size: 256", fix=FIX_JOB)  # fmt: skip

@@ -135,7 +135,16 @@ class ModelSpec(StrictModel):
     @pydantic.model_validator(mode="after")
     def _fill_from_preset(self) -> ModelSpec:
         if self.preset is not None:
-            for key, value in PRESETS[self.preset].items():
+            preset = PRESETS[self.preset]
+            # A field the preset derives the default way follows the file's own value of what it derives from:
+            # `num_heads: 8` on an MHA preset means 8 key/value heads too, `hidden_size: 512` a 4× MLP.
+            derived = {"num_kv_heads": ("num_heads", 1), "ffn_hidden_size": ("hidden_size", 4)}
+            follows = {key for key, (source, times) in derived.items()
+                       if key in preset and source in preset and preset[key] == times * preset[source]
+                       and source in self.model_fields_set and key not in self.model_fields_set}  # fmt: skip
+            for key, value in preset.items():
+                if key in follows:
+                    continue  # left None: filled from the file's value below
                 # Fill what the file did not set; a field set to null takes the preset's value, except
                 # rope_scaling, where null is how the preset's scaling is turned off.
                 unset = key not in self.model_fields_set
@@ -157,7 +166,8 @@ class ModelSpec(StrictModel):
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+            whose = " (the preset's: set model.num_kv_heads too)" if "num_kv_heads" not in self.model_fields_set else ""
+            raise ValueError(f"num_kv_heads={self.num_kv_heads}{whose} must divide num_heads={self.num_heads}")
         if self.family != "llama" and self.num_kv_heads != self.num_heads:
             raise ValueError(f"{self.family} uses full multi-head attention: num_kv_heads must equal num_heads")
         if self.tie_embeddings is None:
@@ -256,6 +266,11 @@ class OptimizerSpec(StrictModel):
             default = "" if "min_lr" in self.model_fields_set else " (the default)"
             raise ValueError(f"min_lr={self.min_lr:g}{default} is larger than lr={self.lr:g}; set optimizer.min_lr "
                              "at most lr: it is the floor the schedule decays to")  # fmt: skip
+        if self.schedule == "cosine" and self.decay_samples is not None and self.decay_samples <= self.warmup_samples:
+            # The cosine runs from the end of the warmup to decay_samples: none left is a drop from peak to floor.
+            raise ValueError(f"decay_samples={self.decay_samples} is not past warmup_samples={self.warmup_samples}: "
+                             "the cosine decays from the end of the warmup to decay_samples (samples since the "
+                             "start); raise optimizer.decay_samples or leave it out (target.max_samples)")  # fmt: skip
         return self
 
 
@@ -281,6 +296,10 @@ class BatchSpec(StrictModel):
             raise ValueError(f"base_gbs={self.base_gbs} must lie within [min_gbs, max_gbs]")
         if not self.mbs_choices or any(m <= 0 for m in self.mbs_choices):
             raise ValueError("mbs_choices must be a non-empty list of positive integers")
+        if min(self.mbs_choices) > self.max_gbs:
+            # A micro-batch is part of a replica's share of one global batch: none of these fits any batch.
+            raise ValueError(f"mbs_choices {self.mbs_choices} are all larger than max_gbs={self.max_gbs}: "
+                             f"give micro-batch sizes up to the global batch")  # fmt: skip
         if self.gbs_choices is not None:
             outside = [g for g in self.gbs_choices if not self.min_gbs <= g <= self.max_gbs]
             if outside or not self.gbs_choices:

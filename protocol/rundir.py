@@ -338,6 +338,17 @@ class ControlRecord:
     def __post_init__(self) -> None:
         if self.command not in self.COMMANDS:
             raise ValueError(f"control command {self.command!r} is not one of {', '.join(self.COMMANDS)}")
+        # A hand-edited or damaged record (`"seq": "9"`) is refused here, so that `read_control` passes it over as
+        # damaged: compared with an int, it crashed the trainer's poll, the orchestrator and `cona stop`.
+        def whole(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not whole(self.seq) or self.seq < 0:
+            raise ValueError(f"control seq {self.seq!r} is not a non-negative integer")
+        if self.attempt is not None and not whole(self.attempt):
+            raise ValueError(f"control attempt {self.attempt!r} is not an integer")
+        if not isinstance(self.in_place, bool) or not isinstance(self.reason, str):
+            raise ValueError("control in_place must be true or false and reason text")
 
 
 @dataclasses.dataclass(frozen=True)

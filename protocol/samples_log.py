@@ -46,10 +46,10 @@ def _attempt_files(run_dir: RunDir) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in run_dir.samples_log.glob("*.jsonl"):
-        try:
+        # Only the trainer's own names (`3.jsonl`): a copy named `01.jsonl` or `+1.jsonl` is no attempt's log, and
+        # read as one it counted the whole history a second time as retrained steps.
+        if path.stem.isascii() and path.stem.isdigit() and str(int(path.stem)) == path.stem:
             found.append((int(path.stem), path))
-        except ValueError:
-            continue
     return sorted(found)
 
 

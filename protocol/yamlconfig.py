@@ -258,9 +258,6 @@ class StrictModel(pydantic.BaseModel):
             raise ValueError(_bool_message(field.annotation))
         if _arms(field.annotation) == [bool] and value is not None and (problem := not_a_bool(value)):
             raise ValueError(problem)
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            # No count here comes near 2**53; a larger one overflows float arithmetic in the cost model.
-            raise ValueError(f"too large (at most {MAX_INT:.0e})")
         if isinstance(value, str) and _takes_int_not_text(field.annotation):
             # YAML 1.1 reads `1.5e8` and `1e6` (no dot, or no sign in the exponent) as text, which pydantic will
             # not read as an integer: a whole number written in e-notation is what the user meant.
@@ -269,7 +266,13 @@ class StrictModel(pydantic.BaseModel):
             except ValueError:
                 return value
             if math.isfinite(number) and number.is_integer():
-                return int(number)
+                value = int(number)
+        whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        if ((isinstance(value, int) and not isinstance(value, bool)) or (whole and _takes_int_not_text(field.annotation))) \
+                and abs(value) > MAX_INT:  # fmt: skip
+            # No count here comes near 2**53; a larger one overflows float arithmetic in the cost model. Checked
+            # after the e-notation above, which is how such a number is usually written (`1e20`).
+            raise ValueError(f"too large (at most {MAX_INT:.0e})")
         return value
 
 
@@ -352,6 +355,8 @@ def parse_bytes(value: Any, *, per_second: bool = False) -> float:
         if not (text.endswith("/s") or text.endswith("ps")):
             raise ValueError(f"expected a rate such as '200 Gbit/s' or '300 GB/s', got {value!r}")
         text = text[:-2]
+    elif text.endswith("/s"):
+        raise ValueError(f"{value!r} is a rate; a size has no /s: write e.g. '80 GB' or '80 GiB'")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = text[len(number) :]
     try:
@@ -374,4 +379,7 @@ def parse_bytes(value: Any, *, per_second: bool = False) -> float:
         factor = 1 / 8
     if amount <= 0:
         raise ValueError(f"must be positive, got {value!r}")
+    if amount * factor < 1:
+        # Under a byte (per second) is a slip (`1e-300 B/s`), and a denormal rate divides the cost model by zero.
+        raise ValueError(f"{value!r} is less than one byte{' per second' if per_second else ''}; check the number and unit")
     return amount * factor

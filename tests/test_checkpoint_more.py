@@ -41,9 +41,10 @@ def tiny(tmp_path_factory) -> tuple[JobSpec, Corpus]:
     return job, load_corpus(job)
 
 
-def _trainer(run: Path, job: JobSpec, corpus: Corpus) -> Trainer:
+def _trainer(run: Path, job: JobSpec, corpus: Corpus, run_created: float | None = None) -> Trainer:
     run.mkdir(parents=True, exist_ok=True)
-    return Trainer(job=job, strategy=ONE, run_dir=RunDir(run), attempt=0, env=init_distributed(), corpus=corpus)
+    return Trainer(job=job, strategy=ONE, run_dir=RunDir(run), attempt=0, env=init_distributed(), corpus=corpus,
+                   run_created=run_created)  # fmt: skip
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:
@@ -144,6 +145,38 @@ def test_a_checkpoint_of_another_seed_is_refused_naming_the_seed(tmp_path, tiny)
     same = _trainer(tmp_path / "run", job, corpus)
     same.resume()
     assert same.loaded_step == 0
+
+
+def test_a_checkpoint_copied_in_from_another_run_of_the_same_job_is_refused(tmp_path, tiny):
+    """Same job, seed and data: a checkpoint copied in from another run directory resumed silently at that run's
+    sample count (a sweep resumed 960 samples past this run's, which were never trained; only a later report
+    noticed). Every checkpoint names its run (run.yaml's `created`); a checkpoint without the stamp (earlier cona,
+    or a trainer started by hand) is taken as before."""
+    job, corpus = tiny
+    import json
+    import shutil
+
+    theirs = _trainer(tmp_path / "theirs", job, corpus, run_created=1000.0)
+    theirs.resume()
+    theirs.step()
+    theirs.save()
+    state_file = RunDir(tmp_path / "theirs").checkpoint_dir(1) / "trainer_state.json"
+    assert json.loads(state_file.read_text())["run_created"] == 1000.0
+    ours = RunDir(tmp_path / "ours")
+    ours.checkpoints.mkdir(parents=True)
+    shutil.copytree(RunDir(tmp_path / "theirs").checkpoint_dir(1), ours.checkpoint_dir(1))
+    with pytest.raises(ConfigError) as refused:
+        _trainer(ours.root, job, corpus, run_created=2000.0).resume()
+    line = str(refused.value)
+    copied = ours.checkpoint_dir(1) / "trainer_state.json"
+    assert line.startswith(f"{copied}: a checkpoint of another run of this job (created ") and "\n" not in line
+    assert "would skip or repeat this run's samples" in line
+    again = _trainer(tmp_path / "theirs", job, corpus, run_created=1000.0)  # its own run resumes it
+    again.resume()
+    assert again.loaded_step == 1 and again.state.run_created == 1000.0
+    by_hand = _trainer(ours.root, job, corpus)  # no identity to check against
+    by_hand.resume()
+    assert by_hand.loaded_step == 1
 
 
 def test_a_checkpoint_of_other_data_is_refused_naming_both_sizes(tmp_path, tiny):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 from cona.orchestrator.job import load_job
 from cona.orchestrator.profile import load_profile
@@ -86,6 +87,18 @@ def test_preset_counts_are_the_published_models_and_the_built_models():
 def test_explicit_fields_override_preset():
     spec = ModelSpec(preset="tiny-gpt", num_layers=2)
     assert spec.num_layers == 2 and spec.hidden_size == 64
+
+
+def test_what_a_preset_derives_the_default_way_follows_the_files_own_value():
+    """`num_heads: 8` on a preset with as many key/value heads as heads means 8 of each (it was refused: "num_kv_heads
+    must equal num_heads", a field the user never set); `hidden_size` takes a 4× MLP where the preset has one. A
+    grouped-query preset keeps its key/value heads, and a count they do not divide names the preset as the cause."""
+    assert (ModelSpec(preset="gpt3-1.3b", num_heads=32).num_kv_heads, ModelSpec(preset="bert-large", num_heads=8).num_kv_heads) == (32, 8)
+    wide = ModelSpec(preset="tiny-gpt", hidden_size=128)
+    assert wide.ffn_hidden_size == 512 and ModelSpec(preset="tiny-gpt", hidden_size=128, ffn_hidden_size=300).ffn_hidden_size == 300
+    assert ModelSpec(preset="llama-3.2-1b", num_heads=16).num_kv_heads == 8  # GQA: the preset's, it divides 16
+    with pytest.raises(pydantic.ValidationError, match=r"num_kv_heads=8 \(the preset's: set model.num_kv_heads too\)"):
+        ModelSpec(preset="llama-3.2-1b", num_heads=4)
 
 
 def test_set_overrides(tmp_path):

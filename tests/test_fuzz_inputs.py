@@ -280,6 +280,27 @@ def test_resume_and_rerun_never_drop_what_the_command_asks_for(tmp_path):
         assert code == 2 and expected in line, (argv, err)
 
 
+def test_stop_of_a_run_that_never_started_writes_nothing_the_next_start_would_act_on(tmp_path):
+    """A run created and never started took the stop command, and its first `cona run --resume` then trained one
+    step and stopped "on request". Just after `cona run` created it (the orchestrator may not hold it yet) the stop
+    is still written, for that orchestrator to act on."""
+    import os
+
+    from cona.orchestrator.cli import NEVER_STARTED_S
+    from cona.orchestrator.runstate import create_run
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    code, out, _ = run_cli(["stop", str(run.root)])
+    assert code == 0 and run.read_control().command == "stop"  # may be starting: asked
+    run.control_json.unlink()
+    old = run.run_yaml.stat().st_mtime - NEVER_STARTED_S - 1
+    os.utime(run.run_yaml, (old, old))
+    code, out, _ = run_cli(["stop", str(run.root)])
+    assert code == 0 and "was created but never started; nothing to stop (no stop command written)" in out
+    assert run.read_control() is None
+
+
 def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_path):
     from cona.orchestrator.runstate import RunState, create_run, read_state, write_state
 
@@ -293,6 +314,25 @@ def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_
     code, out, _ = run_cli(["stop", str(run.root)])
     assert code == 0 and "already ended (done); nothing to stop" in out
     assert run.read_control().seq == 6 and read_state(run).status == "done"
+
+
+@pytest.mark.parametrize("text", ['{"seq": "9", "command": "checkpoint"}', '{"seq": null, "command": "stop"}',
+                                  '{"seq": [1], "command": "stop"}', '{"seq": true, "command": "stop"}',
+                                  '{"seq": 3, "command": "switch", "attempt": "2"}', '{"seq": -1, "command": "stop"}',
+                                  '{"seq": 3, "command": "switch", "in_place": "yes"}'])  # fmt: skip
+def test_a_mistyped_control_record_is_passed_over_as_damaged(tmp_path, text):
+    """`"seq": "9"` was compared with an int by the trainer's poll, the orchestrator and `cona stop`: three
+    tracebacks, and a relaunch loop that named no cause. It is now read as no record, like a torn one."""
+    from cona.orchestrator.runstate import RunState, create_run, read_state, write_state
+
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    write_state(run, RunState(status="running", control_seq=4))
+    run.control_json.write_text(text)
+    assert run.read_control() is None
+    code, _, err = run_cli(["stop", str(run.root)])
+    assert code == 0, err
+    assert run.read_control().seq == 5 and run.read_control().command == "stop" and read_state(run).status == "running"
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -314,6 +354,40 @@ def test_stop_outranks_a_damaged_control_file_and_leaves_an_ended_run_alone(tmp_
       "--profile-set", "kubernetes.tolerations=[{key: a, operatr: Exists}]"],
      "field 'kubernetes.tolerations': [0]: unknown key(s) 'operatr'; valid: "),
     (["plan", "--profile", str(JOB), "--job", str(PROFILE)], "given as --profile; did you swap --profile and --job?"),
+    # e-notation is how a too-large count is usually written; it passed the limit, and `cona run` wrote a run.yaml
+    # that it then refused to read.
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "target.max_samples=1e20"],
+     "field 'target.max_samples': too large (at most 9e+15)"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "seed=1.5e30"], "field 'seed': too large"),
+    # Denormal rates and peaks divided the cost model by zero (a traceback).
+    (["plan", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "accelerator.peak_tflops=1e-320"],
+     "field 'accelerator.peak_tflops': Input should be greater than or equal to"),
+    (["plan", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "network.inter_node_bandwidth=1e-310 bit/s"],
+     "field 'network.inter_node_bandwidth': '1e-310 bit/s' is less than one byte per second"),
+    (["plan", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "accelerator.memory=80 GB/s"],
+     "field 'accelerator.memory': '80 GB/s' is a rate; a size has no /s"),
+    # An inf prior: "noise scale must be finite", naming no field.
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "policy.critical_batch_factor=1e308"],
+     "field 'policy.critical_batch_factor': Input should be less than or equal to"),
+    # Micro-batches larger than any batch: "at most 0 devices ... set gpus_per_node to at most 0".
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "batch.mbs_choices=[256]"],
+     "mbs_choices [256] are all larger than max_gbs=128"),
+    # A cosine that ends before the warmup does: a drop from the peak to the floor in one step.
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "optimizer.decay_samples=1000"],
+     "field 'optimizer': decay_samples=1000 is not past warmup_samples=2048"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "policy.name=schedule", "--set",
+      "policy.schedule=[{samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=2,gbs=16'}, {samples: 0, strategy: 'dp=4,tp=1,pp=1,mbs=2,gbs=32'}]"],
+     "policy.schedule must start at samples 0 and increase strictly"),
+    # A text file read as raw token ids: refused only by the trainer, after the run existed.
+    (["run", "--profile", str(PROFILE), "--job", str(JOB), "--set", "data.format=tokens", "--run-dir", "/nonexistent/x"],
+     "is a text file, but data.format is tokens"),
+    (["render", "kubernetes", "--profile", str(REPO / "manifests" / "profiles" / "h100-k8s.yaml"), "--job", str(JOB),
+      "--profile-set", "kubernetes.node_selector={nvidia.com/gpu.present: true}"],
+     'nvidia.com/gpu.present: YAML read the value as a boolean, and a label value is text; quote it'),
+    (["render", "slurm", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "slurm.partition=gpu batch"],
+     "'gpu batch' is not a Slurm partition name"),
+    (["render", "slurm", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "slurm.qos= "],
+     "field 'slurm.qos': empty; give the qos's name"),
     (["plan", "--profile", str(PROFILE), "--job", str(PROFILE)], "given as --job; did you swap --profile and --job?"),
 ])  # fmt: skip
 def test_values_that_were_taken_silently_are_one_line(argv, expected):

@@ -447,6 +447,23 @@ def test_the_odd_factor_is_named_only_when_a_batch_that_splits_would_run():
     assert "40 devices have the factor 5" in message and "batch.gbs_choices=[10, 20, 40, 80]" in message, message
 
 
+def test_a_job_smaller_than_one_node_is_told_both_changes_at_once(tmp_path):
+    """A job that uses 4 devices on 4 nodes of 8 was told "gpus_per_node at most 4", then, after that, "nodes at
+    most 1": one node with 4 devices is one change."""
+    from cona.orchestrator.planner import no_feasible_strategy
+
+    path = tmp_path / "small.yaml"
+    path.write_text("name: small\nmodel: {family: gpt, num_layers: 1, hidden_size: 32, num_heads: 1, vocab_size: 256, "
+                    "seq_len: 32}\nbatch: {min_gbs: 1, max_gbs: 4, base_gbs: 4, mbs_choices: [1]}\n")  # fmt: skip
+    job = load_job(path)
+    message = no_feasible_strategy(load_profile(PROFILES / "a100-4x8.yaml"), job)
+    assert "use one node with at most 4 devices (--profile-set nodes=1 --profile-set gpus_per_node=4)" in message, message
+    following = load_profile(PROFILES / "a100-4x8.yaml", ["nodes=1", "gpus_per_node=4"])
+    assert enumerate_candidates(profile=following, job=job, feasible_only=True)  # the advice is enough
+    message = no_feasible_strategy(load_profile(PROFILES / "a100-4x8.yaml", ["nodes=1"]), job)
+    assert "use at most 4 devices (--profile-set gpus_per_node=4)" in message, message
+
+
 def test_plan_at_a_batch_outside_the_bounds_says_the_bounds():
     result = run_cona("plan", "--profile", "slurm/profiles/a100-4x8.yaml", "--job", "examples/gpt3-1.3b.yaml",
                       "--gbs", "32")  # fmt: skip

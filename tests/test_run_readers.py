@@ -274,11 +274,13 @@ def test_the_report_vouches_for_the_sample_order_or_says_why_it_cannot(tmp_path,
         assert "- sample order: not verified (" in (run.root / "report.md").read_text()
 
     # A torn last line is a record still being written (a run going on), not damage; a finished run whose history
-    # ends short of its heartbeats says both counts.
+    # ends short of its heartbeats says both counts, and warns that the rest went unseen (a log deleted or cut short).
     (run.samples_log / "2.jsonl").write_text(json.dumps({"resume": 2, "samples": 32}) + "\n" + json.dumps(steps[2])
                                              + '\n{"step": 4, "sta')  # fmt: skip
     write_report(run)
-    assert capsys.readouterr().err == ""
+    err = capsys.readouterr().err
+    assert err == (f"cona: warning: {run.samples_log}: the logs cover samples 0–47, but the heartbeats count 64; the "
+                   "report cannot vouch for the order of the rest\n"), err
     assert "covers samples 0–47 once each" in (text := (run.root / "report.md").read_text()), text
     assert "; the heartbeats count 64 samples" in text
 
@@ -491,3 +493,18 @@ def test_a_report_that_cannot_be_written_in_the_run_directory_points_to_out(tmp_
                                  "elsewhere with --out DIR\n")  # fmt: skip
     code, _, err = cona(["report", str(run.root), "--out", str(tmp_path / "elsewhere")], capsys)
     assert code == 0 and (tmp_path / "elsewhere" / "report.md").exists(), err
+
+
+def test_a_non_finite_time_or_loss_in_a_record_is_no_record(tmp_path, capsys):
+    """Python's json reads `1e999` as inf and `NaN` as nan: a `done` event at time inf made the report's wall time
+    "inf s", and a heartbeat's NaN validation loss its "best validation loss nan"."""
+    from cona.orchestrator.runstate import event_problem
+
+    assert event_problem({"event": "done", "time": float("inf")}) == "a done record without a numeric time"
+    assert event_problem({"event": "done", "time": float("nan")}) is not None
+    run = _ended_run_of_two_attempts(tmp_path)
+    write_beats(run, 3, [beat(attempt=3, time=14.0, step=5, samples=80, val_loss=float("nan")),
+                         beat(attempt=3, time=15.0, step=6, samples=96, val_loss=2.5)])  # fmt: skip
+    write_report(run)
+    text = (run.root / "report.md").read_text()
+    assert "- best validation loss 2.5000" in text and "nan" not in text, text

@@ -105,6 +105,13 @@ def test_unusable_state_is_one_clear_line(tmp_path, text, message):
         (json.dumps({"version": 2, "model": [1]}), "field 'model' is [1], not a JSON object"),
         (json.dumps({"version": 2, "model": {"live": "x"}}), "field 'model.live' is 'x', not a JSON object"),
         (json.dumps({"version": 2, "attempts": "many"}), "field 'attempts' is 'many', not a list of objects"),
+        # What `cona status` formats: these ended it in a traceback, or in "Cannot specify ',' with 's'".
+        (json.dumps({"version": 2, "model": {"live": {"samples": "lots"}}}), "field 'model.live.samples' is 'lots', not a count"),
+        (json.dumps({"version": 2, "model": {"live": {"step": [1]}}}), "field 'model.live.step' is [1], not a count"),
+        (json.dumps({"version": 2, "model": {"live": {"val_loss": "low"}}}), "field 'model.live.val_loss' is 'low', not a number"),
+        (json.dumps({"version": 2, "model": {"last_decision": [1]}}), "field 'model.last_decision' is [1], not a decision"),
+        (json.dumps({"version": 2, "model": {"last_decision": {"x": 1}}}), "field 'model.last_decision' is {'x': 1}"),
+        (json.dumps({"version": "2"}), "field 'version' is '2', not a whole number"),
         (json.dumps({"version": 2, "reason": "x" * 100}), None),
         ("null", "state.json: not a JSON object"),
         ("[" * 100_000 + "]" * 100_000, "state.json: unreadable"),
@@ -225,6 +232,22 @@ def _beat(attempt: int, samples: int, **fields) -> dict:
     return {"time": 10.0 + samples, "attempt": attempt, "strategy": A.to_dict(), "step": samples // 16,
             "samples": samples, "tokens": 64 * samples, "train_loss": 3.0, "lr": 1e-3, "step_time_s": 0.1,
             "samples_per_s": 160.0, **fields}  # fmt: skip
+
+
+def test_a_state_json_this_user_cannot_read_is_not_called_damaged(tmp_path, monkeypatch):
+    """It was "unreadable; restore state.json from a backup": the file is intact, its permissions are the cause.
+    (The suite runs as root, who reads any file: the denial is the open's own error, raised in its place.)"""
+    from cona.orchestrator import runstate
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    run = RunDir(tmp_path)
+    run.state_json.write_text("{}")
+    monkeypatch.setattr(runstate, "read_json", denied)
+    with pytest.raises(ConfigError, match="permission denied; run cona as the user that owns the run") as err:
+        read_state(run)
+    assert "backup" not in str(err.value)
 
 
 @pytest.mark.parametrize("evidence", ["attempt directory", "heartbeats", "samples log", "launch event"])

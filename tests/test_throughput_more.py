@@ -170,6 +170,9 @@ def test_a_record_of_the_same_model_named_otherwise_is_accepted(tmp_path, setup)
     profiling.check_compatible(record, source, profile, warm)
     # What does change a step time still refuses it.
     with pytest.raises(ConfigError, match=r"job\.model\.hidden_size is 128 here but 64"):
+        profiling.check_compatible(record, source, profile, load_job(JOB, ["model.hidden_size=128",
+                                                                           "model.ffn_hidden_size=256"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"job\.model\.ffn_hidden_size is 512 here but 256"):  # follows hidden_size
         profiling.check_compatible(record, source, profile, load_job(JOB, ["model.hidden_size=128"]))
 
 

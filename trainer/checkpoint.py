@@ -390,6 +390,7 @@ def foreign_reason(
     seed: int | None = None,
     data_tokens: list[int] | None = None,
     data_crc32: list[int] | None = None,
+    run_created: float | None = None,
 ) -> str | None:
     """Why the intact checkpoint `path` must not be resumed by this job (one line naming the file and what to do),
     or None. A checkpoint of another job or model in this run directory is the user's mix-up, not damage: loading
@@ -399,7 +400,9 @@ def foreign_reason(
     of the epoch seen twice and others never, while the samples log still audits clean. With `data_tokens` (the
     corpus's [training, validation] tokens) a checkpoint that recorded other sizes is refused for the same reason:
     the data changed under the run (a re-prepared or edited file, another `data.val_fraction`); with `data_crc32`
-    (their sampled fingerprints) so is another corpus of the same sizes."""
+    (their sampled fingerprints) so is another corpus of the same sizes. With `run_created` (run.yaml's `created`)
+    a checkpoint stamped by another run is refused: the same job, seed and data, copied in from another run
+    directory, would resume at that run's sample count and skip (or repeat) this run's samples."""
     state_file = path / TRAINER_STATE
     try:
         state = json.loads(state_file.read_text())
@@ -426,6 +429,15 @@ def foreign_reason(
         split = "training" if sampled[0] != data_crc32[0] else "validation"
         return (f"{state_file}: a checkpoint trained on other data: data.path's {split} tokens have the same count "
                 f"but other content (another or edited corpus); restore the data the run started with, or {fix}")
+    other_run = state.get("run_created")
+    if (run_created is not None and isinstance(other_run, (int, float)) and not isinstance(other_run, bool)
+            and other_run != run_created):  # fmt: skip
+        def when(t: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+        return (f"{state_file}: a checkpoint of another run of this job (created {when(other_run)}), not of this "
+                f"run (created {when(run_created)}); resuming it would skip or repeat this run's samples. Move "
+                f"{path} out of {path.parent}, or resume it in the run directory it came from")
     recorded = state.get("model")
     if isinstance(recorded, dict):
         differs = sorted(k for k in recorded.keys() & model.keys() if k not in ("init_from", "preset") and recorded[k] != model[k])

@@ -57,11 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_inputs(args: argparse.Namespace):
-    """Job, strategy and attempt from the flags and the run directory; raises ConfigError."""
+    """Job, strategy, attempt and the run's identity (run.yaml's `created`; None for a job given by hand) from the
+    flags and the run directory; raises ConfigError."""
     from cona.protocol.job import job_from_dict, load_job
     from cona.protocol.yamlconfig import apply_overrides, load_yaml
 
     run_dir = RunDir(args.run_dir)
+    run_created = None
     if args.job is not None:
         job = load_job(args.job, args.set)
     else:
@@ -71,6 +73,9 @@ def load_inputs(args: argparse.Namespace):
         if not isinstance(data.get("job"), dict):
             raise ConfigError(f"{run_dir.run_yaml}: has no `job:` mapping; pass --job JOB.yaml")
         job = job_from_dict(apply_overrides(data["job"], list(args.set)), source=f"{run_dir.run_yaml} job")
+        created = data.get("created")
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            run_created = float(created)
     # A launched attempt finds its number on the command line and its strategy in its launch record; by hand, both
     # may be given (or the newest launch record is taken).
     launch = run_dir.read_launch(args.attempt) if args.attempt is not None else run_dir.latest_launch()
@@ -85,7 +90,7 @@ def load_inputs(args: argparse.Namespace):
         )
     if args.max_steps is not None and args.max_steps < 0:
         raise ConfigError(f"--max-steps {args.max_steps}: must be >= 0")
-    return run_dir, job, strategy, attempt
+    return run_dir, job, strategy, attempt, run_created
 
 
 def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError) -> None:
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
     args = parse_args(argv)
     try:
-        run_dir, job, strategy, attempt = load_inputs(args)
+        run_dir, job, strategy, attempt, run_created = load_inputs(args)
     except ConfigError as e:
         _fail(str(e))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     startup["dist_ready"] = time.time()
     trainer = None
     try:
-        make_trainer = functools.partial(Trainer, job=job, run_dir=run_dir, env=env, corpus=corpus, max_steps=args.max_steps)
+        make_trainer = functools.partial(Trainer, job=job, run_dir=run_dir, env=env, corpus=corpus, max_steps=args.max_steps,
+                                         run_created=run_created)  # fmt: skip
         trainer = make_trainer(strategy=strategy, attempt=attempt, dump_loaded_state=args.dump_loaded_state, startup=startup)
         code = trainer.run()
         while code == ExitCode.SWITCH and trainer.next_strategy is not None:

@@ -118,6 +118,10 @@ class TrainerState:
     data_crc32: list[int] = dataclasses.field(default_factory=list)
     """[training, validation] fingerprints of that data (`TokenSequence.sample_crc32`; empty in checkpoints of
     earlier cona): another corpus of the same length is refused as well."""
+    run_created: float | None = None
+    """The run it belongs to: its run.yaml's `created` (None for a trainer started by hand with `--job`, and in
+    checkpoints of earlier cona). A checkpoint of another run of the same job, seed and data — copied in — would
+    resume at its own sample count, skipping or repeating samples of this run without a word."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -141,6 +145,9 @@ class Trainer:
     control: ControlState = dataclasses.field(default_factory=ControlState)
     """Control and signal state; an in-place switch hands the previous attempt's on, so a signal that arrives while
     the model is rebuilt is not lost."""
+    run_created: float | None = None
+    """This run's identity, run.yaml's `created` (None: started by hand with `--job`); stamped into every checkpoint
+    and checked on resume (`checkpoint.foreign_reason`)."""
     written: Path | None = None
     """The checkpoint the previous attempt of these processes saved just before an in-place switch: its checksums
     were computed from those bytes moments ago, so loading it does not read them all again to check them."""
@@ -153,7 +160,8 @@ class Trainer:
         self._data_crc32 = [self.corpus.train.sample_crc32(), self.corpus.val.sample_crc32()]
         self.state = TrainerState(strategy=self.strategy.to_dict(), attempt=self.attempt, seed=self.job.seed,
                                   job_name=self.job.name, model=self.job.model.model_dump(mode="json"),
-                                  data_tokens=self._data_tokens(), data_crc32=self._data_crc32)  # fmt: skip
+                                  data_tokens=self._data_tokens(), data_crc32=self._data_crc32,
+                                  run_created=self.run_created)  # fmt: skip
         self.heartbeat = HeartbeatWriter(
             run_dir=self.run_dir, attempt=self.attempt, strategy=self.strategy.to_dict(), enabled=self.is_rank0
         )
@@ -225,7 +233,8 @@ class Trainer:
             marked = self.run_dir.complete_checkpoints()
             refusal = functools.partial(ckpt.foreign_reason, job_name=self.job.name,
                                         model=self.job.model.model_dump(mode="json"), seed=self.job.seed,
-                                        data_tokens=self._data_tokens(), data_crc32=self._data_crc32)  # fmt: skip
+                                        data_tokens=self._data_tokens(), data_crc32=self._data_crc32,
+                                        run_created=self.run_created)  # fmt: skip
             foreign = next((r for p in found if (r := refusal(p))), None)
             shared = [([str(p) for p in found], bool(marked), foreign)]
         dist.broadcast_object_list(shared, src=0)  # every rank refuses alike, before any collective load
@@ -257,6 +266,7 @@ class Trainer:
                 self.state.model = self.job.model.model_dump(mode="json")
                 # The same (checked above), or those of a checkpoint from before the check.
                 self.state.data_tokens, self.state.data_crc32 = self._data_tokens(), self._data_crc32
+                self.state.run_created = self.run_created if self.run_created is not None else self.state.run_created
                 self.startup["load_end"] = time.time()
                 return
             if self.is_rank0:

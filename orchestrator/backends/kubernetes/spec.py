@@ -229,6 +229,20 @@ class KubernetesSpec(StrictModel):
             return str(value)
         return value
 
+    @pydantic.field_validator("node_selector", mode="before")
+    @classmethod
+    def _node_selector_text(cls, value: object) -> object:
+        # A label value is text: YAML reads `nvidia.com/gpu.present: true` (the GPU feature discovery label) as a
+        # boolean and `gpu.count: 8` as a number, which the API server would not take either.
+        if isinstance(value, dict):
+            for key, label in value.items():
+                if isinstance(label, (bool, int, float)):
+                    shown = str(label).lower() if isinstance(label, bool) else str(label)
+                    what = "a boolean" if isinstance(label, bool) else "a number"
+                    raise ValueError(f"{key}: YAML read the value as {what}, and a label value is text; quote it "
+                                     f"({key}: \"{shown}\")")  # fmt: skip
+        return value
+
     @pydantic.field_validator("node_selector")
     @classmethod
     def _node_selector(cls, value: dict[str, str]) -> dict[str, str]:

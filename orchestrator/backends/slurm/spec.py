@@ -164,6 +164,20 @@ class SlurmSpec(StrictModel):
     """Request `--gpus-per-node`; false on CPU-only clusters (the default there when `accelerator.device` is `cpu`:
     `cona.orchestrator.profile` sets it unless the profile says)."""
 
+    @pydantic.field_validator("partition", "account", "qos")
+    @classmethod
+    def _name(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
+        # sbatch would be handed `--qos=" "` or `--partition="gpu batch"`: Slurm names hold no blanks (a partition
+        # may be a comma-separated list of them).
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError(f"empty; give the {info.field_name}'s name, or leave slurm.{info.field_name} out")
+        if any(ch.isspace() for ch in value.strip()) or value.strip().startswith("-"):
+            many = " (several partitions are separated by commas: gpu,batch)" if info.field_name == "partition" else ""
+            raise ValueError(f"{value!r} is not a Slurm {info.field_name} name: it holds a blank or starts with '-'{many}")
+        return value.strip()
+
     @pydantic.field_validator("time_limit")
     @classmethod
     def _time_limit(cls, value: str) -> str:
