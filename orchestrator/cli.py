@@ -756,6 +756,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("cona: interrupted", file=sys.stderr)
             return 130
+        except OSError as e:  # the interpreter cannot be started (permissions, a venv moved away)
+            print(f"cona: error: cannot start {sys.executable} for `cona {argv[0]}`: {e.strerror or e}; check that "
+                  "this user can run cona's Python", file=sys.stderr)  # fmt: skip
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

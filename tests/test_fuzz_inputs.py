@@ -395,3 +395,20 @@ def test_values_that_were_taken_silently_are_one_line(argv, expected):
     line = assert_works_or_one_line(code, err, " ".join(argv))
     assert code == 2 and expected in line, (argv, err)
     assert not Path("/nonexistent").exists()
+
+
+def test_a_data_plane_command_whose_python_cannot_start_is_one_line(monkeypatch, capsys):
+    """`cona export` (and the other commands run in their own process) ended in a PermissionError traceback when
+    this user could not run cona's interpreter."""
+    import subprocess
+
+    from cona.orchestrator import cli
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(subprocess, "run", refused)
+    assert cli.main(["export", "runs/x", "--format", "hf", "--out", "/nonexistent/y"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cona: error: cannot start ") and "`cona export`: Permission denied" in err
+    assert err.count("\n") == 1
