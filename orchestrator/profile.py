@@ -15,6 +15,7 @@ from cona.protocol.yamlconfig import (
     apply_overrides,
     load_yaml,
     parse_bytes,
+    unindented,
     validate,
 )
 from pydantic import Field
@@ -258,4 +259,5 @@ def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) 
     data = apply_overrides(load_yaml(path), list(overrides), source="--profile-set")
     if "model" in data and "backend" not in data:  # the commonest mix-up: a job file given as the profile
         raise ConfigError(f"{path}: a job file (it has a model section), given as --profile; did you swap --profile and --job?")
+    unindented(ClusterProfile, data, path)
     return validate(ClusterProfile, data, source=str(path), overrides=overrides, flag="--profile-set")

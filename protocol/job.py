@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import pydantic
-from cona.protocol.yamlconfig import ConfigError, StrictModel, apply_overrides, load_yaml, validate
+from cona.protocol.yamlconfig import (
+    ConfigError,
+    StrictModel,
+    apply_overrides,
+    load_yaml,
+    unindented,
+    validate,
+)
 from pydantic import Field
 
 ModelFamily = Literal["gpt", "llama", "bert"]
@@ -480,7 +487,7 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
             raise ConfigError(f"{path}: a cluster profile (it has backend and accelerator), given as --job; did you "
                               "swap --profile and --job?")  # fmt: skip
         raise ConfigError(f"{path}: missing required section 'model' (e.g. model: {{preset: tiny-gpt}})")
-    _unindented(cls, data, path)
+    unindented(cls, data, path)
     ignored = [k for k in ORCHESTRATOR_SECTIONS if k not in cls.model_fields]
     job = validate(cls, {k: v for k, v in data.items() if k not in ignored}, source=str(path), overrides=overrides)
     base = Path(path).resolve().parent
@@ -497,21 +504,6 @@ def read_job_file(cls: type[JobT], path: str | Path, overrides: list[str] | tupl
                               "Hugging Face model directory (config.json + model.safetensors)")  # fmt: skip
         job.model.init_from = str(init.resolve())
     return job
-
-
-def _unindented(cls: type[JobSpec], data: dict[str, Any], path: str | Path) -> None:
-    """Top-level keys that are fields of a section left empty (`model:` over an unindented `preset: tiny-gpt`): the
-    indent was lost, which the unknown-key message would answer with an unrelated close match ("did you mean
-    'target'?")."""
-    for section, field in cls.model_fields.items():
-        model = field.annotation
-        if data.get(section, {}) is not None or not (isinstance(model, type) and issubclass(model, StrictModel)):
-            continue
-        stray = [k for k in data if k not in cls.model_fields and k in model.model_fields]
-        if stray:
-            raise ConfigError(f"{path}: {', '.join(repr(k) for k in stray)} at the top level after an empty "
-                              f"'{section}:' section; indent {'them' if len(stray) > 1 else 'it'} under "
-                              f"'{section}:'")  # fmt: skip
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

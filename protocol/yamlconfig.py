@@ -383,3 +383,22 @@ def parse_bytes(value: Any, *, per_second: bool = False) -> float:
         # Under a byte (per second) is a slip (`1e-300 B/s`), and a denormal rate divides the cost model by zero.
         raise ValueError(f"{value!r} is less than one byte{' per second' if per_second else ''}; check the number and unit")
     return amount * factor
+
+
+def unindented(cls: type[StrictModel], data: dict[str, Any], path: str | Path) -> None:
+    """ConfigError for top-level keys that are fields of a section left empty (`model:` over an unindented `preset:
+    tiny-gpt`, `accelerator:` over an unindented `name: cpu`): the indent was lost, which the unknown-key message
+    would answer with an unrelated close match ("did you mean 'target'?"). For a job and a profile alike."""
+    if not isinstance(data, dict):
+        return
+    for section, field in cls.model_fields.items():
+        model = field.annotation
+        if section not in data or data[section] is not None:
+            continue
+        if not (isinstance(model, type) and issubclass(model, StrictModel)):
+            continue
+        stray = [k for k in data if k not in cls.model_fields and k in model.model_fields]
+        if stray:
+            raise ConfigError(f"{path}: {', '.join(repr(k) for k in stray)} at the top level after an empty "
+                              f"'{section}:' section; indent {'them' if len(stray) > 1 else 'it'} under "
+                              f"'{section}:'")  # fmt: skip

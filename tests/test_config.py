@@ -235,6 +235,10 @@ def test_a_yaml_file_that_is_no_text_is_named(tmp_path):
 
 
 BAD_PROFILES = [
+    # A lost indent, as in a job: the unknown-key message named the first stray field alone.
+    ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nnetwork:\n"
+     "intra_node_bandwidth: 300 GB/s\ninter_node_latency_us: 5\n",
+     "'intra_node_bandwidth', 'inter_node_latency_us' at the top level after an empty 'network:' section; indent them"),
     ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nnetwork: {intra_node_bandwidth: 300}\n",
      "field 'network.intra_node_bandwidth'"),
     ("name: x\nbackend: locl\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n", "field 'backend'"),
