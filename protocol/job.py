@@ -87,9 +87,11 @@ class ModelSpec(StrictModel):
     num_heads: int | None = Field(None, gt=0)
     """Attention heads a; must divide hidden_size."""
     num_kv_heads: int | None = Field(None, gt=0)
-    """Key/value heads (grouped-query attention); equals num_heads for GPT and BERT."""
+    """Key/value heads (grouped-query attention); equals num_heads for GPT and BERT. Unset beside a preset whose key/value
+    heads equal its heads, it follows a `num_heads` the file gives; a grouped-query preset keeps its own."""
     ffn_hidden_size: int | None = Field(None, gt=0)
-    """Inner width of the MLP."""
+    """Inner width of the MLP (default 4 × hidden_size; beside a preset of a 4× MLP, it follows a `hidden_size` the
+    file gives)."""
     vocab_size: int | None = Field(None, gt=0)
     """Vocabulary size; 256 for byte-level corpora."""
     seq_len: int | None = Field(None, gt=1)
