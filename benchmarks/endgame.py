@@ -1,7 +1,8 @@
 """What a jump to a larger batch buys late in a run, per sample: the batch, or the learning rate it gets?
 
     python -m benchmarks.endgame [--workloads gpt,llama] [--seeds 0,1] [--states 24000,32000] [--samples 8192]
-                                 [--batches 64,128] [--to-target] [--out endgame.json]
+                                 [--batches 64,128] [--to-target] [--draws 96]
+                                 [--out endgame.json]
 
 The TTP oracle (`benchmarks.ttp`) ends every reference seed with a jump to the largest batch, and R = X/(B + B_noise)
 does not predict it. This separates the two things such a jump changes. Each tiny workload (`benchmarks/jobs/*.yaml`)
@@ -19,6 +20,14 @@ there — per sample, not per modeled second, so throughput plays no part:
 If the batch itself mattered, the largest batch would beat staying whatever its LR; if only the LR it gets matters
 (Adam's √ rule keeps batches equivalent per sample below the critical batch), the uncapped branch matches staying and
 the capped one matches the base batch at the same LR cut.
+
+At each state it also measures what the stationary theory of preconditioned SGD predicts an LR cut buys: with
+AdamW's preconditioner P = 1/(√v̂ + ε) (the state's second moments after one more step), an LR η and a batch B, the loss sits
+E = η·tr(PΣ)/(4B) above the bottom of its valley (Σ: the per-sample gradient covariance, from `--draws` gradients
+of 4 fresh samples each, never trained on by any branch), so a cut of the LR by a factor f predicts a drop of
+(1 − f)·E once the iterates have settled. The 8,192-sample table prints the measured drop of each LR-cut branch
+over that prediction (`realized`): a run could measure E online, so this says how far it would predict the end
+game.
 
 Any LR cut gains over a short horizon. `--to-target` judges each branch where the TTP oracle judges its own: it
 trains until the validation loss reaches the workload's lowest `benchmarks.ttp` target (evaluated every
@@ -62,6 +71,8 @@ class Settings:
     batches: tuple[int, ...]
     target: float | None = None
     """Train each branch to this validation loss instead of `samples` samples."""
+    draws: int = 96
+    """Gradients of `EXCESS_BATCH` fresh samples each for tr(PΣ) at each state (`excess_loss`)."""
 
 
 def branches(job: Any, batches: tuple[int, ...]) -> list[tuple[str, int, float | None]]:
@@ -107,6 +118,54 @@ def modeled_seconds(rows: list[dict[str, Any]], workload: str) -> None:
         row["modeled_s_to_target"] = None if n is None or fastest is None else n * cluster.scale / fastest.samples_per_s
 
 
+EXCESS_BATCH = 4
+"""Samples per gradient draw of `excess_loss` (small: the draws' spread is then mostly noise, not signal)."""
+
+
+def excess_loss(sim: Any, *, draws: int, first_sample: int) -> dict[str, float]:
+    """tr(PΣ) at the trainer's current state and the excess loss E = η·tr(PΣ)/(4B) it implies at the base batch B and
+    the job's LR there. P = 1/(√v̂ + ε) is the denominator AdamW divides the next step by: the state's second moments
+    after one more base-batch gradient, v̂' = (β₂·v + (1 − β₂)·E[g_B²]) / (1 − β₂^(t+1)). Taking v̂ alone, a
+    coordinate that has seen no gradient for many steps (a rare byte's embedding row, v decayed towards 0) made
+    tr(PΣ) 5–100× larger on some states, although Adam never divides by that stale value. Σ and E[g_B²] are
+    estimated unbiasedly from `draws` gradients of `EXCESS_BATCH` samples starting at `first_sample` (each
+    coordinate's sample variance is Σᵢᵢ/EXCESS_BATCH). The state is left as it was."""
+    import torch
+    from cona.protocol.lr import job_learning_rate
+
+    job, base, snap = sim.job, sim.gbs, sim.snapshot()
+    sim.set_gbs(EXCESS_BATCH)
+    model = sim.model
+    (optimizer,) = model.optimizers
+    params = [p for p in model.parameters() if p in optimizer.state and "exp_avg_sq" in optimizer.state[p]]
+    assert params, "excess_loss needs a state with AdamW moments (trained at least one step)"
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    squares = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for k in range(draws):
+        start = first_sample + k * EXCESS_BATCH
+        batch = sim.batcher.samples(start, start + EXCESS_BATCH)
+        model.zero_grad()
+        model.forward_backward(torch.from_numpy(batch.inputs.copy()), torch.from_numpy(batch.labels.copy()),
+                               scale=1.0 / max(1, batch.num_targets))  # fmt: skip
+        for t, q, p in zip(total, squares, params, strict=True):
+            g = p.grad.double()
+            t += g
+            q += g * g
+    trace = 0.0
+    for t, q, p in zip(total, squares, params, strict=True):
+        state, group = optimizer.state[p], next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        beta2, step = group["betas"][1], float(state["step"])
+        variance = (q - t * t / draws) / (draws - 1)  # per coordinate: Σᵢᵢ / EXCESS_BATCH
+        mean_sq = (t / draws) ** 2 - variance / draws  # unbiased |G|² per coordinate
+        expected_sq = (mean_sq + variance * EXCESS_BATCH / base).clamp(min=0)  # E[g_B²] at the base batch
+        v_next = (beta2 * state["exp_avg_sq"].double() + (1 - beta2) * expected_sq) / (1 - beta2 ** (step + 1))
+        trace += float((variance / (v_next.sqrt() + group["eps"])).sum()) * EXCESS_BATCH
+    model.zero_grad()
+    sim.restore(snap)
+    lr = job_learning_rate(job, samples=snap.samples, gbs=base)
+    return {"tr_p_sigma": trace, "lr": lr, "batch": base, "excess": lr * trace / (4 * base)}
+
+
 def measure(s: Settings) -> dict[str, Any]:
     """Every branch from every state of one (workload, seed): the validation loss after `samples` samples."""
     import torch
@@ -126,6 +185,8 @@ def measure(s: Settings) -> dict[str, Any]:
         while sim.samples < state:
             sim.train_step()
         snap, val = sim.snapshot(), sim.evaluate()
+        # Fresh samples: past the job's budget, where no branch trains.
+        excess = excess_loss(sim, draws=s.draws, first_sample=job.target.max_samples + state) if s.draws else None
         for name, gbs, factor in branches(job, s.batches):
             sim.restore(snap)
             sim.set_gbs(gbs)
@@ -141,6 +202,8 @@ def measure(s: Settings) -> dict[str, Any]:
                         break
             row = {"state_samples": state, "state_val_loss": val, "branch": name, "gbs": gbs, "lr_factor": factor,
                    "samples": sim.samples - state, "val_loss": points[-1][1] if s.target is not None else sim.evaluate()}  # fmt: skip
+            if excess is not None:
+                row["excess"] = excess
             if s.target is not None:
                 row["target"] = s.target
                 row["samples_to_target"] = _crossing(points, s.target)
@@ -158,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="64,128", help="larger batches (tiny samples), the last the largest")
     parser.add_argument("--to-target", action="store_true",
                         help="train each branch to the workload's lowest benchmarks.ttp target instead of --samples")
+    parser.add_argument("--draws", type=int, default=96,
+                        help="gradients of 4 fresh samples for tr(PΣ) at each state (0: skip that measurement)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default=None, help="JSON name under benchmarks/results (default: endgame.json, "
                                                     "endgame-to-target.json with --to-target)")
@@ -168,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     seeds = ints_arg(parser, "--seeds", args.seeds)
     if args.samples < max(batches):
         parser.error(f"--samples must cover at least one step of the largest batch ({max(batches)})")
-    settings = [Settings(workload=n, seed=seed, states=states, samples=args.samples, batches=batches,
+    if args.draws == 1 or args.draws < 0:
+        parser.error("--draws must be 0 (skip) or at least 2 (a variance needs two draws)")
+    settings = [Settings(workload=n, seed=seed, states=states, samples=args.samples, batches=batches, draws=args.draws,
                          target=min(TTP_WORKLOADS[n]["targets"]) if args.to_target else None)
                 for n in names for seed in seeds]  # fmt: skip
     started = time.time()
@@ -178,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             modeled_seconds(r["rows"], r["workload"])
     report = {"benchmark": "endgame", "wall_s": time.time() - started,
               "settings": {"seeds": args.seeds, "states": args.states, "samples": args.samples,
-                           "batches": list(batches), "to_target": args.to_target},
+                           "batches": list(batches), "to_target": args.to_target,
+                           "draws": args.draws, "excess_batch": EXCESS_BATCH},
               "results": results}  # fmt: skip
     path = write_json(args.out or ("endgame-to-target.json" if args.to_target else "endgame.json"), report)
     if args.to_target:
@@ -202,8 +270,33 @@ def main(argv: list[str] | None = None) -> int:
     print_table("mean change against staying, over workloads, seeds and states",
                 ["branch", "mean", "min", "max"],
                 [[k, f"{statistics.fmean(v):+.4f}", f"{min(v):+.4f}", f"{max(v):+.4f}"] for k, v in deltas.items()])  # fmt: skip
+    _print_excess(results)
     print(f"wall {report['wall_s']:.0f} s; JSON {shown(path)}")
     return 0
+
+
+def _print_excess(results: list[dict[str, Any]]) -> None:
+    """Each LR-cut branch's measured drop against staying, over the drop (1 − f)·E the stationary theory predicts."""
+    table = []
+    for r in results:
+        for state in sorted({row["state_samples"] for row in r["rows"]}):
+            group = [row for row in r["rows"] if row["state_samples"] == state]
+            excess = group[0].get("excess")
+            if not excess:
+                continue
+            cells = []
+            for row in group[1:]:
+                if row["gbs"] != group[0]["gbs"] or row["lr_factor"] is None:
+                    continue  # a batch branch: its preconditioner is not the state's
+                predicted = (1.0 - row["lr_factor"]) * excess["excess"]
+                drop = group[0]["val_loss"] - row["val_loss"]
+                cells.append(f"{row['branch']}: {drop:.4f} / {predicted:.4f} = {drop / predicted:.2f}")
+            table.append([r["workload"], str(r["seed"]), f"{state}", f"{excess['lr']:.2e}",
+                          f"{excess['tr_p_sigma']:,.0f}", f"{excess['excess']:.4f}", "; ".join(cells)])  # fmt: skip
+    if table:
+        print_table("LR cuts: measured drop / predicted (1 − f)·E, E = η·tr(PΣ)/(4B) at the state (realized fraction)",
+                    ["workload", "seed", "state", "η", "tr(PΣ)", "E", "branch: measured / predicted = realized"],
+                    table)  # fmt: skip
 
 
 def _print_to_target(results: list[dict[str, Any]], report: dict[str, Any], path: Any) -> int:

@@ -34,3 +34,34 @@ def test_the_samples_to_a_target_are_interpolated_between_evaluations():
     assert _crossing([(0, 2.0), (512, 1.9), (1024, 1.7)], 1.8) == pytest.approx(768)
     assert _crossing([(0, 2.0), (512, 1.9)], 1.8) is None
     assert _crossing([(0, 1.7), (512, 1.6)], 1.8) == 0  # the state itself is below it
+
+
+def test_the_excess_loss_uses_adams_own_preconditioner_and_leaves_the_state_alone():
+    """tr(PΣ) weights the gradient variance by P = 1/(√v̂ + ε), not by P² (the `adam` noise statistics' weighting):
+    four times the second moments about halve it (not exactly: v̂ is taken after one more step's gradient). The measurement trains nothing: the model, AdamW's moments and the
+    data position are as they were."""
+    import torch
+
+    from benchmarks.endgame import excess_loss
+    from benchmarks.sim import tiny_trainer
+
+    torch.set_num_threads(1)
+    sim = tiny_trainer("benchmarks/jobs/gpt.yaml", seed=0, stats=False)
+    for _ in range(20):
+        sim.train_step()
+    before = sim.snapshot()
+    first = sim.job.target.max_samples
+    got = excess_loss(sim, draws=8, first_sample=first)
+    after = sim.snapshot()
+    assert (after.gbs, after.samples, after.step) == (before.gbs, before.samples, before.step) == (16, 320, 20)
+    assert all(torch.equal(before.model[k], after.model[k]) for k in before.model)
+    moments = [s["exp_avg_sq"] for s in sim.model.optimizers[0].state_dict()["state"].values()]
+    assert moments and all(torch.equal(m, s["exp_avg_sq"]) for m, s in
+                           zip(moments, before.optim["state"].values(), strict=True))  # fmt: skip
+    assert got["tr_p_sigma"] > 0 and got["batch"] == 16
+    assert got["excess"] == pytest.approx(got["lr"] * got["tr_p_sigma"] / (4 * 16))
+
+    for state in sim.model.optimizers[0].state.values():
+        state["exp_avg_sq"].mul_(4.0)
+    scaled = excess_loss(sim, draws=8, first_sample=first)  # the same draws
+    assert 0.45 < scaled["tr_p_sigma"] / got["tr_p_sigma"] < 0.6  # P² would give about 0.25
