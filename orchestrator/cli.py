@@ -734,9 +734,25 @@ DATA_PLANE_COMMANDS = {"export": "cona.trainer.export", "data": "cona.trainer.pr
 
 
 def run_data_plane(command: str, args: Sequence[str]) -> int:
+    """Run the program in its own process; a SIGTERM sent to `cona` reaches it too (it went on alone, orphaned,
+    writing its partial files), and Ctrl-C reaches it as the terminal's process group does."""
+    import signal
     import subprocess
+    import threading
 
-    return subprocess.run([sys.executable, "-m", DATA_PLANE_COMMANDS[command], *args], check=False).returncode
+    proc = subprocess.Popen([sys.executable, "-m", DATA_PLANE_COMMANDS[command], *args])
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    try:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the child has its Ctrl-C too: let it remove its partial files before the prompt
+            proc.wait()
+            raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _one_line(message: str) -> str:

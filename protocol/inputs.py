@@ -149,6 +149,14 @@ def read_token_metadata(path: Path, job: JobSpec) -> dict[str, Any] | None:
         raise InputRefused(f"{meta_path}: token_dtype {dtype!r} is neither uint16 nor uint32; {again}", fix=FIX_FILES)
     if dtype == "uint16" and vocab > 2**16:  # its ids would have wrapped around: the tokens are not the text's
         raise InputRefused(f"{meta_path}: a vocabulary of {vocab} does not fit token_dtype uint16; {again}", fix=FIX_FILES)
+    if job.model.family == "bert" and vocab >= job.model.vocab_size:
+        # The mask id is vocab_size - 1: a token of the tokenizer there (`Ġhe`, 6,311 times in the corpus) would be
+        # read as a mask, and masked positions as that token. (Byte-level text never holds 0xFF: no such clash.)
+        raise InputRefused(
+            f"model.vocab_size={job.model.vocab_size}: BERT masks with id vocab_size - 1, which must be no token of the "
+            f"vocabulary of {vocab} that {meta_path.parent} was tokenized with; set model.vocab_size: {vocab + 1}",
+            fix=FIX_JOB,
+        )  # fmt: skip
     if vocab > job.model.vocab_size:
         raise InputRefused(
             f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of {vocab} that {meta_path.parent} "

@@ -523,3 +523,35 @@ def test_a_launch_the_backend_refuses_leaves_the_run_failed_with_why_and_resumab
     assert [e["event"] for e in read_events(run_dir)][-1] == "launch-failed"
     attempt = scheduler(ScriptedBackend).start_or_resume()  # fixed: the same run goes on
     assert attempt is not None and read_state(run_dir).status == "running" and read_state(run_dir).reason is None
+
+
+def test_a_token_array_with_negative_ids_is_refused_when_the_corpus_opens(tmp_path):
+    """A signed .npy with -1 in it (a padding id, say) trained into an "index out of range" deep in the model, a
+    traceback that `cona run` retried as a crash."""
+    from cona.trainer.data import load_corpus
+
+    ids = (np.arange(20_000) % 256).astype(np.int32)
+    ids[::7] = -1
+    np.save(tmp_path / "neg.npy", ids)
+    job = job_from_dict({"model": {"preset": "tiny-gpt"}, "data": {"path": str(tmp_path / "neg.npy")},
+                         "eval": {"num_windows": 8}})  # fmt: skip
+    with pytest.raises(InputRefused, match=r"neg\.npy: holds negative token ids \(the least is -1\)"):
+        load_corpus(job)
+    np.save(tmp_path / "neg.npy", np.abs(ids))  # the same, signed but in range: fine
+    load_corpus(job)
+
+
+def test_bert_on_prepared_tokens_needs_a_mask_id_outside_the_vocabulary(tmp_path):
+    """BERT masks with id vocab_size - 1. The trainer's own advice for a 300-token vocabulary was vocab_size 300,
+    where that id is a real token (`Ġhe`, thousands of times in the corpus): masks and that token were one."""
+    import json
+
+    (np.arange(200_000) % 300).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    (tmp_path / "tokens.json").write_text(json.dumps({"vocab_size": 300, "token_dtype": "uint16", "num_tokens": 200_000,
+                                                      "tokenizer_sha256": "0" * 64}))  # fmt: skip
+    job = job_from_dict({"model": {"preset": "tiny-bert", "vocab_size": 300}, "data": {"path": str(tmp_path)}})
+    refusal = _refusal(job)
+    assert "BERT masks with id vocab_size - 1" in refusal and refusal.endswith("set model.vocab_size: 301"), refusal
+    check_inputs(job.model_copy(update={"model": job.model.model_copy(update={"vocab_size": 301})}))
+    gpt = job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": 300}, "data": {"path": str(tmp_path)}})
+    check_inputs(gpt)  # no mask id: the whole vocabulary is the model's

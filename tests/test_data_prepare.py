@@ -6,6 +6,7 @@ No hub download: the tokenizer is a small byte-level BPE trained here on the cor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,47 @@ def test_bad_input_is_one_line(tmp_path, corpus, capsys):
         assert not (tmp_path / "out").exists(), args  # a refusal leaves no --out it made
 
 
+def test_a_tokenizer_saved_with_truncation_or_padding_tokenizes_the_whole_corpus(tmp_path, corpus, capsys):
+    """A tokenizer.json saved after `tokenizer(..., truncation=True)` kept 513 tokens of a 2 MB document (the
+    first max_length and the EOS), silently; one with fixed padding padded a 13-byte file to 4,097."""
+    from cona.trainer.prepare import main
+
+    tokenizer_path, docs = corpus
+    settings = json.loads(tokenizer_path.read_text())
+    settings["truncation"] = {"direction": "Right", "max_length": 64, "strategy": "LongestFirst", "stride": 0}
+    settings["padding"] = {"strategy": {"Fixed": 4096}, "direction": "Right", "pad_to_multiple_of": None,
+                           "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}  # fmt: skip
+    truncating = tmp_path / "truncating.json"
+    truncating.write_text(json.dumps(settings))
+    assert main(["prepare", "--tokenizer", str(tokenizer_path), "--input", str(docs), "--out", str(tmp_path / "a"),
+                 "--workers", "1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["prepare", "--tokenizer", str(truncating), "--input", str(docs), "--out", str(tmp_path / "b"),
+                 "--workers", "1"]) == 0  # fmt: skip
+    assert "sets truncation and padding (for model inputs); tokenizing the corpus without it" in capsys.readouterr().err
+    assert (tmp_path / "a" / "tokens.bin").read_bytes() == (tmp_path / "b" / "tokens.bin").read_bytes()
+
+
+def test_text_the_tokenizer_cannot_encode_is_one_line(tmp_path, corpus, capsys):
+    """A word-level tokenizer without its unknown token raised tokenizers' bare Exception from a worker: two
+    tracebacks. More workers than cores are cut to the cores (all were forked at once)."""
+    from cona.trainer.prepare import main
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, docs = corpus
+    words = Tokenizer(models.WordLevel({"the": 0, "and": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    status = main(["prepare", "--tokenizer", str(tmp_path / "words.json"), "--input", str(docs), "--out",
+                   str(tmp_path / "out"), "--workers", "100000"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2 and not (tmp_path / "out").exists(), err
+    assert f"--workers 100000 is more than the {os.cpu_count()} cores" in err
+    refusal = err.strip().splitlines()[-1]
+    assert "cannot encode the text (" in refusal and "give a tokenizer that covers every character" in refusal, err
+    assert "Traceback" not in err
+
+
 def test_an_out_that_cannot_be_written_is_one_line_and_leaves_no_partial_tokens(tmp_path, corpus, capsys, monkeypatch):
     """OSError's own text ("[Errno 28] No space left on device") named neither --out nor the file, and the partial
     tokens.bin.tmp stayed behind."""
@@ -251,3 +293,29 @@ def test_without_call_prefix_removes_only_the_per_call_prefix():
     assert [p.get("add_prefix_space", p.get("prepend_scheme")) for p in out["pre_tokenizer"]["pretokenizers"]] == [False, "never"]
     assert out["decoder"] == config["decoder"]  # decoding is not encoding's business
     assert json.loads(without_call_prefix(json.dumps({"normalizer": {"type": "Prepend", "prepend": "▁"}})))["normalizer"] is None
+
+
+@pytest.mark.slow
+def test_sigterm_to_cona_stops_the_tokenizer_and_leaves_no_partial_tokens(tmp_path, corpus):
+    """`cona data prepare` runs the tokenizer in a process of its own: a SIGTERM to `cona` (a job scheduler's stop,
+    `kill`) ended cona alone, and the tokenizer went on, orphaned, writing tokens.bin.tmp."""
+    import signal
+    import time
+
+    tokenizer_path, _ = corpus
+    big = tmp_path / "big.txt"
+    big.write_text(corpus_path().read_text() * 5)  # about 25 MB: many seconds for one worker
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "cona.orchestrator.cli", "data", "prepare", "--tokenizer",
+                             str(tokenizer_path), "--input", str(big), "--out", str(out), "--workers", "1"],
+                            cwd=REPO, env=trainer_env(), stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 60
+    while not (out / "tokens.bin.tmp").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert (out / "tokens.bin.tmp").exists(), "the tokenizer never started writing"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated; no partial tokens left" in err and not out.exists(), err
+    stray = subprocess.run(["pgrep", "-f", f"cona.trainer.prepare.*{out}"], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", "the tokenizer outlived cona"

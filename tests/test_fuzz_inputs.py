@@ -407,7 +407,7 @@ def test_a_data_plane_command_whose_python_cannot_start_is_one_line(monkeypatch,
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(subprocess, "run", refused)
+    monkeypatch.setattr(subprocess, "Popen", refused)
     assert cli.main(["export", "runs/x", "--format", "hf", "--out", "/nonexistent/y"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cona: error: cannot start ") and "`cona export`: Permission denied" in err

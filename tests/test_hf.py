@@ -557,3 +557,15 @@ def test_the_end_of_document_id_is_the_one_the_run_trained_with(tmp_path):
                                                                      "there if the data has one)"), warning  # fmt: skip
     value, warning = eos(str(prepared), vocab_size=4)
     assert value is None and "end-of-document id 5 is outside the model's vocabulary of 4" in warning
+
+
+def test_bert_weights_with_token_types_are_refused_before_the_process_group(tmp_path):
+    """A transformers BERT (type_vocab_size 2 by default) loaded into a model without token types was refused only
+    while the stage was built, after the process group: a traceback, and `cona run` retried it as a crash."""
+    from cona.trainer import hf
+
+    directory = _saved_by_transformers("bert", tmp_path / "hf", _spec("bert"))
+    with pytest.raises(ValueError, match=r"holds token-type embeddings, which this model lacks; set "
+                                         r"model.type_vocab_size: 2"):  # fmt: skip
+        hf.check_directory(_spec("bert", type_vocab_size=0), directory)
+    hf.check_directory(_spec("bert"), directory)  # with its token types: fine

@@ -617,6 +617,13 @@ def check_directory(spec: ModelSpec, directory: Path | str) -> TensorSource:
     problem = _tied_copy_problem(spec, source, where=str(directory))
     if problem:
         raise ValueError(problem)
+    if spec.family == "bert" and not spec.type_vocab_size:
+        # One small tensor's values, read here rather than in `from_hf` only: there the refusal came after the
+        # process group, as a traceback, and a run retried it as a crash.
+        types = source.get(_NO_TYPES)
+        if types is not None and bool(types.to(torch.float32)[0].abs().max() > 0):
+            raise ValueError(f"{directory}: tensor {_NO_TYPES!r} holds token-type embeddings, which this model "
+                             f"lacks; set model.type_vocab_size: {types.shape[0]}")  # fmt: skip
     return source
 
 

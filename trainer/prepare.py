@@ -51,6 +51,7 @@ import lzma
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -379,6 +380,22 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
     if not (math.isfinite(chunk_mb) and chunk_mb > 0):
         raise ValueError(f"--chunk-mb {chunk_mb:g}: give a positive, finite size in MB (default 1)")
     tokenizer, raw, config_eos = load_tokenizer(tokenizer_path)
+    tokenizer_json = raw.decode("utf-8-sig")
+    settings = json.loads(tokenizer_json)
+    if isinstance(settings, dict) and (settings.get("truncation") or settings.get("padding")):
+        # Saved after `tokenizer(..., truncation=True)`: the settings are for model inputs. On a corpus they kept
+        # the first max_length tokens of each document (99.9% of a 2 MB file lost) or padded short ones.
+        which = " and ".join(k for k in ("truncation", "padding") if settings.get(k))
+        print(f"cona data prepare: note: {tokenizer_path} sets {which} (for model inputs); tokenizing the corpus "
+              "without it", file=sys.stderr)  # fmt: skip
+        settings["truncation"] = settings["padding"] = None
+        tokenizer_json = json.dumps(settings)
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+    if workers > (cores := os.cpu_count() or 1):
+        # All are forked at once: 100000 of them hung the machine before the first chunk.
+        print(f"cona data prepare: note: --workers {workers} is more than the {cores} cores; using {cores}",
+              file=sys.stderr)  # fmt: skip
+        workers = cores
     # The largest id + 1, not the count: a vocabulary with holes (an id above the count) would otherwise be written
     # in a dtype too narrow for it, wrapping around into other tokens, and recorded too small for the model.
     vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -404,7 +421,6 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
     with _writing_to(out, (tmp, meta_tmp), created=not out.exists()):
         out.mkdir(parents=True, exist_ok=True)
         size = max(1, int(chunk_mb * 1e6))
-        tokenizer_json = raw.decode("utf-8-sig")
         rest_json = _rest_tokenizer(tokenizer_json)
         harmless = harmless_cut(tokenizer, Tokenizer.from_str(rest_json))
         from tqdm import tqdm
@@ -432,13 +448,20 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
                 total += len(ids)
                 bar.update(done - bar.n)
 
-            for piece, first, last, done in _pieces(files, size, harmless):
-                text_seen = text_seen or not piece.isspace()
-                pending.append((pool.submit(_encode, (piece, first)), last, done))
-                if len(pending) >= 2 * workers:
+            try:
+                for piece, first, last, done in _pieces(files, size, harmless):
+                    text_seen = text_seen or not piece.isspace()
+                    pending.append((pool.submit(_encode, (piece, first)), last, done))
+                    if len(pending) >= 2 * workers:
+                        write_next()
+                while pending:
                     write_next()
-            while pending:
-                write_next()
+            except (ValueError, OSError):
+                raise
+            except Exception as e:  # tokenizers raises a bare Exception for text it cannot encode (no unk token)
+                line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                raise ValueError(f"--tokenizer {tokenizer_path}: cannot encode the text ({line}); give a tokenizer "
+                                 "that covers every character (an unknown token or byte fallback)") from None  # fmt: skip
             if not text_seen:
                 raise ValueError(empty)
             f.flush()
@@ -687,13 +710,31 @@ def _writing_to(out: Path, temporary: tuple[Path, ...], *, created: bool = False
         raise
 
 
+class _Terminated(BaseException):  # not Exception: no handler of errors may take it for one
+    """SIGTERM (a scheduler's or `kill`'s stop): raised in the main thread so that `_writing_to` removes the
+    partial files, as for Ctrl-C; Python's default action for it ends the process with nothing cleaned up."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         meta = prepare(args.tokenizer, args.input, args.out, eos=args.eos, workers=args.workers, chunk_mb=args.chunk_mb)
     except (OSError, ValueError) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print("cona data prepare: terminated; no partial tokens left", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {args.out / TOKENS_FILE}: {meta['num_tokens']:,} tokens ({meta['token_dtype']}) from "
           f"{meta['documents']} document(s), vocabulary {meta['vocab_size']:,}, EOS id {meta['eos_id']}; "
           f"train on it with data.path: {args.out}")  # fmt: skip
