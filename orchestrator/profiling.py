@@ -195,6 +195,10 @@ def pick_strategies(candidates: list[Candidate], *, base_gbs: int, top: int) -> 
     return picked[:top]
 
 
+MAX_STEPS = 100_000
+"""The most `--steps` per strategy `cona profile` takes."""
+
+
 def schedule_for(strategies: list[Strategy], *, steps: int) -> tuple[list[dict[str, Any]], int]:
     """`policy.schedule` entries that run each strategy for `steps` steps, one after the other, and the samples at
     which the last one ends: the profiling run stops there, not at a validation target."""
@@ -240,6 +244,9 @@ def profiling_job(profile: ClusterProfile, job: Job, *, top: int | None, strateg
                           f"{interval}; the first after each switch is warm-up): give at least {2 * interval} "
                           f"(default {DEFAULT_HEARTBEATS * interval})")  # fmt: skip
     steps = DEFAULT_HEARTBEATS * interval if steps is None else steps
+    if steps > MAX_STEPS:  # a profile is minutes of measurement, not a training run (and 10**20 overflowed a field)
+        raise ConfigError(f"--steps {steps}: a profile measures each strategy for a few heartbeats; give at most "
+                          f"{MAX_STEPS:,} (default {DEFAULT_HEARTBEATS * interval})")  # fmt: skip
     entries, end = schedule_for(chosen, steps=steps)
     spec = job_to_dict(job)
     spec["policy"] = {**spec["policy"], "name": "schedule", "schedule": entries}

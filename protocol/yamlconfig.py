@@ -365,6 +365,11 @@ def parse_bytes(value: Any, *, per_second: bool = False) -> float:
         raise ValueError(f"cannot read a number in {value!r}") from None
     if not math.isfinite(amount):
         raise ValueError(f"must be a finite number, got {value!r}")
+    if amount <= 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    if not unit:  # units are required so that bits and bytes are never confused
+        example = f"'{number} GB/s' or '{number} Gbit/s'" if per_second else f"'{number} GB' or '{number} GiB'"
+        raise ValueError(f"{value!r} has no unit; write e.g. {example}")
     bits = unit.endswith("bit") or (unit.endswith("b") and not unit.endswith("B"))
     if bits and not per_second:
         # A memory size in bits is almost always a mistyped "GB" ("80 gb" would silently be 10 GB).

@@ -463,7 +463,7 @@ def test_a_text_field_set_on_the_command_line_takes_the_text_as_written(tmp_path
     assert profile.slurm.time_limit == "1:00:00"
     assert load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=  2 "]).slurm.time_limit == "2"
     assert load_job(EXAMPLES / "tiny-gpt.yaml", ["name=2024"]).name == "2024"
-    with pytest.raises(ConfigError, match=r"unknown unit '' in '80'.*set by --profile-set accelerator\.memory=80"):
+    with pytest.raises(ConfigError, match=r"'80' has no unit; write e.g. '80 GB'.*set by --profile-set accelerator\.memory=80"):
         load_profile(PROFILES / "local-slurm.yaml", ["accelerator.memory=80"])  # the text, judged by its own rule
     with pytest.raises(ConfigError, match=r"field 'batch\.base_gbs'"):
         load_job(EXAMPLES / "tiny-gpt.yaml", ["batch.base_gbs=abc"])  # a number field keeps its own check

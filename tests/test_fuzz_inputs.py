@@ -342,7 +342,7 @@ def test_a_mistyped_control_record_is_passed_over_as_damaged(tmp_path, text):
      "field 'batch': gbs_choices [1000] must be a non-empty list within [min_gbs, max_gbs]"),
     (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "name=../../evil"], "field 'name': use 1-63 letters"),
     (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--profile-set", "accelerator.memory=4"],
-     "field 'accelerator.memory': unknown unit '' in '4'; use B, KB, MB"),
+     "field 'accelerator.memory': '4' has no unit; write e.g. '4 GB' or '4 GiB'"),
     (["render", "slurm", "--profile", str(REPO / "slurm" / "profiles" / "local-slurm.yaml"), "--job", str(JOB),
       "--profile-set", "slurm.time_limit=forever"], "field 'slurm.time_limit': not a Slurm time"),
     (["run", "--profile", str(PROFILE), "--job", str(JOB), "--policy", "fixed:dp=1,dp=4,tp=1,pp=1,mbs=2,gbs=16",

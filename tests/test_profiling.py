@@ -82,6 +82,9 @@ def test_the_profiling_job_runs_each_strategy_for_its_steps_and_stops_after_the_
         ({"steps": 0}, "--steps 0 gives each strategy fewer than 2 heartbeats"),
         ({"steps": 1}, r"--steps 1 gives each strategy fewer than 2 heartbeats \(heartbeat.interval_steps=1; the "
                        r"first after each switch is warm-up\): give at least 2"),
+        # It named target.max_samples, a field the user never set.
+        ({"steps": 10**20}, r"--steps 100000000000000000000: a profile measures each strategy for a few heartbeats; "
+                            r"give at most 100,000"),
     ],
 )
 def test_a_bad_choice_of_what_to_profile_is_one_line(setup, kwargs, message):
