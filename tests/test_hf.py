@@ -276,6 +276,11 @@ def test_export_from_a_layout_loads_in_transformers(tmp_path, family, strategy, 
     _export_here(tmp_path / "run", out, "--max-shard-size", "100KB", "--overwrite")
     assert hf.directory_digest(out) == digest
     newest = max((tmp_path / "run" / "checkpoints").glob("step-*"))
+    # Into a checkpoint (or beside them): it wrote config.json and weights into the DCP directory, with --overwrite.
+    before = sorted(p.name for p in newest.iterdir())
+    for inside in (newest, tmp_path / "run" / "checkpoints" / "hf"):
+        assert main([str(tmp_path / "run"), "--format", "hf", "--out", str(inside), "--overwrite"]) == ExitCode.CONFIG
+    assert sorted(p.name for p in newest.iterdir()) == before and not (tmp_path / "run" / "checkpoints" / "hf").exists()
     shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 4 : len(data) // 2] = bytes(len(data) // 2 - len(data) // 4)

@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.out.exists() and not args.out.is_dir():
             raise ConfigError(f"--out {args.out}: a file, not a directory; give a directory for config.json and the weights")
+        inside = args.out.resolve()
+        if inside == run_dir.checkpoints.resolve() or run_dir.checkpoints.resolve() in inside.parents:
+            # --overwrite there wrote config.json and weights into a DCP checkpoint (or beside them, as a checkpoint
+            # name the trainer would try to resume).
+            raise ConfigError(f"--out {args.out}: inside the run's checkpoints ({run_dir.checkpoints}); give a "
+                              "directory outside them")  # fmt: skip
         # Another model may live there (the one the run started from, say): replacing its weights takes a decision.
         if args.out.is_dir() and any(args.out.iterdir()) and not args.overwrite:
             raise ConfigError(f"--out {args.out}: not empty; give a new directory, or --overwrite to replace its "
