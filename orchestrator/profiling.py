@@ -116,11 +116,27 @@ def check_compatible(record: MeasuredRecord, source: Path, profile: ClusterProfi
             )
 
 
+def _check_runnable(record: MeasuredRecord, source: Path, profile: ClusterProfile, job: Job) -> None:
+    """ConfigError (one line) for an entry whose strategy this job could never run on this profile: a record edited
+    by hand (`cona profile` measures only what ran) would otherwise calibrate the model with it."""
+    from cona.protocol.feasibility import strategy_problem
+
+    for i, entry in enumerate(record.measured):
+        strategy = Strategy.from_dict(entry["strategy"])
+        problem = strategy_problem(job, strategy, gpus_per_node=profile.gpus_per_node)
+        if not problem and strategy.world_size > profile.num_gpus:
+            problem = f"it needs {strategy.world_size} devices, the profile has {profile.num_gpus}"
+        if problem:
+            raise ConfigError(f"--measured {source}: entry {i} ({strategy.short()}) is no strategy of this run: "
+                              f"{problem}; profile again")  # fmt: skip
+
+
 def load_compatible(path: str | Path, profile: ClusterProfile, job: Job) -> tuple[MeasuredRecord, Path]:
     """`load_measured`, refused (`check_compatible`) when measured on another setup than `profile` and `job`'s:
     what `cona run --measured` and `cona plan --measured` read."""
     record, source = load_measured(path)
     check_compatible(record, source, profile, job)
+    _check_runnable(record, source, profile, job)
     return record, source
 
 

@@ -280,3 +280,16 @@ def test_a_window_with_an_infinite_step_time_is_no_timed_window(setup):
     model.attempt_started(1, s)
     model.absorb(1, s, beats)
     assert model.throughput.measured_time_s(s) == pytest.approx(0.05) and model.throughput.num_observations(s) == 1
+
+
+def test_a_measured_strategy_this_run_could_never_run_is_refused(tmp_path, setup):
+    """A record edited by hand: dp=3 with pp=2 on 4 devices, a batch that does not split, was taken in and
+    calibrated the model. `cona profile` measures only what ran."""
+    profile, job, _ = setup
+    for bad, why in ((Strategy(3, 1, 2, 2, 16), "no strategy of this run"),
+                     (Strategy(8, 1, 1, 2, 16), "it needs 8 devices, the profile has 4")):  # fmt: skip
+        root = write_record(tmp_path / bad.short().replace(" ", "-"), [entry(S), entry(bad)], setup)
+        with pytest.raises(ConfigError, match=f"entry 1 \\({bad.short()}\\) is no strategy of this run") as info:
+            profiling.load_compatible(root, profile, job)
+        assert why in str(info.value) and "\n" not in str(info.value)
+    profiling.load_compatible(write_record(tmp_path / "good", [entry(S)], setup), profile, job)
