@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import positive_int, print_table, run_main, write_json
 
 
 def fit_efficiency(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", required=True, type=Path, help="the profile whose accelerator this machine has")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: the profile's accelerator.device)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size of the GEMMs (default 4096 on cuda, 512 on cpu)")
+    parser.add_argument("--hidden", type=positive_int, default=None, help="hidden size of the GEMMs (default 4096 on cuda, 512 on cpu)")
     parser.add_argument("--tokens", default=None, help="comma-separated tokens per micro-batch to sweep")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per shape")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed repetitions per shape")
     parser.add_argument("--out", type=Path, default=None, help="JSON to write (default benchmarks/results/calibrate-<profile>.json)")
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+MAX_INT = 2**53
+"""The largest count a job field takes (`cona.protocol.yamlconfig.MAX_INT`)."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,10 +64,17 @@ def command_line() -> str:
     return f"python -m benchmarks.{module}" + (f" {args}" if args else "")
 
 
-def write_json(name: str, data: dict[str, Any], *, indent: int | None = 1) -> Path:
-    """`benchmarks/results/<name>` with the command line, the machine and the time in front of `data`."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def results_path(name: str | Path) -> Path:
+    """Where an output named `name` goes: a bare file name (`ttp.json`, an `--out` default) under
+    `benchmarks/results/`; a path with a directory (`/tmp/x.json`, `out/x.json`) where it says, from the current
+    directory. (Every path was put under `benchmarks/results/`: `--out ../x.json` wrote `benchmarks/x.json`.)"""
+    given = Path(name)
+    return given if given.is_absolute() or len(given.parts) > 1 else RESULTS / given
+
+
+def write_json(name: str | Path, data: dict[str, Any], *, indent: int | None = 1) -> Path:
+    """`results_path(name)` with the command line, the machine and the time in front of `data`."""
+    path = results_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"command": command_line(), "machine": machine(), "written": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
     path.write_text(json.dumps(payload, indent=indent, default=json_default) + "\n")
@@ -148,6 +157,8 @@ def names_arg(parser: argparse.ArgumentParser, flag: str, text: str, valid: Sequ
             parser.error(f"{flag}: unknown {name!r}; valid: {', '.join(valid)}")
     if not names:
         parser.error(f"{flag}: empty; valid: {', '.join(valid)}")
+    if len(set(names)) < len(names):  # the same runs trained twice and counted twice
+        parser.error(f"{flag}: a name is given twice, got {text!r}")
     return names
 
 
@@ -159,6 +170,10 @@ def ints_arg(parser: argparse.ArgumentParser, flag: str, text: str, *, minimum: 
         parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
     if any(v < minimum for v in values):
         parser.error(f"{flag}: every value must be at least {minimum}, got {text!r}")
+    if any(v > MAX_INT for v in values):  # a seed the job refuses ended a worker in a traceback, minutes in
+        parser.error(f"{flag}: every value must be at most {MAX_INT:.0e}, got {text!r}")
+    if len(set(values)) < len(values):  # the same run trained twice and counted twice in the means
+        parser.error(f"{flag}: a value is given twice, got {text!r}")
     return values
 
 
@@ -195,3 +210,27 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     console = Console(width=width)
     console.print(Text(title))  # above the table, not wrapped to its width
     console.print(table)
+
+
+def positive_int(text: str) -> int:
+    """argparse `type` for a count of at least 1 (`--steps 0` divided by zero after the run; `--repeats -1` had
+    no median)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (and at most {MAX_INT:.0e}), got {text!r}")
+    return value
+
+
+def run_main(main: Callable[[], int]) -> int:
+    """A benchmark's `main()`, with a bad profile, job or record it loads (`ConfigError`, `FileNotFoundError`)
+    answered in one line naming it, as the `cona` commands answer them, instead of a traceback."""
+    from cona.protocol.yamlconfig import ConfigError
+
+    try:
+        return main()
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"python -m benchmarks.{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
+        return 2

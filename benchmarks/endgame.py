@@ -53,6 +53,7 @@ from benchmarks.common import (
     map_workers,
     names_arg,
     print_table,
+    run_main,
     shown,
     write_json,
 )
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = names_arg(parser, "--workloads", args.workloads, list(WORKLOADS))
     batches = batches_arg(parser, "--batches", args.batches)
+    if list(batches) != sorted(batches):  # the last is the largest: its uncapped and cut branches are built from it
+        parser.error(f"--batches: give them in increasing order (the last the largest), got {args.batches!r}")
     states = ints_arg(parser, "--states", args.states)
     seeds = ints_arg(parser, "--seeds", args.seeds)
     if args.samples < max(batches):
@@ -321,4 +324,4 @@ def _print_to_target(results: list[dict[str, Any]], report: dict[str, Any], path
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

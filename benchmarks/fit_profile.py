@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, print_table, write_json
+from benchmarks.common import REPO, positive_int, print_table, run_main, write_json
 
 PARAMS = [  # (dotted field, unit suffix or None for a plain number)
     ("accelerator.peak_tflops", None),
@@ -120,13 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=REPO / "slurm" / "profiles" / "local-cpu.yaml")
     parser.add_argument("--job", type=Path, default=REPO / "examples" / "tiny-gpt.yaml")
-    parser.add_argument("--samples", type=int, default=1200, help="samples trained per strategy")
+    parser.add_argument("--samples", type=positive_int, default=1200, help="samples trained per strategy")
     parser.add_argument("--measured", type=Path, default=None, help="refit from this JSON's measurements")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     profile, job = load_profile(args.profile), load_job(args.job)
     if args.measured:
-        rows = json.loads(args.measured.read_text())["measured"]
+        try:
+            saved = json.loads(args.measured.read_text())
+            rows = saved["measured"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--measured {args.measured}: not a fit_profile JSON ({type(e).__name__}: {e})")
+        there = Path(str(saved.get("profile", ""))).name
+        if there and there != Path(args.profile).name:  # another machine's step times, fitted as this one's constants
+            parser.error(f"--measured {args.measured}: measured with profile {there}, not {Path(args.profile).name}; "
+                         f"give --profile of that machine, or measure this one")  # fmt: skip
     else:
         ranked = rank_by_iter_time(enumerate_candidates(profile=profile, job=job))
         small, large = min(job.batch.candidate_gbs()), job.batch.base_gbs * 4
@@ -160,4 +168,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, command_line, fmt_s, json_default, machine, print_table
+from benchmarks.common import REPO, command_line, fmt_s, json_default, machine, print_table, run_main
 
 RESULT_FILE = "gpu-check.json"
 # The switch runs use one process, on the CPU as on the GPU (a lent machine has one): the CPU version checks what
@@ -738,4 +738,4 @@ def report(data: dict[str, Any], path: Path) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -33,7 +33,17 @@ import os
 import time
 from typing import Any
 
-from benchmarks.common import batches_arg, ints_arg, map_workers, names_arg, print_table, shown, write_json
+from benchmarks.common import (
+    batches_arg,
+    ints_arg,
+    map_workers,
+    names_arg,
+    positive_int,
+    print_table,
+    run_main,
+    shown,
+    write_json,
+)
 from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
 WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
@@ -120,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="gpt,llama,bert", help="comma-separated: gpt, llama, bert")
     parser.add_argument("--batches", default="16,64,256", help="batches measured from each state (tiny samples)")
     parser.add_argument("--states", default="2048,8192", help="samples trained at the base batch before each state")
-    parser.add_argument("--steps", type=int, default=300, help="steps per (state, mode, batch)")
+    parser.add_argument("--steps", type=positive_int, default=300, help="steps per (state, mode, batch)")
     parser.add_argument("--warmup", type=int, default=50, help="first steps left out of each estimate")
     parser.add_argument("--modes", default="held,trained", help="comma-separated: held, trained")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=min(3, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--jobs", type=positive_int, default=min(3, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--out", default="noise-batch.json", help="JSON name under benchmarks/results")
     args = parser.parse_args(argv)
     names = names_arg(parser, "--workloads", args.workloads, list(WORKLOADS))
+    ints_arg(parser, "--seed", str(args.seed))  # a seed the job refuses ended a worker in a traceback
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must lie in [0, --steps), got {args.warmup}")
     modes = tuple(names_arg(parser, "--modes", args.modes, list(MODES)))
@@ -159,4 +170,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

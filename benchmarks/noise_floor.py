@@ -37,7 +37,16 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import REPO, batches_arg, map_workers, names_arg, print_table, shown, write_json
+from benchmarks.common import (
+    REPO,
+    batches_arg,
+    map_workers,
+    names_arg,
+    print_table,
+    run_main,
+    shown,
+    write_json,
+)
 from benchmarks.ttp import WORKLOADS as TTP_WORKLOADS
 
 WORKLOADS = {name: w["job"] for name, w in TTP_WORKLOADS.items()}
@@ -202,4 +211,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt_s, loop_time, print_table, shown, write_json
+from benchmarks.common import REPO, fmt_s, loop_time, positive_int, print_table, run_main, shown, write_json
 
 SETTINGS = {
     "full": ["heartbeat.interval_steps=1", "heartbeat.gradient_stats=true", "policy.noise_estimator=adam"],
@@ -188,8 +188,8 @@ def planner() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="steps per end-to-end run")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four settings")
+    parser.add_argument("--steps", type=positive_int, default=300, help="steps per end-to-end run")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of the four settings")
     args = parser.parse_args(argv)
     (REPO / "runs").mkdir(exist_ok=True)
     plan = planner()
@@ -219,4 +219,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -46,7 +46,7 @@ from cona.orchestrator.planner import evaluate, layout_reason
 from cona.orchestrator.profile import ClusterProfile, load_profile
 from cona.protocol.yamlconfig import MAX_INT, ConfigError, load_yaml
 
-from benchmarks.common import REPO, RESULTS, write_json
+from benchmarks.common import REPO, RESULTS, results_path, run_main, shown, write_json
 
 RECORD = REPO / "tests" / "published" / "megatron_sc21.yaml"
 VOCAB, SEQ = 51200, 2048
@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override the record's cluster after its profile_set (repeatable), e.g. "
                              "'network.inter_node_bandwidth=135 Gbit/s'")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.out.is_dir():  # said before the costing, not after its table
+    if results_path(args.out).is_dir():  # said before the costing, not after its table
         parser.exit(2, f"{parser.prog}: error: --out {args.out}: is a directory; give the path of the JSON file\n")
     try:
         record = load_record(args.record)
@@ -744,14 +744,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(t2) > 1:
         print(f"table_2: rank correlation {spearman([c.predicted_tflops for c in t2], [c.published_tflops for c in t2]):.2f}")
     try:
-        write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
+        written = write_json(args.out, {"cases": [c.to_dict() for c in cases], "profile": record["profile"],
                               "profile_set": record.get("profile_set", []), "record": str(args.record)})  # fmt: skip
     except OSError as e:  # a directory, or a folder that cannot be made: a traceback after the table
         parser.exit(2, f"{parser.prog}: error: --out {args.out}: cannot write ({e.strerror or e}); give a file path "
                        "in a writable folder\n")  # fmt: skip
-    print(f"wrote {args.out}")
+    print(f"wrote {shown(written)}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

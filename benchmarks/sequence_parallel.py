@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, loop_time, print_table, shown, write_json
+from benchmarks.common import REPO, loop_time, print_table, run_main, shown, write_json
 
 LAYOUTS = {"dp=1 tp=2": ("dp=1,tp=2,pp=1,mbs=8,gbs=32", 2), "dp=2 tp=2": ("dp=2,tp=2,pp=1,mbs=8,gbs=32", 4)}
 COMMON = [
@@ -159,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main(main))

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt_s, print_table, shown, write_json
+from benchmarks.common import REPO, fmt_s, print_table, run_main, shown, write_json
 
 MODELS: dict[str, list[str]] = {
     "tiny": [],  # examples/tiny-gpt.yaml: 0.24M parameters
@@ -258,4 +258,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -65,6 +65,8 @@ from benchmarks.common import (
     map_workers,
     names_arg,
     print_table,
+    results_path,
+    run_main,
     shown,
     spread,
     write_json,
@@ -847,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}: must be {'above' if strict else 'at least'} {low:g}, got {value:g}")
     if args.resummarize:
         path = Path(args.resummarize)
-        finish(_read_report(path, "--resummarize"), path.name, keep_header=True)
+        # Back into the file given (it went to benchmarks/results/ under its name, wherever it was), or --out.
+        finish(_read_report(path, "--resummarize"), args.out or path.resolve(), keep_header=True)
         return 0
 
     scenario_profile, scenario_preset = SCENARIOS[args.scenario or "reference"]
@@ -855,8 +858,10 @@ def main(argv: list[str] | None = None) -> int:
     args.preset = args.preset or scenario_preset
     if args.out is None and args.scenario not in (None, "reference"):
         args.out = f"ttp{'-quick' if args.quick else ''}-{args.scenario}.json"
-    names = names_arg(parser, "--workloads", args.workloads or ("gpt" if args.quick else "gpt,llama,bert"), list(WORKLOADS))
-    seeds = list(ints_arg(parser, "--seeds", args.seeds or ("0,1" if args.quick else "0,1,2,3")))
+    # `is None`, not `or`: an empty --seeds "" was taken as "the defaults" and started training.
+    names = names_arg(parser, "--workloads", ("gpt" if args.quick else "gpt,llama,bert") if args.workloads is None
+                      else args.workloads, list(WORKLOADS))  # fmt: skip
+    seeds = list(ints_arg(parser, "--seeds", ("0,1" if args.quick else "0,1,2,3") if args.seeds is None else args.seeds))
     segment_s = args.segment_s or (200.0 if args.quick else 500.0)
     previous = _previous_runs(args.cona_only, args=args, names=names, seeds=seeds) if args.cona_only else {}
     _check_cluster(parser, args, names)
@@ -883,8 +888,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results = map_workers(run_workload_seed, settings, jobs=args.jobs)
     wall = time.time() - started
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    raw = RESULTS / f"{args.out or ('ttp-quick.json' if args.quick else 'ttp.json')}.raw"
+    out = results_path(args.out or ("ttp-quick.json" if args.quick else "ttp.json"))
+    raw = out.with_name(out.name + ".raw")
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"wall_s": wall, "results": results}, default=str))  # kept if the summary fails
 
@@ -973,7 +978,7 @@ def _switch_costs(cluster: dict[str, Any]) -> str:
     return f"{in_place:.1f} s in place, {relaunch}" if in_place is not None else relaunch
 
 
-def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> Path:
+def finish(report: dict[str, Any], name: str | Path, *, keep_header: bool = False) -> Path:
     """Summaries, plots, JSON and the tables, from the raw runs in `report`."""
     from cona.orchestrator.job import load_job
 
@@ -982,11 +987,12 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
     for workload, w in report["workloads"].items():
         targets = w.get("targets") or w["summary"]["targets"]
         w["summary"] = summarize(workload, targets, w["runs"], preset_base)
-        png = (RESULTS / name).parent / f"{Path(name).stem}-{workload}.png"  # ttp-gpt.png, <--out>-gpt.png beside the JSON
+        png = results_path(name).parent / f"{Path(name).stem}-{workload}.png"  # ttp-gpt.png, <--out>-gpt.png beside the JSON
         plot(workload, w["runs"], targets, png)
         w["plot"] = shown(png)
     if keep_header:  # --resummarize: the machine and command are those of the run that trained
-        path = RESULTS / name
+        path = results_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
         report["resummarized"] = time.strftime("%Y-%m-%d %H:%M:%S")
         path.write_text(json.dumps(report, default=str) + "\n")
     else:
@@ -1006,4 +1012,4 @@ def finish(report: dict[str, Any], name: str, *, keep_header: bool = False) -> P
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

@@ -3,6 +3,8 @@ line naming the flag, and the valid choices where there are some — never a tra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import endgame, noise_batch, noise_floor, sequence_parallel, ttp
@@ -30,6 +32,14 @@ def test_a_misspelled_workload_is_answered_with_the_valid_ones(module, argv, say
     (noise_batch, ["--modes", "held,x"], "--modes: unknown 'x'; valid: held, trained"),
     (sequence_parallel, ["--steps", "1"], "--steps: must be at least 2, got 1"),
     (sequence_parallel, ["--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    # A seed the job refuses ended a worker in a traceback, minutes in; a repeated one trained and counted twice.
+    (ttp, ["--seeds", "0,9007199254740993"], "--seeds: every value must be at most 9e+15, got '0,9007199254740993'"),
+    (ttp, ["--seeds", "0,0"], "--seeds: a value is given twice, got '0,0'"),
+    (ttp, ["--seeds", ""], "--seeds: expected comma-separated integers, got ''"),  # not "the defaults"
+    (ttp, ["--workloads", "gpt,gpt"], "--workloads: a name is given twice, got 'gpt,gpt'"),
+    (noise_batch, ["--seed", "-1"], "--seed: every value must be at least 0, got '-1'"),
+    (noise_batch, ["--jobs", "0"], "argument --jobs: must be at least 1 (and at most 9e+15), got '0'"),
+    (endgame, ["--batches", "128,64"], "--batches: give them in increasing order (the last the largest), got '128,64'"),
 ])  # fmt: skip
 def test_bad_numbers_and_modes_name_the_flag(module, argv, says, capsys):
     with pytest.raises(SystemExit) as info:
@@ -81,3 +91,37 @@ def test_ttp_resummarize_names_a_file_it_cannot_use(tmp_path, content, says):
     with pytest.raises(SystemExit) as info:
         ttp.main(["--resummarize", str(path)])
     assert says in str(info.value.code) and str(path) in str(info.value.code)
+
+
+def test_an_out_with_a_directory_goes_where_it_says_and_a_bare_name_under_results():
+    """`--out ../x.json` wrote benchmarks/x.json and `--out /tmp/x.json`... under benchmarks/results too."""
+    from benchmarks.common import RESULTS, results_path
+
+    assert results_path("ttp.json") == RESULTS / "ttp.json"
+    assert results_path("/tmp/x/ttp.json") == Path("/tmp/x/ttp.json")
+    assert results_path("out/x.json") == Path("out/x.json") and results_path("../x.json") == Path("../x.json")
+
+
+def test_resummarize_writes_back_to_the_file_it_read(tmp_path):
+    """It wrote benchmarks/results/<the file's name> (and its plots), whatever directory the file was in: a copy of
+    someone's ttp.json resummarized from elsewhere overwrote the shipped one."""
+    import shutil
+
+    from benchmarks.common import RESULTS
+
+    copy = tmp_path / "theirs.json"
+    shutil.copy(RESULTS / "ttp-quick.json", copy)
+    before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+    ttp.main(["--resummarize", str(copy)])
+    assert (tmp_path / "theirs-gpt.png").exists() and '"resummarized"' in copy.read_text()
+    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before  # nothing written there
+
+
+def test_a_profile_or_record_that_cannot_be_loaded_is_one_line(capsys, monkeypatch):
+    from benchmarks import switch
+    from benchmarks.common import run_main
+
+    monkeypatch.setattr("sys.argv", ["switch.py", "--profile", "slurm/profiles/nope.yaml"])
+    assert run_main(lambda: switch.main(["--profile", "slurm/profiles/nope.yaml"])) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m benchmarks.switch: error: ") and last.endswith("nope.yaml: file not found")
