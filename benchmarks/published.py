@@ -89,6 +89,9 @@ of one of the valid keys (which would send the writer looking for the right spel
 MIN_PEAK_FRACTION = 0.01
 """A published rate below this fraction of the accelerator's peak is a unit mistyped (milliseconds given as
 `iter_time_s`), not a run: the slowest published run of the shipped records is at 14% (ZeRO-3, 1536 GPUs)."""
+MIN_MEMORY_FRACTION = 0.01
+"""A published memory under this fraction of the device's is a unit mistyped (TB given as GB): no training run of
+these models fits in 1% of a GPU."""
 MEMORY_SLACK = 1.1
 """A published memory may exceed the profile's nominal memory by GB against GiB and nvidia-smi's total (an 80 GB
 A100 shows 81,920 MiB): above this factor it is a unit mistyped (MiB as GB) or the whole node's."""
@@ -127,9 +130,21 @@ def _not_int(value: Any) -> str:
             number = math.nan
         if value.strip().isdigit():
             hint = " (text, not a number: remove the quotes)"
-        elif math.isfinite(number):  # YAML 1.1 reads 5e2 (no dot) as text
-            hint = " (text, not a number: YAML reads e-notation without a dot as text; write the integer in full)"
+        elif math.isfinite(number):
+            hint = E_NOTATION_HINT
     return f"must be a positive integer, got {_shown(value)}{hint}"
+
+
+E_NOTATION_HINT = (" (text, not a number: YAML 1.1 reads e-notation without a sign in the exponent, 1.2e4 or 6.4e1, "
+                   "as text; write 1.2e+4 or the number in full)")  # fmt: skip
+"""Said where a number was given as `1.2e4`: PyYAML takes it for a string (the dot was not the cause)."""
+
+
+def _text_number_hint(value: Any) -> str:
+    try:
+        return E_NOTATION_HINT if isinstance(value, str) and math.isfinite(float(value)) else ""
+    except ValueError:
+        return ""
 
 
 def _positive_ints(value: Any) -> bool:
@@ -270,7 +285,7 @@ def _check_run(row: Any, where: str, *, model: bool, published: bool) -> None:
         for key in (given[0], *(("memory_gb",) if "memory_gb" in row else ())):
             value = row[key]
             _require(_positive_number(value), f"{where}.{key}",
-                     f"must be a positive number (finite), got {_shown(value)}")  # fmt: skip
+                     f"must be a positive number (finite), got {_shown(value)}{_text_number_hint(value)}")  # fmt: skip
 
 
 def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
@@ -298,8 +313,9 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
         _require(isinstance(item, str) and "=" in item, f"{where}: profile_set[{i}]",
                  f"must be a string key=value, e.g. 'network.inter_node_bandwidth=400 Gbit/s', got {item!r}")  # fmt: skip
     defaults = record.get("model_defaults", {})
-    _require(isinstance(defaults, dict) and set(defaults) <= {"vocab_size", "seq_len"}, f"{where}: model_defaults",
-             "must be a mapping of vocab_size and seq_len")  # fmt: skip
+    _require(isinstance(defaults, dict), f"{where}: model_defaults", "must be a mapping of vocab_size and seq_len")
+    stray = sorted(str(k) for k in set(defaults) - {"vocab_size", "seq_len"})
+    _require(not stray, f"{where}: model_defaults.{', '.join(stray)}", "unknown field; valid: vocab_size, seq_len")
     _check_settings(defaults, f"{where}: model_defaults", ".")
     _check_settings(record, where, ": ")
     _require(any(k in record for k in SECTIONS), where, f"no runs: give at least one of {', '.join(SECTIONS)}")
@@ -648,6 +664,10 @@ def implausible(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> 
                     f"{cluster.name}); check that iter_time_s is in seconds (not ms), that tflops and tokens_per_s "
                     "are per GPU, and the record's profile")  # fmt: skip
         memory = c.published_memory_gb
+        if memory is not None and memory * 1e9 < MIN_MEMORY_FRACTION * acc.memory_bytes:
+            return (f"{run}: its published memory of {memory:.2g} GB per GPU is under {MIN_MEMORY_FRACTION:.0%} of the "
+                    f"{acc.name}'s {acc.memory} (profile {cluster.name}); check memory_gb is in GB (not TB) per GPU, "
+                    "and the record's profile")  # fmt: skip
         if memory is not None and memory * 1e9 > MEMORY_SLACK * acc.memory_bytes:
             return (f"{run}: its published memory of {_magnitude(memory)} GB per GPU is above the "
                     f"{acc.name}'s {acc.memory} (profile {cluster.name}); check memory_gb is in GB per GPU (not "

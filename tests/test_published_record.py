@@ -77,7 +77,7 @@ def test_main_writes_the_json_of_another_record(tmp_path, capsys):
         ({"runs": [{**RECORD["runs"][0], "tflops": 100}]}, "runs[0]: give exactly one of tflops"),
         ({"runs": [{**RECORD["runs"][0], "heads": "many"}]}, "runs[0].heads: must be a positive integer"),
         ({"attention": "flash"}, "attention: must be materialized or sdpa"),
-        ({"model_defaults": {"vocab": 3}}, "model_defaults: must be a mapping of vocab_size and seq_len"),
+        ({"model_defaults": {"vocab": 3}}, "model_defaults.vocab: unknown field; valid: vocab_size, seq_len"),
         ({"runs": [], "table_2": None}, "runs: must be a non-empty list"),
         ({"profile": "slurm/profiles/nope.yaml"}, "nope.yaml"),
         ({"figure_13": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2}, "gpus": 64, "mbs": 1,

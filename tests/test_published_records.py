@@ -92,6 +92,12 @@ def run(**change):
         ({"runs": [{**run(iter_time_s=math.inf), "tflops": None}]}, "runs[0].iter_time_s: must be a positive number (finite)"),
         ({"runs": [{**run(tokens_per_s=math.inf), "tflops": None}]}, "runs[0].tokens_per_s: must be a positive number (finite)"),
         ({"runs": [run(memory_gb=math.inf)]}, "runs[0].memory_gb: must be a positive number (finite)"),
+        # PyYAML reads 1.2e4 (no sign in the exponent) as text; the hint blamed a missing dot.
+        ({"runs": [{**run(tokens_per_s="1.2e4"), "tflops": None}]},
+         "runs[0].tokens_per_s: must be a positive number (finite), got '1.2e4' (text, not a number: YAML 1.1 reads "
+         "e-notation without a sign in the exponent"),
+        ({"model_defaults": {"vocab_size": 51200, "seqlen": 2048}, "runs": [RUN]},
+         "model_defaults.seqlen: unknown field; valid: vocab_size, seq_len"),
         # A run without a usable name was labelled "None" or "['a']" or "".
         ({"runs": [run(name=None)]}, "runs[0].name: must be a non-empty name, got None"),
         ({"runs": [run(name="")]}, "runs[0].name: must be a non-empty name, got ''"),
@@ -133,6 +139,9 @@ def test_an_empty_record_is_called_empty(tmp_path, capsys, text):
         # nvidia-smi's MiB given as GB: 1000x the memory, printed beside the model's as a ratio of 0.00.
         ({"memory_gb": 76000}, "runs: run '1.7B': its published memory of 76,000 GB per GPU is above the "
                                "A100-80GB's 80 GB (profile a100-4x8); check memory_gb is in GB per GPU"),
+        # Terabytes given as GB: a ratio of 7,694 printed as if the memory model were that far off.
+        ({"memory_gb": 0.04}, "runs: run '1.7B': its published memory of 0.04 GB per GPU is under 1% of the "
+                              "A100-80GB's 80 GB (profile a100-4x8); check memory_gb is in GB (not TB) per GPU"),
         # Milliseconds given as seconds: a run 1000x slower than published, costed as a model 640x too fast.
         ({"iter_time_s": 2100, "tflops": None}, "runs: run '1.7B': its published rate is 0.23 TFLOP/s per GPU by the "
                                                 "megatron-sc21 formula, under 1% of the A100-80GB's peak of 312"),
@@ -142,7 +151,7 @@ def test_a_published_number_in_the_wrong_unit_is_refused(tmp_path, capsys, chang
     row = {k: v for k, v in run(**change).items() if v is not None}
     err, _ = refused(tmp_path, capsys, yaml.safe_dump({**BASE, "runs": [row]}))
     assert expected in err, err
-    assert "iter_time_s is in seconds" in err or "not MiB" in err, err
+    assert "iter_time_s is in seconds" in err or "not MiB" in err or "not TB" in err, err
 
 
 @pytest.mark.parametrize("name", NEW_RECORDS)
@@ -244,11 +253,11 @@ def test_a_bad_run_is_named_by_its_position_and_its_name(tmp_path):
         ({"runs": [run(tflops=10**400)]}, "runs[0].tflops: must be a positive number (finite), got 100000000000..."),
         ({"runs": [run(memory_gb=10**400)]}, "runs[0].memory_gb: must be a positive number (finite)"),
         ({"runs": [{**run(tokens_per_s=10**400), "tflops": None}]}, "runs[0].tokens_per_s: must be a positive number"),
-        # Text where a count goes: the hint for quotes and for YAML's e-notation without a dot.
+        # Text where a count goes: the hint for quotes and for YAML's e-notation without a signed exponent.
         ({"runs": [run(layers="24")]}, "runs[0].layers: must be a positive integer, got '24' (text, not a number: "
                                        "remove the quotes)"),
         ({"runs": [run(gbs="5e2")]}, "runs[0].gbs: must be a positive integer, got '5e2' (text, not a number: YAML "
-                                     "reads e-notation without a dot as text"),
+                                     "1.1 reads e-notation without a sign in the exponent"),
     ],
 )  # fmt: skip
 def test_a_layout_or_number_no_run_can_have_is_refused(tmp_path, capsys, change, expected):
