@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 class _DuplicateKey(yaml.MarkedYAMLError):
-    pass
+    """A YAML error of cona's own reading (a key given twice, an octal count), with its line and column."""
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -47,6 +47,18 @@ class _StrictLoader(yaml.SafeLoader):
                                     problem_mark=key_node.start_mark)  # fmt: skip
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
+
+
+def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    # YAML 1.1 reads a leading zero as octal: `gbs: 0100` was 64, silently. Nobody writes a count in octal.
+    text = str(node.value).replace("_", "").lstrip("+-")
+    if len(text) > 1 and text[0] == "0" and text.isdigit():
+        raise _DuplicateKey(problem=f"{node.value} is an octal number to YAML 1.1 ({int(text, 8)}); write it without "
+                                    "the leading zero, or quote it if it is text", problem_mark=node.start_mark)  # fmt: skip
+    return loader.construct_yaml_int(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -121,7 +133,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, source: str =
             raise ConfigError(f"{source} {item!r}: empty field name in {key!r}; expected dotted.key=value, e.g. "
                               "optimizer.lr=3e-4")  # fmt: skip
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""  # as a file reads it (an octal count)
+        except _DuplicateKey as e:
+            raise ConfigError(f"{source} {item!r}: {e.problem}") from None
         except yaml.YAMLError:
             value = raw
         node = data

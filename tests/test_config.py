@@ -235,6 +235,9 @@ def test_a_yaml_file_that_is_no_text_is_named(tmp_path):
 
 
 BAD_PROFILES = [
+    # YAML 1.1 reads a leading zero as octal: 010 nodes were 8.
+    ("name: x\nbackend: local\nnodes: 010\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\n",
+     "line 3 column 8: invalid YAML: 010 is an octal number to YAML 1.1 (8); write it without the leading zero"),
     # A lost indent, as in a job: the unknown-key message named the first stray field alone.
     ("name: x\nbackend: local\nnodes: 1\ngpus_per_node: 2\naccelerator: {peak_tflops: 1, memory: 8 GB}\nnetwork:\n"
      "intra_node_bandwidth: 300 GB/s\ninter_node_latency_us: 5\n",

@@ -359,6 +359,8 @@ def test_a_mistyped_control_record_is_passed_over_as_damaged(tmp_path, text):
     (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "target.max_samples=1e20"],
      "field 'target.max_samples': too large (at most 9e+15)"),
     (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "seed=1.5e30"], "field 'seed': too large"),
+    (["plan", "--profile", str(PROFILE), "--job", str(JOB), "--set", "seed=010"],
+     "--set 'seed=010': 010 is an octal number to YAML 1.1 (8)"),
     # Denormal rates and peaks divided the cost model by zero (a traceback).
     (["plan", "--profile", str(REPO / "slurm" / "profiles" / "a100-4x8.yaml"), "--job", str(JOB), "--profile-set", "accelerator.peak_tflops=1e-320"],
      "field 'accelerator.peak_tflops': Input should be greater than or equal to"),
