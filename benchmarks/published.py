@@ -709,11 +709,14 @@ def print_cases(cases: list[Case]) -> None:
         mem = f"{c.prediction.memory_gb:7.1f}" if c.prediction else "      -"
         if memory:
             mem += f"{c.published_memory_gb:7.1f}" if c.published_memory_gb else "      -"
-        pub = f"{c.published_tflops:9.0f}" if c.published_tflops else "        -"
+        # Below 1 TFLOP/s (a CPU profile) in significant digits: `.0f` printed 0.4 as 0 beside a ratio of 0.94.
+        pub = (f"{c.published_tflops:9.0f}" if c.published_tflops >= 1 else f"{c.published_tflops:9.3g}") \
+            if c.published_tflops else "        -"  # fmt: skip
+        predicted = f"{c.predicted_tflops:8.1f}" if c.predicted_tflops >= 1 else f"{c.predicted_tflops:8.3g}"
         ratio = f"{c.ratio:6.2f}" if c.ratio else "     -"
         flag = "" if c.feasible else f"  REJECTED: {c.reason}"
         print(f"{c.group:<10} {c.label:<{w}} {c.gpus:>5} {c.t:>3} {c.p:>3} {c.d:>4} {c.mbs:>3} {c.gbs:>5} {mem} "
-              f"{c.predicted_tflops:8.1f} {pub} {ratio}{flag}")  # fmt: skip
+              f"{predicted} {pub} {ratio}{flag}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
