@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cona.protocol.yamlconfig import MAX_INT
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-MAX_INT = 2**53
-"""The largest count a job field takes (`cona.protocol.yamlconfig.MAX_INT`)."""
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -152,9 +152,10 @@ def excess_loss(sim: Any, *, draws: int, first_sample: int) -> dict[str, float]:
             g = p.grad.double()
             t += g
             q += g * g
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     trace = 0.0
     for t, q, p in zip(total, squares, params, strict=True):
-        state, group = optimizer.state[p], next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        state, group = optimizer.state[p], group_of[id(p)]
         beta2, step = group["betas"][1], float(state["step"])
         variance = (q - t * t / draws) / (draws - 1)  # per coordinate: Σᵢᵢ / EXCESS_BATCH
         mean_sq = (t / draws) ** 2 - variance / draws  # unbiased |G|² per coordinate

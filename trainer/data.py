@@ -107,9 +107,10 @@ def _read_tokens(path: Path, token_dtype: str) -> np.ndarray:
             raise InputRefused(f"{path}: not a NumPy array of token ids ({e}); check data.path") from None
         if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
             raise InputRefused(f"{path}: expected a 1-D array of token ids (uint16/uint32), got {array.dtype}{array.shape}")
-        if array.dtype.kind == "i" and len(array) and int(array.min()) < 0:
+        least = int(array.min()) if array.dtype.kind == "i" and len(array) else 0  # one scan of the file
+        if least < 0:
             # A negative id indexed the embedding from its end, or failed deep in the model ("index out of range").
-            raise InputRefused(f"{path}: holds negative token ids (the least is {int(array.min())}); token ids run "
+            raise InputRefused(f"{path}: holds negative token ids (the least is {least}); token ids run "
                                "from 0 to vocab_size - 1: check how the file was written")  # fmt: skip
         return array
     dtype = np.dtype(token_dtype)

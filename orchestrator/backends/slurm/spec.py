@@ -171,12 +171,13 @@ class SlurmSpec(StrictModel):
         # may be a comma-separated list of them).
         if value is None:
             return None
-        if not value.strip():
+        name = value.strip()
+        if not name:
             raise ValueError(f"empty; give the {info.field_name}'s name, or leave slurm.{info.field_name} out")
-        if any(ch.isspace() for ch in value.strip()) or value.strip().startswith("-"):
+        if any(ch.isspace() for ch in name) or name.startswith("-"):
             many = " (several partitions are separated by commas: gpu,batch)" if info.field_name == "partition" else ""
             raise ValueError(f"{value!r} is not a Slurm {info.field_name} name: it holds a blank or starts with '-'{many}")
-        return value.strip()
+        return name
 
     @pydantic.field_validator("time_limit")
     @classmethod
