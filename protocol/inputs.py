@@ -253,8 +253,9 @@ def check_split(job: JobSpec, num_tokens: int, *, source: str) -> None:
 
 
 def check_init_from(job: JobSpec) -> None:
-    """`InputRefused` unless `model.init_from` (when set) is a directory with a config.json; what config.json
-    says and the tensors are the trainer's to check (`trainer.hf.check_directory`)."""
+    """`InputRefused` unless `model.init_from` (when set) is a directory with a config.json that describes the job's
+    model (`hfconfig.config_problem`): a mismatch is found before a job waits in a queue for it. The tensors are the
+    trainer's to check (`trainer.hf.check_directory`)."""
     if job.model.init_from is None:
         return
     directory = Path(job.model.init_from)
@@ -264,6 +265,15 @@ def check_init_from(job: JobSpec) -> None:
     if not (directory / MODEL_CONFIG).is_file():
         raise InputRefused(f"model.init_from {job.model.init_from!r}: no {MODEL_CONFIG} in it; give a Hugging Face "
                            f"model directory ({MODEL_CONFIG} + model.safetensors, as save_pretrained writes)")  # fmt: skip
+    from cona.protocol.hfconfig import config_problem, read_config
+
+    try:
+        config = read_config(directory)
+    except ValueError as e:  # unreadable, not JSON
+        raise InputRefused(f"model.init_from: {e}", fix=FIX_FILES) from None
+    problem = config_problem(job.model, config, source=str(directory / MODEL_CONFIG))
+    if problem:  # the model section, or the directory it names
+        raise InputRefused(f"model.init_from: {problem}", fix=FIX_EITHER)
 
 
 def check_inputs(job: JobSpec, *, source: str | None = None) -> None:

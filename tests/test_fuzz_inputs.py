@@ -236,6 +236,42 @@ def test_a_run_with_a_bad_schedule_leaves_no_run_directory(tmp_path):
     assert not (run / "run.yaml").exists()
 
 
+def test_an_init_from_that_is_another_model_is_refused_before_the_run_exists(tmp_path):
+    """config.json is read by `cona run`, not first by the trainer: on a cluster that was after the queue's wait, and
+    the run directory then held the job that does not fit."""
+    import json
+
+    from cona.protocol.hfconfig import _GELU_NAMES
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tiny = load_job(JOB).model
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": tiny.num_layers,
+              "n_embd": tiny.hidden_size, "n_head": tiny.num_heads, "n_positions": tiny.seq_len,
+              "vocab_size": tiny.vocab_size, "layer_norm_epsilon": tiny.norm_eps,
+              "tie_word_embeddings": tiny.tie_embeddings,
+              "activation_function": _GELU_NAMES[tiny.gelu_approximation]}  # fmt: skip
+    for changes, expected, fix in [
+        ({"n_embd": 2 * tiny.hidden_size}, f"hidden_size is {2 * tiny.hidden_size} there but {tiny.hidden_size} here; "
+         f"set model.hidden_size: {2 * tiny.hidden_size}", "either"),
+        ({"model_type": "llama"}, "a llama model, but model.family is gpt; set model.family: llama", "either"),
+        # Python's json reads NaN, which JSON has not: the advice was `set model.norm_eps: nan`.
+        ({"layer_norm_epsilon": float("nan")}, "config.json: not valid JSON (NaN is not a JSON number", "files"),
+    ]:
+        (hf / "config.json").write_text(json.dumps({**config, **changes}))
+        run = tmp_path / f"run-{fix}-{len(changes)}-{next(iter(changes))}"
+        code, _, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--set",
+                                f"model.init_from={hf}", "--run-dir", str(run)])  # fmt: skip
+        line = assert_works_or_one_line(code, err, str(changes))
+        assert code == 2 and "model.init_from:" in line and expected in line, line
+        assert not (run / "run.yaml").exists()
+    # A config.json that describes the model passes this check (the tensors are the trainer's to check).
+    from cona.protocol.inputs import check_init_from
+
+    (hf / "config.json").write_text(json.dumps(config))
+    check_init_from(load_job(JOB).model_copy(update={"model": tiny.model_copy(update={"init_from": str(hf)})}))
+
+
 def test_paths_of_the_wrong_kind_are_one_line(tmp_path):
     """A file where a run directory belongs, a run directory that cannot be created, `--out` naming a file."""
     from cona.orchestrator.runstate import create_run
