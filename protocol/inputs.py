@@ -17,6 +17,7 @@ an attempt that refused its input (`ExitRecord.fix`), and the orchestrator's adv
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -37,6 +38,8 @@ TOKENS_META = "tokens.json"
 """What `cona data prepare` writes (`trainer.prepare`): the token file and its metadata, side by side."""
 MODEL_CONFIG = "config.json"
 """A Hugging Face model directory's configuration (`trainer.hf`)."""
+TOKENIZER_FILE = "tokenizer.json"
+"""A Hugging Face tokenizer (the `tokenizers` library's JSON), alone or in a model directory."""
 DEFAULT_TEXT_PATH = "data/shakespeare.txt"
 """`data.path`'s default: the Shakespeare corpus that `scripts/fetch_shakespeare.py` fetches."""
 
@@ -276,9 +279,68 @@ def check_init_from(job: JobSpec) -> None:
         raise InputRefused(f"model.init_from: {problem}", fix=FIX_EITHER)
 
 
+def vocab_digest(tokenizer: Any) -> str | None:
+    """sha256 of what a tokenizer.json's ids mean: its model's vocabulary (a mapping of token to id, or Unigram's
+    list of [token, score] by id) with its added tokens, as sorted (id, token) pairs; None when it holds none of
+    these. Two files of one vocabulary give one digest whatever else differs (a truncation setting, a newer
+    `tokenizers`'s formatting), which a hash of the file's bytes does not."""
+    model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    meaning: dict[int, str] = {}
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
+        meaning.update((i, str(token)) for token, i in vocab.items() if isinstance(i, int))
+    elif isinstance(vocab, list):  # Unigram
+        meaning.update((i, str(e[0])) for i, e in enumerate(vocab) if isinstance(e, list) and e)
+    else:
+        return None
+    for added in tokenizer.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("id"), int):
+            meaning[added["id"]] = str(added.get("content"))
+    text = json.dumps(sorted(meaning.items()), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _file_vocab_digest(path: Path) -> str | None:
+    """`vocab_digest` of a tokenizer.json file; None when it cannot be read as one."""
+    try:
+        return vocab_digest(json.loads(path.read_bytes().decode("utf-8-sig")))
+    except (OSError, ValueError):
+        return None
+
+
+def check_tokenizer(job: JobSpec, meta: dict[str, Any] | None) -> None:
+    """`InputRefused` when `model.init_from` holds a tokenizer.json whose vocabulary is not the one the prepared
+    data was tokenized with: the ids would train the pretrained embeddings of other tokens, silently (a vocabulary
+    size check cannot see it: GPT-2's 50,257 ids fit Llama's 128,256). Data prepared before the digest was recorded
+    is judged by the tokenizer file it names, while that file is still the one it was (its sha256)."""
+    if job.model.init_from is None or meta is None:
+        return
+    model_tokenizer = Path(job.model.init_from) / TOKENIZER_FILE
+    if not model_tokenizer.is_file():
+        return
+    theirs = meta.get("vocab_sha256")
+    if not isinstance(theirs, str):
+        used = Path(str(meta.get("tokenizer", "")))
+        used = used / TOKENIZER_FILE if used.is_dir() else used
+        try:
+            same_file = hashlib.sha256(used.read_bytes()).hexdigest() == meta.get("tokenizer_sha256")
+        except OSError:
+            return
+        theirs = _file_vocab_digest(used) if same_file else None
+    mine = _file_vocab_digest(model_tokenizer)
+    if theirs is None or mine is None or theirs == mine:
+        return
+    raise InputRefused(
+        f"data.path {job.data.path!r} was tokenized with another vocabulary than {model_tokenizer} (the model of "
+        f"model.init_from): its ids would mean other tokens to the pretrained weights; prepare the data with `cona "
+        f"data prepare --tokenizer {model_tokenizer} ...`, or start from a model of that tokenizer",
+        fix=FIX_EITHER,
+    )
+
+
 def check_inputs(job: JobSpec, *, source: str | None = None) -> None:
     """What can be checked of the trainer's input without reading it (`data_files`, `check_split` on the files'
-    sizes, `check_init_from`), for a run before it is created; `source` (the job file) heads the message.
+    sizes, `check_init_from`, `check_tokenizer`), for a run before it is created; `source` (the job file) heads the message.
     Raises `InputRefused`."""
     try:
         files = data_files(job)
@@ -286,6 +348,7 @@ def check_inputs(job: JobSpec, *, source: str | None = None) -> None:
         if count is not None:
             check_split(job, count, source=files.source)
         check_init_from(job)
+        check_tokenizer(job, files.meta)
     except InputRefused as e:
         if source is None:
             raise

@@ -319,3 +319,58 @@ def test_sigterm_to_cona_stops_the_tokenizer_and_leaves_no_partial_tokens(tmp_pa
     assert "terminated; no partial tokens left" in err and not out.exists(), err
     stray = subprocess.run(["pgrep", "-f", f"cona.trainer.prepare.*{out}"], capture_output=True, text=True)
     assert stray.stdout.strip() == "", "the tokenizer outlived cona"
+
+
+def test_an_init_from_of_another_vocabulary_is_refused(tmp_path, corpus):
+    """Data tokenized with one tokenizer and weights of a model trained with another: every id means another token
+    to the pretrained embeddings, and nothing failed (the vocabulary size check passes: both fit the model)."""
+    from cona.orchestrator.job import load_job
+    from cona.protocol.inputs import InputRefused, check_tokenizer
+    from cona.trainer.hf import hf_config
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer_path, docs = corpus
+    out = tmp_path / "tokens"
+    assert _prepare("--tokenizer", str(tokenizer_path), "--input", str(docs), "--out", str(out)).returncode == 0
+    meta = json.loads((out / "tokens.json").read_text())
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(["the other corpus, the other merges"] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    model = tmp_path / "model"
+    model.mkdir()
+    args = ["--profile", str(REPO / "slurm/profiles/local-cpu.yaml"), "--job", str(REPO / "examples/tiny-gpt.yaml"),
+            "--set", f"data.path={out}", "--set", f"model.vocab_size={VOCAB}", "--set", f"model.init_from={model}"]  # fmt: skip
+    job = load_job(REPO / "examples/tiny-gpt.yaml", overrides=args[5::2])
+    (model / "config.json").write_text(json.dumps(hf_config(job.model)))
+    other.save(str(model / "tokenizer.json"))
+
+    def cona_run(name: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "cona.orchestrator.cli", "run", *args, "--run-dir", str(tmp_path / name)]
+        return subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
+
+    refused = cona_run("refused")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        f"cona: error: {REPO / 'examples/tiny-gpt.yaml'}: data.path {str(out)!r} was tokenized with another vocabulary "
+        f"than {model / 'tokenizer.json'} (the model of model.init_from): its ids would mean other tokens to the "
+        f"pretrained weights; prepare the data with `cona data prepare --tokenizer {model / 'tokenizer.json'} ...`, "
+        "or start from a model of that tokenizer"
+    ]
+    assert not (tmp_path / "refused" / "run.yaml").exists()
+    # The same vocabulary in another file (saved with a truncation setting, as transformers leaves it) is no
+    # mismatch; nor is data prepared before the digest was recorded, judged by the tokenizer file it names.
+    same = json.loads(tokenizer_path.read_text())
+    same["truncation"] = {"direction": "Right", "max_length": 512, "strategy": "LongestFirst", "stride": 0}
+    (model / "tokenizer.json").write_text(json.dumps(same, indent=1))
+    check_tokenizer(job, meta)
+    old = {k: v for k, v in meta.items() if k != "vocab_sha256"}
+    check_tokenizer(job, old)
+    other.save(str(model / "tokenizer.json"))
+    with pytest.raises(InputRefused, match="another vocabulary"):
+        check_tokenizer(job, old)
+    # A tokenizer file changed since the data was prepared no longer tells what the data's ids mean: no verdict.
+    check_tokenizer(job, {**old, "tokenizer_sha256": "0" * 64})
+    # A model directory without a tokenizer.json has nothing to compare.
+    (model / "tokenizer.json").unlink()
+    check_tokenizer(job, meta)

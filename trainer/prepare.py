@@ -5,10 +5,11 @@ tool, and needs Hugging Face `tokenizers` (`pip install cona[data]`), not torch.
 
     DIR/tokens.bin    every document's token ids back to back, each followed by the EOS id when the tokenizer has
                       one; raw uint16 when the ids fit (below 65,536), else uint32
-    DIR/tokens.json   {"tokenizer_sha256", "vocab_size", "eos_id", "token_dtype", "num_tokens", "documents",
-                      "tokenizer", "inputs"}: the trainer reads the dtype from it, checks the token file's size
-                      against it and refuses a model whose vocabulary is smaller than the tokenizer's
-                      (`cona.protocol.inputs.read_token_metadata`)
+    DIR/tokens.json   {"tokenizer_sha256", "vocab_sha256", "vocab_size", "eos_id", "token_dtype", "num_tokens",
+                      "documents", "tokenizer", "inputs"}: the trainer reads the dtype from it, checks the token
+                      file's size against it and refuses a model whose vocabulary is smaller than the tokenizer's
+                      (`cona.protocol.inputs.read_token_metadata`); `cona run` refuses a `model.init_from` whose
+                      tokenizer.json has another vocabulary (`vocab_sha256`, `cona.protocol.inputs.check_tokenizer`)
 
 and `data.path: DIR` trains on it. TOKENIZER is a tokenizer.json, or a model directory that holds one (its
 tokenizer_config.json's `eos_token` is the EOS when none of `EOS_CANDIDATES` is a token). `vocab_size` is the
@@ -59,7 +60,7 @@ from typing import IO, Any, NoReturn
 
 import numpy as np
 from cona.protocol.cliargs import OptionParser
-from cona.protocol.inputs import corpus_files
+from cona.protocol.inputs import corpus_files, vocab_digest
 from cona.trainer.data import TEXT_SUFFIXES, TOKENS_FILE, TOKENS_META
 
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
@@ -467,7 +468,8 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
             f.flush()
             os.fsync(f.fileno())
         meta = {
-            "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(), "vocab_size": vocab_size,
+            "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(),
+            "vocab_sha256": vocab_digest(json.loads(tokenizer_json)), "vocab_size": vocab_size,
             "eos_id": eos_id, "token_dtype": np.dtype(dtype).name, "num_tokens": total, "documents": len(files),
             "inputs": [str(p) for p in files],
         }  # fmt: skip
