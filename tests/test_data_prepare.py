@@ -71,6 +71,7 @@ def test_prepare_writes_what_decodes_back_and_trains(tmp_path, corpus):
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     eos = tokenizer.token_to_id("<|endoftext|>")
     assert meta["vocab_size"] == VOCAB and meta["eos_id"] == eos and meta["token_dtype"] == "uint16"
+    assert meta["dropped_characters"] == 0 and "no token" not in result.stderr  # byte-level: every character
     import hashlib
 
     assert meta["tokenizer_sha256"] == hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
@@ -374,3 +375,26 @@ def test_an_init_from_of_another_vocabulary_is_refused(tmp_path, corpus):
     # A model directory without a tokenizer.json has nothing to compare.
     (model / "tokenizer.json").unlink()
     check_tokenizer(job, meta)
+
+
+def test_text_the_tokenizer_leaves_out_is_counted_in_a_warning(tmp_path):
+    """A BPE without an unknown token or byte fallback encodes a character it never saw to nothing: the text was
+    shorter in tokens.bin than in the corpus, and nothing said so."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = Tokenizer(models.BPE())
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(["to be or not to be"] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=40, special_tokens=["<|endoftext|>"]))  # fmt: skip
+    words.save(str(tmp_path / "words.json"))
+    (tmp_path / "text.txt").write_text("to be, or not to be: été\tbe\n")
+    result = _prepare("--tokenizer", str(tmp_path / "words.json"), "--input", str(tmp_path / "text.txt"),
+                      "--out", str(tmp_path / "out"), "--workers", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "no token" in line]
+    assert warnings == [
+        f"cona data prepare: warning: 4 characters of the text are in no token (3 distinct: 'é' ×2, ',' ×1, ':' ×1): "
+        f"{tmp_path / 'words.json'} has no unknown token or byte fallback for them, so they are not in "
+        "tokens.bin; give a tokenizer that covers them if they matter"
+    ], result.stderr
+    assert json.loads((tmp_path / "out" / "tokens.json").read_text())["dropped_characters"] == 4

@@ -6,7 +6,7 @@ tool, and needs Hugging Face `tokenizers` (`pip install cona[data]`), not torch.
     DIR/tokens.bin    every document's token ids back to back, each followed by the EOS id when the tokenizer has
                       one; raw uint16 when the ids fit (below 65,536), else uint32
     DIR/tokens.json   {"tokenizer_sha256", "vocab_sha256", "vocab_size", "eos_id", "token_dtype", "num_tokens",
-                      "documents", "tokenizer", "inputs"}: the trainer reads the dtype from it, checks the token
+                      "documents", "dropped_characters", "tokenizer", "inputs"}: the trainer reads the dtype from it, checks the token
                       file's size against it and refuses a model whose vocabulary is smaller than the tokenizer's
                       (`cona.protocol.inputs.read_token_metadata`); `cona run` refuses a `model.init_from` whose
                       tokenizer.json has another vocabulary (`vocab_sha256`, `cona.protocol.inputs.check_tokenizer`)
@@ -306,13 +306,35 @@ def _init_worker(first_json: str, rest_json: str) -> None:
     _TOKENIZERS = (Tokenizer.from_str(first_json), Tokenizer.from_str(rest_json))
 
 
-def _encode(task: tuple[str, bool]) -> np.ndarray:
+DROPPED_SHOWN = 5
+"""Characters named in the warning about text no token covers."""
+_LEFT_OUT: dict[str, bool] = {}
+"""Per worker: whether the tokenizer encodes a character to nothing (`_dropped`)."""
+
+
+def _dropped(text: str, tokenizer: Any) -> collections.Counter[str]:
+    """The characters of `text`, whitespace aside, that `tokenizer` (without its per-call prefix) encodes to no
+    token: a tokenizer without an unknown token or byte fallback (a BPE trained on other text) leaves out what its
+    vocabulary lacks, silently. Each distinct character is encoded alone once per worker (a set of the text is
+    cheap next to its encode; the offsets of every token cost half as much again)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for c in set(text):
+        left_out = _LEFT_OUT.get(c)
+        if left_out is None:
+            left_out = _LEFT_OUT[c] = not c.isspace() and not tokenizer.encode(c, add_special_tokens=False).ids
+        if left_out:
+            counts[c] = text.count(c)
+    return counts
+
+
+def _encode(task: tuple[str, bool]) -> tuple[np.ndarray, collections.Counter[str]]:
     # No special tokens added per chunk (a chunk is not a document); EOS is appended per document by the caller.
     # Only a document's first chunk takes the prefix the tokenizer adds per call, as the whole document's encode does.
     text, first = task
     assert _TOKENIZERS is not None
     tokenizer = _TOKENIZERS[0] if first else _TOKENIZERS[1]
-    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    return ids, _dropped(text, _TOKENIZERS[1])
 
 
 def load_tokenizer(path: Path) -> tuple[Any, bytes, str | None]:
@@ -427,6 +449,7 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
         from tqdm import tqdm
 
         total, text_seen = 0, False
+        dropped: collections.Counter[str] = collections.Counter()
         # disable=None: tqdm shows the bar on a terminal only (no bar in logs and CI).
         bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="cona data prepare", file=sys.stderr,
                    disable=None if progress is None else not progress)  # fmt: skip
@@ -439,7 +462,8 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
             def write_next() -> None:
                 nonlocal total
                 future, last, done = pending.popleft()
-                ids = future.result()
+                ids, left_out = future.result()
+                dropped.update(left_out)
                 if len(ids) and int(ids.max()) >= vocab_size:  # never wrapped into other ids by the cast below
                     raise ValueError(f"--tokenizer {tokenizer_path}: encoded id {int(ids.max())}, beyond its vocabulary "
                                      f"of {vocab_size}")  # fmt: skip
@@ -465,12 +489,19 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
                                  "that covers every character (an unknown token or byte fallback)") from None  # fmt: skip
             if not text_seen:
                 raise ValueError(empty)
+            if dropped:
+                shown = ", ".join(f"{c!r} ×{n:,}" for c, n in dropped.most_common(DROPPED_SHOWN))
+                print(f"cona data prepare: warning: {sum(dropped.values()):,} characters of the text are in no token "
+                      f"({len(dropped):,} distinct: {shown}): {tokenizer_path} has no unknown token or byte fallback "
+                      "for them, so they are not in tokens.bin; give a tokenizer that covers them if they matter",
+                      file=sys.stderr)  # fmt: skip
             f.flush()
             os.fsync(f.fileno())
         meta = {
             "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(),
             "vocab_sha256": vocab_digest(json.loads(tokenizer_json)), "vocab_size": vocab_size,
             "eos_id": eos_id, "token_dtype": np.dtype(dtype).name, "num_tokens": total, "documents": len(files),
+            "dropped_characters": sum(dropped.values()),
             "inputs": [str(p) for p in files],
         }  # fmt: skip
         meta_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
