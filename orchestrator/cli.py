@@ -248,11 +248,15 @@ def _refuse_foreign_directory(run_dir: RunDir) -> None:
 
 
 def _check_backend_clients(profile: ClusterProfile) -> None:
-    """The backend's command-line clients, before a run directory is created or an attempt launched: a Slurm
-    profile without `sbatch` on PATH left a run directory behind whose status said running."""
+    """The backend's command-line clients and what it submits, before a run directory is created or an attempt
+    launched: a Slurm profile without `sbatch` on PATH, or with an `extra_sbatch` entry, `python` or `setup` that its
+    batch script cannot carry (checked only as it was rendered), left a run directory behind whose status said
+    running."""
     if profile.backend == "slurm":
         from cona.orchestrator.backends.slurm.backend import check_clients, check_partition
+        from cona.orchestrator.backends.slurm.script import render_batch_script
 
+        render_batch_script(profile, None, Path.cwd() / "run")  # raises ConfigError; the job's name is checked already
         check_clients()
         check_partition(profile)
 

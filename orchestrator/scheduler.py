@@ -176,7 +176,7 @@ class Scheduler:
                 attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous, elastic=elastic)
             else:
                 attempt = self.backend.launch(attempt=number, strategy=strategy, previous=previous)
-        except BackendError as e:
+        except (BackendError, ConfigError) as e:  # ConfigError: a profile value the batch script cannot carry
             # Nothing of this attempt runs (`sbatch` missing or refused, an API that does not answer) and the error
             # ends this orchestrator: state.json says so and why (`cona status`: failed, not a run still running).
             # Not final: the same command, `cona run --resume` or a restarted orchestrator pod goes on from here.

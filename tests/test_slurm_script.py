@@ -403,6 +403,24 @@ def test_bad_setup_is_rejected():
         render_batch_script(_profile(setup=["cat <<EOF", "never closed"]), None, "/runs/r")
 
 
+def test_setup_runs_without_nounset_and_cannot_leave_errexit_on(tmp_path):
+    """`export LD_LIBRARY_PATH=/x:$LD_LIBRARY_PATH` with the variable unset ended the job under the script's
+    `set -u` before any attempt ran; a setup's `set -e` stayed on, and the pre-timeout USR1 interrupting `wait`
+    then ended the script without its checkpoint and requeue."""
+    if not BASH:
+        pytest.skip("bash not installed")
+    setup = ["export LD_LIBRARY_PATH=/opt/cuda/lib64:$LD_LIBRARY_PATH", "set -e", "echo setup-ran $UNSET_BY_ANYONE"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_batch_script(_profile(setup=setup), None, tmp_path / "run"))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONA_SLURM_DRY_RUN": "1", "HOME": str(tmp_path)}
+    result = subprocess.run([BASH, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert "setup-ran" in out, result.stdout
+    (options,) = [line.removeprefix("shell_options=") for line in out if line.startswith("shell_options=")]
+    assert "u" in options and "e" not in options, options
+
+
 def _hostile_profile(marker: Path) -> ClusterProfile:
     pwn = f"$(touch {marker})"
     return _profile(
