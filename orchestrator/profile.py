@@ -173,7 +173,7 @@ class ClusterProfile(StrictModel):
             problem = env_problem(name, text)
             if problem:
                 raise ValueError(problem)
-            env[name] = text if isinstance(text, str) else format(text, "g" if isinstance(text, float) else "d")
+            env[name] = text if isinstance(text, str) else format(text, "d")
         return env
 
     @pydantic.model_validator(mode="after")
@@ -236,8 +236,14 @@ def env_problem(name: object, value: object) -> str | None:
         hint = " (for a local run, set it in the shell that runs cona)" if name == "CUDA_VISIBLE_DEVICES" else ""
         return f"{name} is set by cona, torchrun or the cluster for each trainer process; leave it out{hint}"
     # YAML reads yes/no/on/off/true/false as booleans and an empty value as null: quote what was meant.
-    if isinstance(value, bool):
-        return f"{name}: YAML read the value as a boolean; quote it (e.g. {name}: \"{str(value).lower()}\")"
+    if isinstance(value, bool):  # what was written (on, yes, True) is gone: the user quotes it
+        return (f"{name}: YAML read the value as a boolean (true/false/yes/no/on/off); quote it as written (e.g. "
+                f"{name}: \"{str(value).lower()}\")")  # fmt: skip
+    if isinstance(value, float):
+        # As written it may have been 8.0 or 2.10, which Python prints as 8.0 and 2.1: TORCH_CUDA_ARCH_LIST: 8.0
+        # reached the trainers as 8. An integer keeps its value (an id, a count).
+        return (f"{name}: YAML read the value as a number ({value!r}), which need not be the text written (2.10 "
+                f"reads as 2.1); quote it (e.g. {name}: \"{value!r}\")")  # fmt: skip
     if value is None:
         return f"{name}: no value; give one, or quote an empty one ({name}: \"\")"
     if not isinstance(value, (str, int, float)):

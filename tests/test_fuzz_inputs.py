@@ -236,6 +236,22 @@ def test_a_run_with_a_bad_schedule_leaves_no_run_directory(tmp_path):
     assert not (run / "run.yaml").exists()
 
 
+def test_a_slurm_profile_its_batch_script_cannot_carry_leaves_no_run_directory(tmp_path):
+    """Checked only as the script was rendered, at the first launch: the run directory stayed behind, 'running'."""
+    slurm = REPO / "slurm" / "profiles" / "local-slurm.yaml"
+    for override, expected in [
+        ('slurm.extra_sbatch=["--exclusive --mem=0"]', "slurm.extra_sbatch: '--exclusive --mem=0' is not an sbatch option"),
+        ('slurm.python=""', "slurm.python is empty"),
+        ("slurm.setup=[\"echo 'open\"]", "slurm.setup does not parse as shell commands"),
+    ]:  # fmt: skip
+        run = tmp_path / f"run-{len(override)}"
+        code, _, err = run_cli(["run", "--profile", str(slurm), "--job", str(JOB), "--profile-set", override,
+                                "--run-dir", str(run)])  # fmt: skip
+        line = assert_works_or_one_line(code, err, override)
+        assert code == 2 and expected in line, line
+        assert not run.exists()
+
+
 def test_an_init_from_that_is_another_model_is_refused_before_the_run_exists(tmp_path):
     """config.json is read by `cona run`, not first by the trainer: on a cluster that was after the queue's wait, and
     the run directory then held the job that does not fit."""

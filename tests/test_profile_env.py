@@ -49,7 +49,10 @@ def _with_env(path: Path, tmp_path: Path, env: dict, **fields) -> Path:
         ("env.CONA_ATTEMPT=2", "CONA_ATTEMPT is set by cona"),
         ("env.SLURM_NTASKS=2", "SLURM_NTASKS is set by cona"),
         ("env.CUDA_VISIBLE_DEVICES=0", "for a local run, set it in the shell that runs cona"),
-        ("env.NCCL_IB_DISABLE=yes", 'NCCL_IB_DISABLE: YAML read the value as a boolean; quote it (e.g. NCCL_IB_DISABLE: "true")'),
+        ("env.NCCL_IB_DISABLE=yes", 'NCCL_IB_DISABLE: YAML read the value as a boolean (true/false/yes/no/on/off); quote it as written'),
+        # 8.0 reached the trainers as 8, 2.10 as 2.1 (no float is sure to be the text written)
+        ("env.TORCH_CUDA_ARCH_LIST=8.0", 'TORCH_CUDA_ARCH_LIST: YAML read the value as a number (8.0), which need not be the text written'),
+        ("env.V=2.10", 'V: YAML read the value as a number (2.1), which need not be the text written (2.10 reads as 2.1); quote it (e.g. V: "2.1")'),
         ("env.NCCL_DEBUG=null", 'NCCL_DEBUG: no value; give one, or quote an empty one (NCCL_DEBUG: "")'),
         ("env.X=[1, 2]", "X: a list is not text or a number"),
         ("env.9LIVES=1", "'9LIVES' is not a variable name"),
@@ -71,8 +74,8 @@ def test_a_bad_entry_from_the_cli_is_one_line_without_a_traceback():
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_numbers_become_text_and_a_newline_is_refused(tmp_path):
-    profile = load_profile(_with_env(PROFILES / "local-cpu.yaml", tmp_path, {"A": 4, "B": 0.5, "C": "x"}))
+def test_integers_become_text_and_a_newline_is_refused(tmp_path):
+    profile = load_profile(_with_env(PROFILES / "local-cpu.yaml", tmp_path, {"A": 4, "B": "0.5", "C": "x"}))
     assert profile.env == {"A": "4", "B": "0.5", "C": "x"}
     with pytest.raises(ConfigError, match="C: the value holds a newline"):
         load_profile(_with_env(PROFILES / "local-cpu.yaml", tmp_path, {"C": "a\nb"}))

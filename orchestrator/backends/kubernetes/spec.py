@@ -239,8 +239,8 @@ class KubernetesSpec(StrictModel):
                 if isinstance(label, (bool, int, float)):
                     shown = str(label).lower() if isinstance(label, bool) else str(label)
                     what = "a boolean" if isinstance(label, bool) else "a number"
-                    raise ValueError(f"{key}: YAML read the value as {what}, and a label value is text; quote it "
-                                     f"({key}: \"{shown}\")")  # fmt: skip
+                    raise ValueError(f"{key}: YAML read the value as {what}, and a label value is text; quote it as "
+                                     f"written ({key}: \"{shown}\")")  # fmt: skip
         return value
 
     @pydantic.field_validator("node_selector")
