@@ -470,6 +470,11 @@ def _slurm_clients(tmp_path, sinfo: str) -> str:
          "slurm.time_limit 01:00:00 is above the time limit of slurm.partition 'debug', 30:00: Slurm would leave "
          "every job pending for ever (PartitionTimeLimit); lower it (--profile-set slurm.time_limit=30:00)"),
         ("n1|debug*|1-00:00:00\\nn2|debug*|1-00:00:00\\n", ["slurm.time_limit=2-00:00:00"], "above the time limit"),
+        # A list of partitions (the job starts in the first that can run it): each name must exist, one must fit.
+        ("n1|gpu*\\nn1|cpu\\n", ["slurm.partition=gpu,batch"], "slurm.partition 'batch': no such partition"),
+        ("n1|gpu*|30:00\\nn2|gpu*|30:00\\nn1|cpu\\n", ["slurm.partition=gpu,cpu"],
+         "no partition of 'gpu,cpu' can run the job: slurm.time_limit 01:00:00 is above the time limit of "
+         "slurm.partition 'gpu'"),
     ],
 )  # fmt: skip
 def test_a_slurm_partition_that_cannot_run_the_job_is_said_before_the_run(tmp_path, monkeypatch, sinfo, overrides,
@@ -492,6 +497,9 @@ def test_a_slurm_partition_with_room_or_an_sinfo_that_does_not_answer_is_not_jud
     untimed = load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit="])  # no --time: the partition's
     assert partition_problem(untimed, "n1|debug*|30:00\nn2|debug*|30:00\n") is None
     assert partition_problem(profile, "") is None  # a cluster that lists nothing: nothing to judge by
+    # In a list, one partition that fits is enough: the job starts there (the validator's own advice was refused).
+    listed = load_profile(PROFILES / "local-slurm.yaml", ["slurm.partition=gpu,batch"])
+    assert partition_problem(listed, "n1|gpu*|30:00\nn2|gpu*|30:00\nn1|batch\nn2|batch\n") is None
     elastic = load_profile(PROFILES / "local-slurm.yaml", ["nodes=4", "min_nodes=2"])
     assert partition_problem(elastic, "n1|debug*\nn2|debug*\n") is None  # starts on 2, grows if more come
 

@@ -219,23 +219,36 @@ def partition_problem(profile: ClusterProfile, sinfo_nodes: str) -> str | None:
     wanted = profile.slurm.partition or default
     if wanted is None:
         return None
-    if wanted not in members:
-        return (f"slurm.partition {wanted!r}: no such partition on this cluster (sinfo lists "
+    # A comma-separated list: the job starts in whichever of them can run it first, so every name must exist and
+    # one of them must fit the job.
+    names = [name.strip() for name in wanted.split(",") if name.strip()]
+    unknown = [name for name in names if name not in members]
+    if unknown:
+        return (f"slurm.partition {unknown[0]!r}: no such partition on this cluster (sinfo lists "
                 f"{', '.join(sorted(members))}); fix slurm.partition in the profile")  # fmt: skip
-    which = f"slurm.partition {wanted!r}" if profile.slurm.partition else f"the default partition {wanted!r}"
-    need, have = node_range(profile)[0], len(members[wanted])
+    problems = [_fit_problem(profile, name, members[name], limits.get(name, "")) for name in names]
+    if all(problems):
+        return problems[0] if len(names) == 1 else f"no partition of {wanted!r} can run the job: {problems[0]}"
+    return None
+
+
+def _fit_problem(profile: ClusterProfile, partition: str, nodes: set[str], limit: str) -> str | None:
+    """Why `partition` (its `nodes` and time `limit` as sinfo lists them) can never start the run's jobs, or None."""
+    assert profile.slurm is not None
+    which = f"slurm.partition {partition!r}" if profile.slurm.partition else f"the default partition {partition!r}"
+    need, have = node_range(profile)[0], len(nodes)
     if need > have:
         field = "min_nodes" if is_elastic(profile) else "nodes"
         return (f"{which} has {have} node(s), the profile needs {need} ({field}={need}): Slurm would leave every "
                 f"job pending for ever; lower {field} (--profile-set {field}={have}) or pick another partition")
     try:
-        asked, allowed = slurm_time_seconds(profile.slurm.time_limit), slurm_time_seconds(limits.get(wanted, ""))
+        asked, allowed = slurm_time_seconds(profile.slurm.time_limit), slurm_time_seconds(limit)
     except ValueError:  # a limit this parser does not know (`n/a`): not judged
         return None
     if asked is not None and allowed is not None and asked > allowed:
         return (f"slurm.time_limit {profile.slurm.time_limit} is above the time limit of {which}, "
-                f"{limits[wanted]}: Slurm would leave every job pending for ever (PartitionTimeLimit); lower it "
-                f"(--profile-set slurm.time_limit={limits[wanted]}) or pick another partition")
+                f"{limit}: Slurm would leave every job pending for ever (PartitionTimeLimit); lower it "
+                f"(--profile-set slurm.time_limit={limit}) or pick another partition")
     return None
 
 
