@@ -218,6 +218,21 @@ def test_submitit_submits_an_elastic_range_with_the_profiles_python(tmp_path, fa
     assert _node_lines(submitted) == ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"], submitted
 
 
+
+def test_submitit_gets_extra_sbatch_short_options_by_their_long_names(tmp_path, fake_submitit_slurm):
+    """submitit writes `--{name}`: `-C a100` became `#SBATCH --C=a100`, and `-w` the ambiguous `--w`."""
+    profile = _profile_set("slurm.use_submitit=true", _extra("-C a100", "-w n[1-4]", "--exclusive"),
+                           base=PROFILES / "local-slurm.yaml")  # fmt: skip
+    run_dir = RunDir(tmp_path / "run")
+    backend = SlurmBackend(run_dir=run_dir, profile=profile, job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    backend.launch(attempt=1, strategy=Strategy.parse("dp=4,tp=1,pp=1,mbs=4,gbs=16"))
+    submitted = (run_dir.root / "slurm" / "submitit" / "12345_submission.sh").read_text()
+    sbatch = [line for line in submitted.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --constraint=a100" in sbatch and "#SBATCH --exclusive" in sbatch, sbatch
+    assert any(line.startswith("#SBATCH --nodelist=") for line in sbatch), sbatch
+    assert not any(line.startswith(("#SBATCH --C=", "#SBATCH --w=")) for line in sbatch), sbatch
+
+
 def test_render_says_that_submitit_submits_its_own_script(tmp_path):
     """With use_submitit, `cona render slurm` prints the script the job runs, not the one sbatch gets: its head says
     so, and which interpreter starts it. Still a script: #SBATCH lines before the first command, `bash -n` clean."""
@@ -305,6 +320,14 @@ def _extra(*entries: str) -> str:
         ("--tres-per-task=cpu=4,gres/gpu=1", "tres-per-task", "set gpus_per_node in the profile"),
         ("--tres-per-task=gres/gpu:a100=2", "tres-per-task", "set gpus_per_node in the profile"),
         ("--gres=gres/gpu=2", "gres", "set gpus_per_node in the profile"),
+        # What a submission is: blocking until the job ends (cona's sbatch timed out while the job was queued),
+        # nothing submitted, another script; and trainers without the batch shell's environment.
+        ("--wait", "wait", "sbatch --wait would block the submission"),
+        ("-W", "wait", "remove the entry"),
+        ("--test-only", "test-only", "no job would be submitted"),
+        ("--wrap=hostname", "wrap", "the job runs the run's batch script"),
+        ("--export=NONE", "export", "the trainers need the batch shell's environment"),
+        ("--export=X=1", "export", "give --export=ALL,... or remove the entry"),
     ],
 )
 def test_extra_sbatch_refuses_options_cona_decides(entry, option, advice):
@@ -325,9 +348,26 @@ def test_extra_sbatch_keeps_options_cona_leaves_alone():
     text = render_batch_script(_profile_set(_extra(*allowed)), None, "/runs/r")
     sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert sbatch[-len(allowed) :] == [f"#SBATCH {entry}" for entry in allowed]
+    # An entry as it would be written on an #SBATCH line: one pair of enclosing quotes is sbatch's, not the value's
+    # (quoted again, the feature was named '"a100&ib"', quotes and all, and the job never started).
+    text = render_batch_script(_profile_set(_extra('--constraint="a100&ib"', "-C 'a b'", "--export=ALL,X=1")), None,
+                               "/runs/r")  # fmt: skip
+    assert [line for line in text.splitlines() if line.startswith("#SBATCH")][-3:] == [
+        '#SBATCH --constraint="a100&ib"', '#SBATCH -C "a b"', "#SBATCH --export=ALL,X=1"]  # fmt: skip
     # account and qos are refused only beside the profile's own field of that name
     with pytest.raises(ConfigError, match=r"'--qos=high' sets --qos, .*slurm\.qos is set \('normal'\)"):
         _profile_set("slurm.qos=normal", _extra("--qos=high"))
+
+
+def test_a_heterogeneous_job_separator_on_an_sbatch_line_is_refused():
+    """sbatch reads 'hetjob' or 'packjob' anywhere in an #SBATCH line, in any case, as the separator of a
+    heterogeneous job's components: a job named hetjob-ablation would have been split."""
+    for kwargs, what in [({"job_name": "hetjob-ablation"}, "job name"), ({"run_dir": "/runs/PackJob-study/r1"},
+                         "run directory")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"^{what}: .* contains '(hetjob|packjob)', which sbatch reads"):
+            render_batch_script(_profile_set(), None, kwargs.get("run_dir", "/runs/r"), job_name=kwargs.get("job_name"))
+    with pytest.raises(ConfigError, match=r"^slurm\.extra_sbatch: 'my hetjob' contains 'hetjob'"):
+        render_batch_script(_profile_set(_extra("--comment=my hetjob")), None, "/runs/r")
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from cona.orchestrator.backends.slurm.script import (
     python_command,
     render_batch_script,
 )
-from cona.orchestrator.backends.slurm.spec import slurm_time_seconds
+from cona.orchestrator.backends.slurm.spec import SHORT_OPTIONS, slurm_time_seconds
 from cona.orchestrator.elastic import is_elastic, node_range, startable_nodes
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
@@ -46,6 +46,7 @@ from cona.orchestrator.switchcost import SwitchKind, checkpoint_bytes, checkpoin
 from cona.protocol.feasibility import placement
 from cona.protocol.rundir import ExitCode, RunDir, read_json
 from cona.protocol.strategy import Strategy
+from cona.protocol.yamlconfig import ConfigError
 
 # Job states (squeue/scontrol/sacct long names).
 PENDING_STATES = frozenset(
@@ -878,7 +879,12 @@ class SlurmBackend(Backend):
             additional["signal"] = f"USR1@{spec.signal_before_timeout_s}"
         for entry in spec.extra_sbatch:
             option, value = parse_extra_option(entry)
-            additional[option.lstrip("-").replace("-", "_")] = True if value is None else value
+            # submitit writes `--{name}`: a short option (`-C a100`) would become `--C`, which sbatch does not know.
+            name = option[2:] if option.startswith("--") else SHORT_OPTIONS.get(option[1:2], "")
+            if not name or (not option.startswith("--") and len(option) > 2):
+                raise ConfigError(f"slurm.extra_sbatch: {entry.strip()!r}: give the option's long name (--name=value) "
+                                  "for submitit")  # fmt: skip
+            additional[name.replace("-", "_")] = True if value is None else value
         params: dict[str, Any] = {
             "name": (self.job.name if self.job is not None else self.run_dir.root.name),
             "slurm_use_srun": False,

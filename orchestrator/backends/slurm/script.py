@@ -55,11 +55,32 @@ def sbatch_quote(value: str, what: str = "value") -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+_HET_SEPARATORS = ("hetjob", "packjob")
+"""Words sbatch finds anywhere in an `#SBATCH` line, in any case, as the separator of a heterogeneous job's
+components: a job named `hetjob-ablation` would be split in two."""
+
+
+def _no_het_separator(what: str, value: str) -> str:
+    word = next((w for w in _HET_SEPARATORS if w in value.lower()), None)
+    if word is not None:
+        raise ConfigError(f"{what}: {value!r} contains {word!r}, which sbatch reads on an #SBATCH line as the "
+                          "separator of a heterogeneous job's components (the job would be split); rename it")  # fmt: skip
+    return value
+
+
 def sbatch_line(option: str, value: str | int | None = None, what: str | None = None) -> str:
     """One `#SBATCH --option=value` line with the value quoted for sbatch."""
     if value is None:
-        return f"#SBATCH {option}"
-    return f"#SBATCH {option}={sbatch_quote(str(value), what or option)}"
+        return f"#SBATCH {_no_het_separator(what or option, option)}"
+    return f"#SBATCH {option}={sbatch_quote(_no_het_separator(what or option, str(value)), what or option)}"
+
+
+def _unquoted(value: str) -> str:
+    """An `extra_sbatch` value as sbatch reads it from an `#SBATCH` line: one pair of enclosing quotes is no part of
+    it (`--constraint="a100&ib"` asks for a100&ib; quoted again they were a feature name of their own)."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
 
 
 def parse_extra_option(entry: str) -> tuple[str, str | None]:
@@ -77,7 +98,7 @@ def parse_extra_option(entry: str) -> tuple[str, str | None]:
         raise ConfigError(
             f"slurm.extra_sbatch: {entry!r} is not an sbatch option (expected e.g. '--constraint=a100' or '--exclusive')"
         )
-    return option, value
+    return option, None if value is None else _unquoted(value)
 
 
 def filename_pattern(path: str) -> str:
@@ -178,6 +199,7 @@ def sbatch_lines(
         elif option.startswith("--"):
             lines.append(sbatch_line(option, value, "slurm.extra_sbatch"))
         else:
+            _no_het_separator("slurm.extra_sbatch", value)
             lines.append(f"#SBATCH {option} {sbatch_quote(value, 'slurm.extra_sbatch')}")
     return lines
 

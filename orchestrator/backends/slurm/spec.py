@@ -49,6 +49,11 @@ _OWN_OPTIONS: dict[str, str] = {
     "ntasks-per-tres": _TASKS,
     # Not rendered either, but it breaks the job model: the run directory has one writer, the run's one job.
     "array": _ARRAY,
+    # They change what a submission is: sbatch would block until the job ends (and cona's submission timed out
+    # while the job was queued), submit nothing, or run another script than the run's.
+    "wait": "cona submits the job and follows it itself; sbatch --wait would block the submission; remove the entry",
+    "test-only": "no job would be submitted; use `cona render slurm` to see the script instead; remove the entry",
+    "wrap": "the job runs the run's batch script; remove the entry",
 }
 # Left alone on purpose: `--nodelist`/`-w` (and `--nodefile`) and `--exclude`/`-x` say where the job runs, not
 # how many nodes or GPUs it gets, and cona sets no placement option they could override. With cona's `--nodes`
@@ -60,8 +65,15 @@ _GPU_REQUESTS = ("gres", "tres-per-task")
 `--tres-per-task=cpu=4` (what `-c 4` sets), stay allowed. sbatch has no `--tres-per-node`: `--gres` is its form."""
 _PROFILE_FIELDS = ("partition", "account", "qos")
 """Rendered from the field of that name when it is set: refused in extra_sbatch only then."""
-_SHORT = {"N": "nodes", "n": "ntasks", "t": "time", "J": "job-name", "o": "output", "e": "error", "G": "gpus",
-          "p": "partition", "A": "account", "q": "qos", "a": "array"}  # fmt: skip
+SHORT_OPTIONS = {"A": "account", "a": "array", "B": "extra-node-info", "b": "begin", "C": "constraint",
+                 "c": "cpus-per-task", "D": "chdir", "d": "dependency", "e": "error", "F": "nodefile", "G": "gpus",
+                 "H": "hold", "h": "help", "I": "immediate", "i": "input", "J": "job-name", "k": "no-kill",
+                 "L": "licenses", "M": "clusters", "m": "distribution", "N": "nodes", "n": "ntasks", "O": "overcommit",
+                 "o": "output", "p": "partition", "Q": "quiet", "q": "qos", "S": "core-spec", "s": "oversubscribe",
+                 "t": "time", "V": "version", "v": "verbose", "W": "wait", "w": "nodelist", "x": "exclude"}  # fmt: skip
+"""sbatch's short options by their long names (man sbatch): an entry is judged, and handed to submitit (which
+takes long names only), by what sbatch would read."""
+_SHORT = SHORT_OPTIONS
 _SHORT_FLAGS = frozenset("hHIkOQsvVW")
 """sbatch's short options without an argument: in a cluster such as `-HN8` the letters after them are options
 too, while the rest after one that takes an argument is its value."""
@@ -103,6 +115,10 @@ def _refusal(name: str, value: str | None, set_fields: dict[str, str | None]) ->
                   if set_fields.get(field)})  # fmt: skip
     if _requests_gpus(value):
         owned.update(dict.fromkeys(_GPU_REQUESTS, _GPUS))
+    if name in ("export", "expor", "expo", "exp") and value is not None and "ALL" not in value.upper().split(","):
+        # NONE (or a list without ALL): srun hands the tasks only that, so the trainers lose env, PATH and the venv.
+        return "export", ("the trainers need the batch shell's environment (the profile's env, PATH, the venv); "
+                          "give --export=ALL,... or remove the entry")  # fmt: skip
     if name in owned:
         return name, owned[name]
     # sbatch reads options with getopt_long, which takes any unambiguous prefix (`--gpus-per-n=4` is
