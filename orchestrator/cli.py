@@ -180,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             profile = amend_profile(run_dir, args.profile_overrides, check=_check_backend_clients)
         else:
-            _check_backend_clients(profile)
+            _check_backend_clients(profile, run_dir)
     else:
         if not args.profile or not args.job:
             raise UserError("give --profile and --job (or --resume RUN_DIR)")
@@ -218,14 +218,14 @@ def _create_or_same(
     from cona.protocol.inputs import check_inputs
 
     if run_dir.run_yaml.exists():
-        _check_backend_clients(profile)
+        _check_backend_clients(profile, run_dir)
         return _same_run(run_dir, profile, job)
     _refuse_foreign_directory(run_dir)
     # Checked before the run exists, as a run's job is fixed once it does: a run directory created from a bad
     # schedule, or for data the trainer will refuse, would be resumed, bad input and all, by the corrected command.
     first_strategy(profile, job)
     check_inputs(job, source=source)  # the trainer's own checks of its files, on their names and sizes
-    _check_backend_clients(profile)
+    _check_backend_clients(profile, run_dir)
     create_run(run_dir=run_dir, profile=profile, job=job, measured=measured)
     return profile, job
 
@@ -247,7 +247,7 @@ def _refuse_foreign_directory(run_dir: RunDir) -> None:
                         "new path, or an empty directory")  # fmt: skip
 
 
-def _check_backend_clients(profile: ClusterProfile) -> None:
+def _check_backend_clients(profile: ClusterProfile, run_dir: RunDir | None = None) -> None:
     """The backend's command-line clients and what it submits, before a run directory is created or an attempt
     launched: a Slurm profile without `sbatch` on PATH, or with an `extra_sbatch` entry, `python` or `setup` that its
     batch script cannot carry (checked only as it was rendered), left a run directory behind whose status said
@@ -256,7 +256,8 @@ def _check_backend_clients(profile: ClusterProfile) -> None:
         from cona.orchestrator.backends.slurm.backend import check_clients, check_partition
         from cona.orchestrator.backends.slurm.script import render_batch_script
 
-        render_batch_script(profile, None, Path.cwd() / "run")  # raises ConfigError; the job's name is checked already
+        # Raises ConfigError; the job's name is checked already.
+        render_batch_script(profile, None, run_dir.root if run_dir is not None else Path.cwd() / "run", job_name="cona")
         check_clients()
         check_partition(profile)
 
