@@ -602,6 +602,22 @@ def test_submission_env_puts_own_interpreter_first(env):
     assert pinned.submission_env()["PATH"] == os.environ.get("PATH", "")
 
 
+def test_sbatch_input_variables_do_not_override_the_script(env, monkeypatch):
+    """sbatch reads SBATCH_* over its #SBATCH lines: a shell's SBATCH_PARTITION or SBATCH_TIMELIMIT replaced the
+    profile's (and `cona render slurm` did not show what ran), SBATCH_WAIT blocked the submission, SBATCH_EXPORT=NONE
+    left the trainers without the environment. A site default for what the profile does not set passes."""
+    backend, _, _ = env
+    assert backend.profile.slurm.partition and not backend.profile.slurm.account
+    for key, value in [("SBATCH_PARTITION", "debug"), ("SBATCH_TIMELIMIT", "00:10:00"), ("SBATCH_WAIT", "1"),
+                       ("SBATCH_EXPORT", "NONE"), ("SBATCH_ACCOUNT", "site-default"), ("SBATCH_EXCLUSIVE", "1")]:  # fmt: skip
+        monkeypatch.setenv(key, value)
+    submitted = backend.submission_env()
+    assert sorted(
+        k for k in submitted if k.startswith("SBATCH_")) == ["SBATCH_ACCOUNT", "SBATCH_EXCLUSIVE"]
+    monkeypatch.setenv("SBATCH_EXPORT", "ALL,X=1")
+    assert backend.submission_env()["SBATCH_EXPORT"] == "ALL,X=1"
+
+
 def test_switch_kind_follows_the_node_count(env):
     # A switch that keeps the node count keeps the step's processes (in place) when allowed, else it is a new srun
     # step in the same allocation; another node count resubmits.

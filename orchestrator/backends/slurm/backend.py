@@ -805,12 +805,29 @@ class SlurmBackend(Backend):
             return current, True
         return current, current.state == "COMPLETING" and ending(current)
 
+    def overridden_input_variables(self, env: dict[str, str]) -> list[str]:
+        """sbatch's input variables in `env` that would override the batch script (sbatch reads them over its
+        `#SBATCH` lines): those of options the script sets from the profile (`SBATCH_PARTITION` over
+        `slurm.partition`, `SBATCH_TIMELIMIT` over `slurm.time_limit`, ...), `SBATCH_WAIT` (the submission would
+        block until the job ends) and an `SBATCH_EXPORT` without ALL (the trainers would lose the environment).
+        Left out of the submission, so the script `cona render slurm` shows is what runs; the others (a site's
+        `SBATCH_ACCOUNT` where the profile names none) pass."""
+        spec = self.profile.slurm
+        owned = {"SBATCH_JOB_NAME", "SBATCH_TIMELIMIT", "SBATCH_REQUEUE", "SBATCH_NO_REQUEUE", "SBATCH_OPEN_MODE",
+                 "SBATCH_SIGNAL", "SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_WAIT", "SBATCH_ARRAY_INX"}  # fmt: skip
+        owned.update(f"SBATCH_{field.upper()}" for field in ("partition", "account", "qos") if getattr(spec, field))
+        if "ALL" not in env.get("SBATCH_EXPORT", "ALL").upper().split(","):
+            owned.add("SBATCH_EXPORT")
+        return sorted(key for key in env if key in owned)
+
     def submission_env(self) -> dict[str, str]:
         """The environment sbatch passes on to the job (`--export=ALL`).
 
         When `slurm.python` is a bare name, the directory of this interpreter goes first on PATH: on a cluster
         whose nodes share the orchestrator's filesystem, `python3` is then the same virtualenv; elsewhere the
         directory does not exist on the node and PATH lookup moves on.
+
+        sbatch's input variables that would override the script are left out (`overridden_input_variables`).
 
         When the orchestrator itself runs in a Slurm job, that job's own variables (SLURM_JOB_ID,
         SLURM_CPUS_PER_TASK, SLURM_NTASKS, SLURM_MEM_PER_CPU, ...) are left out: the training job would inherit
@@ -820,6 +837,8 @@ class SlurmBackend(Backend):
         if "SLURM_JOB_ID" in env:
             for key in [k for k in env if k.startswith(_JOB_VARIABLE_PREFIXES) and k not in _CLIENT_VARIABLES]:
                 del env[key]
+        for key in self.overridden_input_variables(env):
+            del env[key]
         words = self.profile.slurm.python.split()
         if words and "/" not in words[0]:
             bindir = os.path.dirname(os.path.abspath(sys.executable))
