@@ -354,6 +354,12 @@ def test_extra_sbatch_keeps_options_cona_leaves_alone():
                                "/runs/r")  # fmt: skip
     assert [line for line in text.splitlines() if line.startswith("#SBATCH")][-3:] == [
         '#SBATCH --constraint="a100&ib"', '#SBATCH -C "a b"', "#SBATCH --export=ALL,X=1"]  # fmt: skip
+    # A GPU type is asked for with --gres once cona is told not to ask for GPUs itself (the advice says so).
+    with pytest.raises(ConfigError, match=r"set slurm\.gpus_per_node_flag: false and give that count"):
+        _profile_set(_extra("--gres=gpu:a100:8"))
+    typed = render_batch_script(_profile_set("slurm.gpus_per_node_flag=false", _extra("--gres=gpu:a100:8")), None,
+                                "/runs/r")  # fmt: skip
+    assert "#SBATCH --gres=gpu:a100:8" in typed and "--gpus-per-node" not in typed
     # account and qos are refused only beside the profile's own field of that name
     with pytest.raises(ConfigError, match=r"'--qos=high' sets --qos, .*slurm\.qos is set \('normal'\)"):
         _profile_set("slurm.qos=normal", _extra("--qos=high"))

@@ -20,6 +20,8 @@ SIGNAL_MAX_S = 65535
 _NODES = "the node count comes from the profile and each submission's strategy; set nodes / min_nodes in the profile"
 _TASKS = "cona runs one task per node, which starts gpus_per_node trainers; set nodes / gpus_per_node in the profile"
 _GPUS = "each node runs gpus_per_node trainer processes; set gpus_per_node in the profile"
+_GPUS_TYPED = (f"{_GPUS} (for a GPU type, as in --gres=gpu:a100:8, set slurm.gpus_per_node_flag: false and give "
+               "that count)")  # fmt: skip
 _LOG = "the job's log stays in the run directory (attempts/slurm-%j.out); remove the entry"
 _ARRAY = ("a run is one job, which requeues itself, and an array would start several copies of the run writing one "
           "run directory; remove the entry")  # fmt: skip
@@ -108,13 +110,16 @@ def _requests_gpus(value: str | None) -> bool:
     return "gpu" in names
 
 
-def _refusal(name: str, value: str | None, set_fields: dict[str, str | None]) -> tuple[str, str] | None:
-    """(the option cona owns, what to do instead) when sbatch would read `--name` as an option cona sets itself."""
+def _refusal(
+    name: str, value: str | None, set_fields: dict[str, str | None], *, gpus: bool = True
+) -> tuple[str, str] | None:
+    """(the option cona owns, what to do instead) when sbatch would read `--name` as an option cona sets itself;
+    `gpus`: whether cona asks for the GPUs (`--gpus-per-node`), so that a GPU request of `--gres` is its own too."""
     owned = dict(_OWN_OPTIONS)
     owned.update({field: f"slurm.{field} is set ({set_fields[field]!r}); set it there only" for field in _PROFILE_FIELDS
                   if set_fields.get(field)})  # fmt: skip
-    if _requests_gpus(value):
-        owned.update(dict.fromkeys(_GPU_REQUESTS, _GPUS))
+    if gpus and _requests_gpus(value):
+        owned.update(dict.fromkeys(_GPU_REQUESTS, _GPUS_TYPED))
     if name in ("export", "expor", "expo", "exp") and value is not None and "ALL" not in value.upper().split(","):
         # NONE (or a list without ALL): srun hands the tasks only that, so the trainers lose env, PATH and the venv.
         return "export", ("the trainers need the batch shell's environment (the profile's env, PATH, the venv); "
@@ -156,6 +161,11 @@ class SlurmSpec(StrictModel):
     time_limit: str = "04:00:00"
     """`--time` of the training job, in one of Slurm's forms: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`,
     `D-HH:MM:SS`, or `UNLIMITED`."""
+    gpus_per_node_flag: bool = True
+    """Request `--gpus-per-node`; false on CPU-only clusters (the default there when `accelerator.device` is `cpu`:
+    `cona.orchestrator.profile` sets it unless the profile says), or where `extra_sbatch` asks for the GPUs itself
+    (`--gres=gpu:a100:8`, a type; its count must be `gpus_per_node`). Declared before `extra_sbatch`, which is
+    judged with it."""
     extra_sbatch: list[str] = Field(default_factory=list)
     """Extra `#SBATCH` options, e.g. `--constraint=a100`."""
     setup: list[str] = Field(default_factory=list)
@@ -176,9 +186,6 @@ class SlurmSpec(StrictModel):
     """Rendezvous ports are this plus an offset per job, so concurrent jobs don't collide."""
     python: str = "python3"
     """Python interpreter on the compute nodes."""
-    gpus_per_node_flag: bool = True
-    """Request `--gpus-per-node`; false on CPU-only clusters (the default there when `accelerator.device` is `cpu`:
-    `cona.orchestrator.profile` sets it unless the profile says)."""
 
     @pydantic.field_validator("partition", "account", "qos")
     @classmethod
@@ -207,9 +214,12 @@ class SlurmSpec(StrictModel):
     def _extra_sbatch(cls, value: list[str], info: pydantic.ValidationInfo) -> list[str]:
         # partition, account and qos are declared (and so validated) before extra_sbatch: info.data has them.
         set_fields = {field: info.data.get(field) for field in _PROFILE_FIELDS}
+        # cona asks for the GPUs itself (--gpus-per-node) unless told not to: a second request would change how many
+        # a node gets. Told not to, a typed request (--gres=gpu:a100:8) is the user's way to ask for them.
+        gpus = bool(info.data.get("gpus_per_node_flag", True))
         for entry in value:
             for name, option_value in _sbatch_options(entry):
-                refused = _refusal(name, option_value, set_fields)
+                refused = _refusal(name, option_value, set_fields, gpus=gpus)
                 if refused is not None:
                     option, advice = refused
                     raise ValueError(f"{entry.strip()!r} sets --{option}, which cona decides itself: {advice}")
