@@ -193,6 +193,12 @@ def test_run_names_from_any_job_name_are_dns_labels_unique_per_submission(job_na
          f"field 'kubernetes.node_selector': {GKE_ACCELERATOR}: value 'nvidia h100' is not a label value"),
         ('kubernetes.node_selector."Example.com/gpu"=x', "key 'Example.com/gpu' is not a label key"),
         ("kubernetes.tolerations=[{key: gpu, value: 1}]", "[0].value 1: write it in quotes"),
+        ("kubernetes.tolerations=[{key: gpu, value: true}]", "[0].value true: write it in quotes, as written"),
+        # pydantic took true for 1 second, and named a float's `str` arm
+        ("kubernetes.tolerations=[{key: a, operator: Exists, effect: NoExecute, tolerationSeconds: true}]",
+         "[0].tolerationSeconds true: give whole seconds"),
+        ("kubernetes.tolerations=[{key: a, operator: Exists, effect: NoExecute, tolerationSeconds: 1.5}]",
+         "field 'kubernetes.tolerations': [0].tolerationSeconds 1.5: give whole seconds"),
         ("kubernetes.tolerations=[{key: gpu type, operator: Exists}]", "[0].key 'gpu type' is not a label key"),
         ("kubernetes.tolerations=[{key: gpu, value: a b}]", "[0].value 'a b' is not a label value"),
         ("kubernetes.tolerations=[{operator: Equal, value: x}]", "[0]: a toleration without a key needs operator 'Exists'"),
@@ -329,8 +335,13 @@ def test_a_mount_path_the_pods_use_for_something_else_is_refused(mount):
         ('kubernetes.orchestrator_memory="500m"', "kubernetes.orchestrator_memory: '500m' is 0.5 bytes; give a unit"),
         ('kubernetes.orchestrator_memory="2"', "kubernetes.orchestrator_memory: '2' is 2 bytes; give a unit"),
         ('kubernetes.shm_size="64"', "kubernetes.shm_size: '64' is 64 bytes; give a unit"),
-        ("kubernetes.shm_size=500m", "kubernetes.shm_size: '500m' is not a quantity such as 64Gi"),
+        ("kubernetes.shm_size=500m", "kubernetes.shm_size: '500m' is 0.5 bytes; give a unit"),
         ("kubernetes.orchestrator_memory=2GB", "kubernetes.orchestrator_memory: '2GB' is not a quantity"),
+        ('kubernetes.orchestrator_cpu="0"', "kubernetes.orchestrator_cpu: '0' is less than one millicore"),
+        ('kubernetes.trainer_cpu="0m"', "kubernetes.trainer_cpu: '0m' is less than one millicore"),
+        # A bare name is the API server's standard resource, or refused by it when the attempt is created.
+        ("kubernetes.gpu_resource=GPU", "kubernetes.gpu_resource: 'GPU' is neither cpu nor an extended resource"),
+        ("kubernetes.gpu_resource=memory", "kubernetes.gpu_resource: 'memory' is neither cpu nor"),
     ],
 )  # fmt: skip
 def test_a_memory_quantity_without_its_unit_is_one_line(override, message):
@@ -339,6 +350,16 @@ def test_a_memory_quantity_without_its_unit_is_one_line(override, message):
     with pytest.raises(ConfigError) as info:
         render_submission(profile=_profile(override), job=_job(), run="r", submitted=SUBMITTED)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_every_resource_field_takes_the_quantities_kubernetes_takes():
+    """`trainer_cpu: 500m` was refused by a message that gave 500m as its example; `1e3` and `1Pi` were taken by
+    some fields and not others."""
+    for override in ("kubernetes.trainer_cpu=500m", "kubernetes.trainer_cpu=1e3", "kubernetes.trainer_cpu=0.5",
+                     "kubernetes.orchestrator_memory=1Pi", "kubernetes.trainer_memory=1e12", "kubernetes.shm_size=1e10",
+                     "kubernetes.orchestrator_cpu=.5"):  # fmt: skip
+        objects = render_submission(profile=_profile(override), job=_job(), run="r", submitted=SUBMITTED)
+        assert objects, override
 
 
 # ---- the cluster side of `cona submit` --------------------------------------------------------------------------

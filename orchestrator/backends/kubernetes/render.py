@@ -94,9 +94,11 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 """A DNS-1123 label (at most 63 characters), as a namespace's name."""
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _QUALIFIED = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+QUANTITY = re.compile(r"(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?")
+"""A Kubernetes quantity (resource.Quantity's grammar, without a sign): `500m`, `2`, `1.5`, `64Gi`, `1e3`. One pattern
+for every resource field: CPUs in millicores and memory with binary or decimal suffixes alike."""
 _BAD_IMAGE = re.compile(r"[\s\x00-\x1f\x7f]")
-_SUFFIXES = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+_SUFFIXES = {"": 1.0, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
              **{s: 1024.0 ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}  # fmt: skip
 MIN_MEMORY = 1024**2
 """The least memory quantity taken (1Mi): below it, a unit was forgotten (`2` is two bytes) or `m` (milli) was
@@ -104,19 +106,24 @@ taken for mebi (`500m` is half a byte), and the pod would be killed at start or 
 
 
 def quantity_bytes(value: str) -> float:
-    """A quantity that matched a quantity pattern here (`1.5Gi`, `500m`, `2`) in bytes."""
-    number = re.match(r"[0-9.]+", value)
-    assert number is not None, value
-    return float(number.group()) * _SUFFIXES[value[number.end() :]]
-
-
-_ANY_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+    """A quantity that matches `QUANTITY` (`1.5Gi`, `500m`, `2`, `1e3`) as a number (bytes for memory)."""
+    match = QUANTITY.fullmatch(value)
+    assert match is not None, value
+    suffix = match.group("suffix") or ""
+    scale = 10.0 ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIXES[suffix]
+    return float(match.group("number")) * scale
 
 
 def quantity_value(text: str) -> float | None:
     """A quantity as the API server writes one, any suffix milli included (`500m`, `4`, `16Gi`), as a number
     (bytes for memory); None when `text` is not one."""
-    return quantity_bytes(text) if _ANY_QUANTITY.fullmatch(text) else None
+    return quantity_bytes(text) if QUANTITY.fullmatch(text) else None
+
+
+def check_cpu(field: str, value: str) -> None:
+    """Refuse a CPU quantity below one millicore (`0`: a pod that may use no CPU), in one line naming `field`."""
+    if quantity_bytes(value) < 1e-3:
+        raise ConfigError(f"{field}: {value!r} is less than one millicore; give CPUs, e.g. 500m or 2")
 
 
 def check_memory(field: str, value: str) -> None:
@@ -244,6 +251,11 @@ def check_spec(spec: KubernetesSpec) -> None:
     _check("kubernetes.pvc", spec.pvc, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
     _check("kubernetes.service_account", spec.service_account, _DNS_SUBDOMAIN, 253, "a DNS-1123 subdomain")
     _check("kubernetes.gpu_resource", spec.gpu_resource, _QUALIFIED, 316, "a resource name such as nvidia.com/gpu")
+    if spec.gpu_resource != "cpu" and "/" not in spec.gpu_resource:
+        # The API server takes a bare name only for its standard resources: `GPU` is refused when the orchestrator
+        # creates the attempt, and `memory` would ask for as many bytes as the node has devices.
+        raise ConfigError(f"kubernetes.gpu_resource: {spec.gpu_resource!r} is neither cpu nor an extended resource "
+                          "named with its domain (nvidia.com/gpu, amd.com/gpu, habana.ai/gaudi)")  # fmt: skip
     if not spec.image or _BAD_IMAGE.search(spec.image):
         shown = spec.image.encode("unicode_escape").decode()
         raise ConfigError(f"kubernetes.image: {shown!r} is empty or contains whitespace or a control character")
@@ -267,13 +279,14 @@ def check_spec(spec: KubernetesSpec) -> None:
     if problem:
         raise ConfigError(f"kubernetes.image: {spec.image!r} is {problem}")
     if spec.shm_size is not None:
-        _check("kubernetes.shm_size", spec.shm_size, _QUANTITY, 64, "a quantity such as 64Gi")
+        _check("kubernetes.shm_size", spec.shm_size, QUANTITY, 64, "a quantity such as 64Gi")
         check_memory("kubernetes.shm_size", spec.shm_size)
     if spec.trainer_memory is not None:
-        _check("kubernetes.trainer_memory", spec.trainer_memory, _QUANTITY, 64, "a quantity such as 200Gi")
+        _check("kubernetes.trainer_memory", spec.trainer_memory, QUANTITY, 64, "a quantity such as 200Gi")
         check_memory("kubernetes.trainer_memory", spec.trainer_memory)
     if spec.trainer_cpu is not None:
-        _check("kubernetes.trainer_cpu", spec.trainer_cpu, _QUANTITY, 64, "a quantity such as 32 or 500m")
+        _check("kubernetes.trainer_cpu", spec.trainer_cpu, QUANTITY, 64, "a quantity such as 32 or 500m")
+        check_cpu("kubernetes.trainer_cpu", spec.trainer_cpu)
         if spec.gpu_resource == "cpu":  # one resource in requests twice, with two meanings: say which one counts
             raise ConfigError("kubernetes.trainer_cpu: the profile's devices are CPUs (gpu_resource: cpu), requested "
                               "one per process already; leave trainer_cpu out")  # fmt: skip

@@ -17,7 +17,6 @@ the run directory's name under `storage.run_root`, so the attempts' workloads (`
 
 from __future__ import annotations
 
-import re
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,8 @@ from cona.orchestrator.backends.kubernetes.render import (
     CONTAINER_SECURITY,
     POD_SECURITY,
     PYTHON,
+    QUANTITY,
+    check_cpu,
     check_memory,
     check_spec,
     dns_name,
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from cona.orchestrator.job import Job
     from cona.orchestrator.profile import ClusterProfile
 
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?")
 RUN_NAME_MAX = 40
 """Longest run name: `R-orch` and the attempts' `R-a<n>` must stay within the 52 characters of a Job's name."""
 ORCHESTRATOR_SUFFIX = "-orch"
@@ -240,8 +240,9 @@ def render_submission(*, profile: ClusterProfile, job: Job, run: str, submitted:
         raise ConfigError(f"profile {profile.name!r}: backend is {profile.backend!r}; cona submit needs a kubernetes profile")
     check_spec(spec)
     for field, value in (("orchestrator_cpu", spec.orchestrator_cpu), ("orchestrator_memory", spec.orchestrator_memory)):
-        if not _QUANTITY.fullmatch(value):
+        if not QUANTITY.fullmatch(value):
             raise ConfigError(f"kubernetes.{field}: {value!r} is not a quantity such as 500m, 2 or 2Gi")
+    check_cpu("kubernetes.orchestrator_cpu", spec.orchestrator_cpu)
     check_memory("kubernetes.orchestrator_memory", spec.orchestrator_memory)
     if run != run_name(run):
         raise ConfigError(f"--name {run!r}: not a DNS-1035 label of at most {RUN_NAME_MAX} characters (e.g. {run_name(run)!r})")

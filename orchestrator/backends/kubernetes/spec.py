@@ -255,10 +255,13 @@ class KubernetesSpec(StrictModel):
                 raise ValueError(f"{key}: value {label!r} is not a label value ({LABEL_VALUE_RULE})")
         return value
 
-    @pydantic.field_validator("tolerations")
+    @pydantic.field_validator("tolerations", mode="before")
     @classmethod
-    def _tolerations(cls, value: list[dict[str, str | int]]) -> list[dict[str, str | int]]:
+    def _tolerations(cls, value: object) -> object:
         # Checked here, not by the API server at submission: a typo would otherwise surface as a failed pod later.
+        # Before pydantic's conversion, which took `tolerationSeconds: true` for 1 and named a float's str arm.
+        if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+            return value  # pydantic says what it is not
         for i, toleration in enumerate(value):
             unknown = sorted(set(toleration) - set(_TOLERATION_FIELDS))
             if unknown:
@@ -267,13 +270,15 @@ class KubernetesSpec(StrictModel):
             for name in ("key", "operator", "value", "effect"):
                 # YAML reads `value: 1` or `value: true` as a number: the API takes only a string there.
                 if name in toleration and not isinstance(toleration[name], str):
-                    raise ValueError(f"[{i}].{name} {toleration[name]!r}: write it in quotes (a string)")
+                    shown = str(toleration[name]).lower() if isinstance(toleration[name], bool) else repr(toleration[name])
+                    raise ValueError(f"[{i}].{name} {shown}: write it in quotes, as written (a string)")
             for name, allowed in (("operator", ("Exists", "Equal")), ("effect", _TAINT_EFFECTS)):
                 if name in toleration and toleration[name] not in allowed:
                     raise ValueError(f"[{i}].{name} {toleration[name]!r}: use one of {', '.join(map(repr, allowed))}")
             seconds = toleration.get("tolerationSeconds")
             if seconds is not None and (not isinstance(seconds, int) or isinstance(seconds, bool)):
-                raise ValueError(f"[{i}].tolerationSeconds {seconds!r}: give whole seconds")
+                shown = str(seconds).lower() if isinstance(seconds, bool) else repr(seconds)
+                raise ValueError(f"[{i}].tolerationSeconds {shown}: give whole seconds")
             if toleration.get("operator") == "Exists" and toleration.get("value"):
                 raise ValueError(f"[{i}]: operator 'Exists' takes no value; drop value or use operator 'Equal'")
             # The API server's own rules for a toleration (`ValidateTolerations`), so that a pod is never refused.
