@@ -281,9 +281,20 @@ def test_resume_with_a_fixed_image_changes_the_configmap_the_orchestrator_job_an
     with pytest.raises(ConfigError, match=re.escape("--profile-set kubernetes.namespace=x: a resumed run keeps")):
         resume("tiny-1", namespace=NS, api_client=k8s.api_client(), profile_set=["kubernetes.namespace=x"])
     assert client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)  # refused before any change
+    # What `cona submit` refuses is refused here too, before the old orchestrator Job is deleted.
+    for bad, message in [("kubernetes.image=ghcr.io/Team/cona:1", "kubernetes.image"),
+                         ("kubernetes.orchestrator_memory=2GB", "kubernetes.orchestrator_memory: '2GB' is not a quantity"),
+                         ("kubernetes.trainer_cpu=lots", "kubernetes.trainer_cpu: 'lots' is not a quantity")]:  # fmt: skip
+        with pytest.raises(BackendError, match=re.escape(message)):
+            resume("tiny-1", namespace=NS, api_client=k8s.api_client(), profile_set=[bad])
+        assert client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)
+    before = yaml.safe_load(client.CoreV1Api(k8s.api_client()).read_namespaced_config_map("tiny-1", NS).data["profile.yaml"])
     resume("tiny-1", namespace=NS, api_client=k8s.api_client(), profile_set=["kubernetes.image=reg.example/cona:fixed"])
     data = client.CoreV1Api(k8s.api_client()).read_namespaced_config_map("tiny-1", NS).data
     assert yaml.safe_load(data["profile.yaml"])["kubernetes"]["image"] == "reg.example/cona:fixed"
+    # Only what was set is stored, as `cona submit` stored it (an older orchestrator image reads it).
+    after = yaml.safe_load(data["profile.yaml"])
+    assert set(after["kubernetes"]) == set(before["kubernetes"]) and set(after) == set(before), (before, after)
     asked = json.loads(data["profile-amended"])
     assert asked == {"token": data["resume"], "profile_set": ["kubernetes.image=reg.example/cona:fixed"]}
     job = client.BatchV1Api(k8s.api_client()).read_namespaced_job("tiny-1-orch", NS)

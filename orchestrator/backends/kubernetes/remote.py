@@ -34,6 +34,7 @@ from cona.orchestrator.backends.kubernetes.runobjects import (
     RUN_DIR_KEY,
     STATUS_KEY,
     STOP_KEY,
+    check_submission_spec,
     orchestrator_job_name,
     owner_reference,
     render_orchestrator_job,
@@ -299,13 +300,18 @@ def resume(
             stored = apply_overrides(stored, list(profile_set), source="--profile-set")
         profile = validate(ClusterProfile, stored, source=f"ConfigMap {namespace}/{run} {PROFILE_KEY}",
                            overrides=profile_set, flag="--profile-set")  # fmt: skip
+        if profile.kubernetes is None:
+            raise ConfigError(f"ConfigMap {namespace}/{run} {PROFILE_KEY}: no kubernetes section")
+        # What `cona submit` checks, before the old orchestrator Job is deleted: an image or a quantity the API
+        # server refuses would leave the run with no Job at all.
+        check_submission_spec(profile.kubernetes)
     except ConfigError as e:
         raise BackendError(f"kubernetes: run {run!r} cannot be resumed: {e}") from None
-    assert profile.kubernetes is not None
     token = f"resume-{time.time():.3f}"
     patch = {RESUME_KEY: token}
     if profile_set:
-        patch |= {PROFILE_KEY: yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False),
+        # What was set, as `cona submit` stored it (an older orchestrator image reads it; defaults stay its own).
+        patch |= {PROFILE_KEY: yaml.safe_dump(profile.model_dump(mode="json", exclude_unset=True), sort_keys=False),
                   AMEND_KEY: json.dumps({"token": token, "profile_set": list(profile_set)})}  # fmt: skip
     # The ConfigMaps are owned by the old orchestrator Job: detach them, or deleting it would delete them too.
     for configmap in (run, report_configmap_name(run)):

@@ -233,17 +233,23 @@ def render_orchestrator_job(*, spec: KubernetesSpec, run: str, run_dir: str) -> 
     }
 
 
-def render_submission(*, profile: ClusterProfile, job: Job, run: str, submitted: float) -> list[dict[str, Any]]:
-    """[ConfigMap, orchestrator Job] of a run, ConfigMap first (the orchestrator reads it when it starts)."""
-    spec = profile.kubernetes
-    if spec is None or profile.backend != "kubernetes":
-        raise ConfigError(f"profile {profile.name!r}: backend is {profile.backend!r}; cona submit needs a kubernetes profile")
+def check_submission_spec(spec: KubernetesSpec) -> None:
+    """ConfigError, one line, unless `spec` renders pods the API server takes: the trainers' (`check_spec`) and the
+    orchestrator's own requests. What `cona submit` checks, and `cona submit --resume` with `--profile-set`."""
     check_spec(spec)
     for field, value in (("orchestrator_cpu", spec.orchestrator_cpu), ("orchestrator_memory", spec.orchestrator_memory)):
         if not QUANTITY.fullmatch(value):
             raise ConfigError(f"kubernetes.{field}: {value!r} is not a quantity such as 500m, 2 or 2Gi")
     check_cpu("kubernetes.orchestrator_cpu", spec.orchestrator_cpu)
     check_memory("kubernetes.orchestrator_memory", spec.orchestrator_memory)
+
+
+def render_submission(*, profile: ClusterProfile, job: Job, run: str, submitted: float) -> list[dict[str, Any]]:
+    """[ConfigMap, orchestrator Job] of a run, ConfigMap first (the orchestrator reads it when it starts)."""
+    spec = profile.kubernetes
+    if spec is None or profile.backend != "kubernetes":
+        raise ConfigError(f"profile {profile.name!r}: backend is {profile.backend!r}; cona submit needs a kubernetes profile")
+    check_submission_spec(spec)
     if run != run_name(run):
         raise ConfigError(f"--name {run!r}: not a DNS-1035 label of at most {RUN_NAME_MAX} characters (e.g. {run_name(run)!r})")
     if run.endswith(REPORT_SUFFIX):
