@@ -311,12 +311,23 @@ def _takes_int_not_text(annotation: Any) -> bool:
     return int in arms and str not in arms and Any not in arms
 
 
+def _leaf_arms(annotation: Any) -> list[Any]:
+    """`_arms`, with a list's, tuple's or set's item types in place of the container."""
+    leaves: list[Any] = []
+    for arm in _arms(annotation):
+        if typing.get_origin(arm) in (list, tuple, set, frozenset):
+            leaves += [leaf for inner in typing.get_args(arm) if inner is not Ellipsis for leaf in _leaf_arms(inner)]
+        else:
+            leaves.append(arm)
+    return leaves
+
+
 def _bool_message(annotation: Any) -> str:
     """What a field that takes no true/false expects. YAML 1.1 reads an unquoted yes/no/on/off as true/false, so
     `lr_scaling: no` or `recompute: off` arrive as booleans."""
-    arms = _arms(annotation)
+    arms = _leaf_arms(annotation)  # a list's items: `setup: [..., true]` is a shell command to quote
     choices = [c for arm in arms if typing.get_origin(arm) is typing.Literal for c in typing.get_args(arm)]
-    quote = " (YAML reads an unquoted yes/no/on/off as true/false: quote the value)"
+    quote = " (YAML reads an unquoted yes/no/on/off/true/false as a boolean: quote the value)"
     if choices:
         return f"expects one of {', '.join(repr(c) for c in choices)}, not true/false" + quote
     if str in arms:

@@ -153,7 +153,7 @@ BAD_JOBS = [
     # YAML 1.1 reads an unquoted no/off as false: a choice or a text field says what it takes and to quote it.
     ("model: {preset: tiny-gpt}\noptimizer: {lr_scaling: no}\n",
      "field 'optimizer.lr_scaling': expects one of 'none', 'linear', 'sqrt', not true/false (YAML reads an unquoted "
-     "yes/no/on/off as true/false: quote the value)"),
+     "yes/no/on/off/true/false as a boolean: quote the value)"),
     ("model: {preset: tiny-gpt}\ndata: {path: off}\n", "field 'data.path': expects text, not true/false"),
     # And text or a number in a switch: pydantic would read "false" or 0 as false, "yes" or 1 as true.
     ("model: {preset: tiny-gpt}\nmetrics: {tensorboard: 'false'}\n",

@@ -440,6 +440,12 @@ def test_newline_in_run_dir_is_rejected():
         render_batch_script(_profile(), None, "/runs/a\nb")
 
 
+def test_a_setup_command_yaml_read_as_a_boolean_is_said_to_be_quoted():
+    """`setup: [..., true]` (the shell's no-op) was told the field expects a number."""
+    with pytest.raises(ConfigError, match=r"field 'slurm\.setup': expects text, not true/false \(YAML reads"):
+        _profile_set("slurm.setup=[echo a, true]")
+
+
 def test_bad_setup_is_rejected():
     if not BASH:
         pytest.skip("bash not installed")
