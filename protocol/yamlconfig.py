@@ -226,6 +226,9 @@ def validate(
         given = [o for o, key in keys if (path + ".").startswith(key)]  # the field itself, or a section set whole
         inside = [o for o, key in keys if key.startswith(path + ".")]  # a field of the section that is wrong
         origin = f", set by {flag} {given[-1]}" if given else f", with {flag} {' '.join(inside)}" if inside else ""
+        if errors[0]["type"] == "string_type" and isinstance(errors[0].get("input"), dict) and inside:
+            # `--profile-set kubernetes.node_selector.cloud.google.com/gke-accelerator=x` split the label at its dots.
+            origin += "; a key with dots goes in quotes there (node_selector.\"cloud.google.com/gke-accelerator\"=x)"
         raise ConfigError(f"{source}: {first}{more}{origin}") from None
 
 

@@ -192,6 +192,8 @@ def test_run_names_from_any_job_name_are_dns_labels_unique_per_submission(job_na
         (f'kubernetes.node_selector."{GKE_ACCELERATOR}"=nvidia h100',
          f"field 'kubernetes.node_selector': {GKE_ACCELERATOR}: value 'nvidia h100' is not a label value"),
         ('kubernetes.node_selector."Example.com/gpu"=x', "key 'Example.com/gpu' is not a label key"),
+        # Unquoted, the label's dots split it into sections: the message says to quote it.
+        (f"kubernetes.node_selector.{GKE_ACCELERATOR}=x", 'a key with dots goes in quotes there (node_selector."'),
         ("kubernetes.tolerations=[{key: gpu, value: 1}]", "[0].value 1: write it in quotes"),
         ("kubernetes.tolerations=[{key: gpu, value: true}]", "[0].value true: write it in quotes, as written"),
         # pydantic took true for 1 second, and named a float's `str` arm
