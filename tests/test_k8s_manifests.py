@@ -579,6 +579,12 @@ def test_jobset_and_trainjob_names_keep_generated_pod_names_within_63(workload):
         names.add(name)
     assert len(names) == 2
 
+    # Past 1,000 nodes the index has more digits, and the name gives them room (it was 64 characters at 1,024).
+    wide = load_profile(K8S_PROFILE, ["nodes=1024", "gpus_per_node=1", f"kubernetes.workload={workload}"])
+    (obj,) = render_attempt(profile=wide, strategy=Strategy.parse("dp=1024,tp=1,pp=1,mbs=1,gbs=1024"), attempt=12,
+                            run_dir="/runs/r", run_name="a" * 60)  # fmt: skip
+    assert len(f"{obj['metadata']['name']}-node-0-1023-abcde") <= 63, obj["metadata"]["name"]
+
 
 @pytest.mark.parametrize("workload", ["jobset", "trainjob"])
 def test_hostile_values_stay_inert_in_jobset_and_trainjob(workload, renderer_without_image_check):

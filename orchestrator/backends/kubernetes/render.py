@@ -550,7 +550,9 @@ def render_attempt(
     run_dir = _run_dir_on_pvc(str(run_dir), spec.mount_path)
     run_name = run_name if run_name is not None else PurePosixPath(run_dir).name
     nnodes, per_node = placement(strategy, profile.gpus_per_node, profile.nodes)
-    limit = MAX_NAME if spec.workload == "indexed-job" else MAX_JOBSET_NAME
+    # A JobSet's pod names hold the node index: past 1,000 nodes (the profile's, the most any attempt has) its
+    # digits come out of the name's own characters.
+    limit = MAX_NAME if spec.workload == "indexed-job" else MAX_JOBSET_NAME - max(0, len(str(profile.nodes - 1)) - 3)
     name, service = workload_names(run_name, attempt, limit)
     meta_labels = labels(run_name=run_name, name=name, attempt=attempt)
     annotations = {"cona.dev/strategy": str(strategy), "cona.dev/run-dir": run_dir}
