@@ -190,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=300, help="steps per end-to-end run")
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of the four settings")
+    parser.add_argument("--out", default="overhead.json", help="JSON to write: a bare name goes under "
+                        "benchmarks/results (default overhead.json)")
     args = parser.parse_args(argv)
     (REPO / "runs").mkdir(exist_ok=True)
     plan = planner()
     e2e = end_to_end(steps=args.steps, repeats=args.repeats)
     inproc = direct(steps=args.steps)
-    path = write_json("overhead.json", {"benchmark": "overhead", "steps": args.steps, "repeats": args.repeats,
+    path = write_json(args.out, {"benchmark": "overhead", "steps": args.steps, "repeats": args.repeats,
                                         "end_to_end": e2e, "direct": inproc, "planner": plan})  # fmt: skip
     print(f"planner: {plan['num_candidates']:,} candidates ({plan['num_feasible']:,} feasible) on {plan['profile']}: "
           f"enumerate + rank {fmt_s(plan['enumerate_and_rank_s'])}; cona's ranking of the feasible ones "

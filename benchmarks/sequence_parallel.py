@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sequence_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per layout and setting (default 3)")
+    parser.add_argument("--out", default="sequence-parallel.json", help="JSON to write: a bare name goes under "
+                        "benchmarks/results (default sequence-parallel.json)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps: must be at least 2, got {args.steps}")
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Plans: global batches whose fastest strategy changes with sequence parallelism on",
                 ["profile + job", "batches", "changed"],
                 [[key, str(r["batches"]), ", ".join(map(str, r["changed"])) or "none"] for key, r in planned.items()])
-    path = write_json("sequence-parallel.json", {"step_times": times, "activations": modelled, "plans": planned,
+    path = write_json(args.out, {"step_times": times, "activations": modelled, "plans": planned,
                                                  "steps": args.steps, "repeats": args.repeats})  # fmt: skip
     print(f"wrote {shown(path)}")
     return 0

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="relaunch,in-place", help="comma-separated: relaunch, in-place")
     parser.add_argument("--profile", default="slurm/profiles/local-cpu.yaml")
     parser.add_argument("--keep", action="store_true", help="keep the run directories under runs/")
+    parser.add_argument("--out", default=None, help="JSON to write: a bare name goes under benchmarks/results "
+                        "(default switch.json, switch-<backend>.json for another backend)")
     args = parser.parse_args(argv)
     results = []
     modes = args.modes.split(",")
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = results[0]["backend"] if results else "local"
     # One file per backend: a Slurm run does not replace the local backend's numbers.
     name = "switch.json" if backend == "local" else f"switch-{backend}.json"
-    path = write_json(name, {"benchmark": "switch", "profile": args.profile,
+    path = write_json(args.out or name, {"benchmark": "switch", "profile": args.profile,
                                       "strategies": [STRATEGY_A, STRATEGY_B], "models": results})  # fmt: skip
     rows = []
     for run in results:
