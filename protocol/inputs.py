@@ -308,15 +308,26 @@ def _file_vocab_digest(path: Path) -> str | None:
         return None
 
 
-def check_tokenizer(job: JobSpec, meta: dict[str, Any] | None) -> None:
-    """`InputRefused` when `model.init_from` holds a tokenizer.json whose vocabulary is not the one the prepared
-    data was tokenized with: the ids would train the pretrained embeddings of other tokens, silently (a vocabulary
-    size check cannot see it: GPT-2's 50,257 ids fit Llama's 128,256). Data prepared before the digest was recorded
-    is judged by the tokenizer file it names, while that file is still the one it was (its sha256)."""
-    if job.model.init_from is None or meta is None:
+def check_tokenizer(job: JobSpec, files: DataFiles) -> None:
+    """`InputRefused` when `model.init_from` holds a tokenizer.json whose vocabulary is not the one the data's ids
+    come from: they would train the pretrained embeddings of other tokens, silently (a vocabulary size check cannot
+    see it: GPT-2's 50,257 ids fit Llama's 128,256). Text read byte by byte (ids 0–255) is refused beside such a
+    model; prepared data whose vocabulary differs too. Data prepared before the digest was recorded is judged by the
+    tokenizer file it names, while that file is still the one it was (its sha256); raw token files are not judged."""
+    if job.model.init_from is None:
         return
     model_tokenizer = Path(job.model.init_from) / TOKENIZER_FILE
     if not model_tokenizer.is_file():
+        return
+    if files.fmt == "bytes":
+        raise InputRefused(
+            f"data.path {job.data.path!r} is text, read byte by byte (ids 0-255), but model.init_from was trained "
+            f"with {model_tokenizer}: tokenize the data with it first (`cona data prepare --tokenizer "
+            f"{model_tokenizer} --input TEXT --out DIR`, then data.path: DIR)",
+            fix=FIX_EITHER,
+        )  # fmt: skip
+    meta = files.meta
+    if meta is None:
         return
     theirs = meta.get("vocab_sha256")
     if not isinstance(theirs, str):
@@ -348,7 +359,7 @@ def check_inputs(job: JobSpec, *, source: str | None = None) -> None:
         if count is not None:
             check_split(job, count, source=files.source)
         check_init_from(job)
-        check_tokenizer(job, files.meta)
+        check_tokenizer(job, files)
     except InputRefused as e:
         if source is None:
             raise

@@ -5,11 +5,13 @@ No hub download: the tokenizer is a small byte-level BPE trained here on the cor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -326,7 +328,7 @@ def test_an_init_from_of_another_vocabulary_is_refused(tmp_path, corpus):
     """Data tokenized with one tokenizer and weights of a model trained with another: every id means another token
     to the pretrained embeddings, and nothing failed (the vocabulary size check passes: both fit the model)."""
     from cona.orchestrator.job import load_job
-    from cona.protocol.inputs import InputRefused, check_tokenizer
+    from cona.protocol.inputs import InputRefused, check_tokenizer, data_files
     from cona.trainer.hf import hf_config
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -359,22 +361,31 @@ def test_an_init_from_of_another_vocabulary_is_refused(tmp_path, corpus):
         "or start from a model of that tokenizer"
     ]
     assert not (tmp_path / "refused" / "run.yaml").exists()
+    # Text read byte by byte beside a model with a tokenizer: ids 0-255 are other tokens to it.
+    as_text = job.model_copy(update={"data": job.data.model_copy(update={"path": str(docs)})})
+    with pytest.raises(InputRefused, match="is text, read byte by byte"):
+        check_tokenizer(as_text, data_files(as_text))
     # The same vocabulary in another file (saved with a truncation setting, as transformers leaves it) is no
     # mismatch; nor is data prepared before the digest was recorded, judged by the tokenizer file it names.
+    def prepared(tokens_json: dict) -> Any:
+        return dataclasses.replace(data_files(job), meta=tokens_json)
+
     same = json.loads(tokenizer_path.read_text())
     same["truncation"] = {"direction": "Right", "max_length": 512, "strategy": "LongestFirst", "stride": 0}
     (model / "tokenizer.json").write_text(json.dumps(same, indent=1))
-    check_tokenizer(job, meta)
+    check_tokenizer(job, prepared(meta))
     old = {k: v for k, v in meta.items() if k != "vocab_sha256"}
-    check_tokenizer(job, old)
+
+
+    check_tokenizer(job, prepared(old))
     other.save(str(model / "tokenizer.json"))
     with pytest.raises(InputRefused, match="another vocabulary"):
-        check_tokenizer(job, old)
+        check_tokenizer(job, prepared(old))
     # A tokenizer file changed since the data was prepared no longer tells what the data's ids mean: no verdict.
-    check_tokenizer(job, {**old, "tokenizer_sha256": "0" * 64})
+    check_tokenizer(job, prepared({**old, "tokenizer_sha256": "0" * 64}))
     # A model directory without a tokenizer.json has nothing to compare.
     (model / "tokenizer.json").unlink()
-    check_tokenizer(job, meta)
+    check_tokenizer(job, prepared(meta))
 
 
 def test_text_the_tokenizer_leaves_out_is_counted_in_a_warning(tmp_path):
