@@ -22,14 +22,24 @@ if TYPE_CHECKING:
     from cona.protocol.strategy import Strategy
 
 
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "local-cpu.yaml"
+"""The embedded local default (`slurm/profiles/local-cpu.yaml`, installed with the package): one machine, 4 trainer
+processes on the CPU. What `cona run`, `plan` and `profile` use without `--profile`."""
+
+
 class UserError(Exception):
     """Any error the user can fix; printed as `cona: error: <message>` with exit code 2."""
 
 
-def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool = True, job_required: bool = True) -> None:
+def _add_config_args(
+    parser: argparse.ArgumentParser, *, profile_required: bool = True, job_required: bool = True,
+    profile_default: bool = False,
+) -> None:  # fmt: skip
     parser.add_argument(
-        "--profile", required=profile_required, metavar="PROFILE.yaml",
-        help="cluster profile: nodes, devices, network, storage and backend settings",
+        "--profile", required=profile_required and not profile_default, metavar="PROFILE.yaml",
+        default=str(_shown_default()) if profile_default else None,
+        help="cluster profile: nodes, devices, network, storage and backend settings"
+        + (" (default: the embedded local one, 4 CPU processes on this machine)" if profile_default else ""),
     )
     parser.add_argument(
         "--profile-set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -40,6 +50,14 @@ def _add_config_args(parser: argparse.ArgumentParser, *, profile_required: bool 
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a job field by its dotted path, e.g. --set optimizer.lr=3e-4 (repeatable)",
     )  # fmt: skip
+
+
+def _shown_default() -> Path:
+    """`DEFAULT_PROFILE` as a user would write it: relative to the working directory when it lies below it."""
+    try:
+        return DEFAULT_PROFILE.relative_to(Path.cwd())
+    except ValueError:
+        return DEFAULT_PROFILE
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -182,9 +200,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             _check_backend_clients(profile, run_dir)
     else:
-        if not args.profile or not args.job:
-            raise UserError("give --profile and --job (or --resume RUN_DIR)")
-        profile = load_profile(args.profile, args.profile_overrides)
+        if not args.job:
+            raise UserError("give --job (and --profile: the embedded local one without it), or --resume RUN_DIR")
+        profile = load_profile(args.profile or _shown_default(), args.profile_overrides)
         job = load_job(args.job, [*args.overrides, *_policy_overrides(args.policy, args.overrides)])
         measured = None
         if args.measured:
@@ -597,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Enumerate every (dp, tp, pp, mbs, gbs) for the profile's devices, predict iteration time and "
         "memory per device with the analytical cost model, and rank the feasible ones by iteration time.",
     )
-    _add_config_args(plan)
+    _add_config_args(plan, profile_default=True)
     plan.add_argument("--top", type=int, default=10, metavar="K", help="show the K fastest feasible strategies (0: all; default 10)")
     plan.add_argument("--all", action="store_true", help="also list every rejected strategy with its reason")
     plan.add_argument("--gbs", type=int, default=None, help="only consider this global batch size")
@@ -618,7 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
         "switch when one is clearly better net of the switch cost. Running the same command again (or --resume) "
         "adopts or relaunches the run; it never starts a second attempt.",
     )
-    run.add_argument("--profile", metavar="PROFILE.yaml", help="cluster profile (backend, devices, network, storage)")
+    run.add_argument("--profile", metavar="PROFILE.yaml", help="cluster profile (backend, devices, network, storage; "
+                     "default: the embedded local one, 4 CPU processes on this machine)")
     run.add_argument(
         "--profile-set", dest="profile_overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a profile field by its dotted path, e.g. --profile-set nodes=2 (repeatable)",
@@ -650,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch to four times it, then the base batch's other layouts once each. Prints measured against predicted step times and writes "
         "RUN_DIR/measured.json, which `cona run --measured RUN_DIR` starts its throughput model with.",
     )
-    _add_config_args(prof)
+    _add_config_args(prof, profile_default=True)
     prof.add_argument("--top", type=int, default=None, metavar="K", help="how many strategies to measure (default 6)")
     prof.add_argument(
         "--strategies", metavar="S;S;...",

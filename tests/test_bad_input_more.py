@@ -563,3 +563,18 @@ def test_bert_on_prepared_tokens_needs_a_mask_id_outside_the_vocabulary(tmp_path
     check_inputs(job.model_copy(update={"model": job.model.model_copy(update={"vocab_size": 301})}))
     gpt = job_from_dict({"model": {"preset": "tiny-gpt", "vocab_size": 300}, "data": {"path": str(tmp_path)}})
     check_inputs(gpt)  # no mask id: the whole vocabulary is the model's
+
+
+def test_without_profile_the_embedded_local_default_is_used(tmp_path, monkeypatch):
+    """`cona run --help` showed --profile as optional, and the README speaks of an embedded local default: without
+    it, `cona run`, `plan` and `profile` take slurm/profiles/local-cpu.yaml, installed with the package."""
+    from cona.orchestrator.profile import load_profile
+
+    assert cli.DEFAULT_PROFILE.read_text() == (PROFILES / "local-cpu.yaml").read_text()
+    monkeypatch.chdir(tmp_path)  # the default does not depend on the working directory
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["plan", "--job", str(JOB), "--top", "1"]) == 0
+    assert f"on {load_profile(cli.DEFAULT_PROFILE).name}: 1 node(s) × 4 cpu" in out.getvalue()
+    code, err = run_cli(["run", "--set", "seed=1"])
+    assert code == 2 and "give --job (and --profile: the embedded local one without it)" in error_line(err)
