@@ -126,6 +126,11 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
     }
 
 
+def fmt_tflops(rate: float) -> str:
+    """TFLOP/s with one decimal, or in significant digits below 1 (a CPU: `.1f` printed 0.04 as 0.0 beside its MFU)."""
+    return f"{rate:.1f}" if rate >= 1 else f"{rate:.2g}"
+
+
 def fmt_s(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "—"

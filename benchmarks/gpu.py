@@ -52,7 +52,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, command_line, fmt_s, json_default, machine, print_table, run_main
+from benchmarks.common import (
+    REPO,
+    command_line,
+    fmt_s,
+    fmt_tflops,
+    json_default,
+    machine,
+    print_table,
+    run_main,
+)
 
 RESULT_FILE = "gpu-check.json"
 # The switch runs use one process, on the CPU as on the GPU (a lent machine has one): the CPU version checks what
@@ -393,7 +402,7 @@ def steps_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
         peak = r.get("peak_allocated_bytes")
         out.append([
             label, fmt_s(r["step_s"]), fmt_s(r["predicted_step_s"]), f"{r['time_ratio']:.2f}",
-            f"{r['tokens_per_s']:,.0f}", f"{r['achieved_tflops']:.1f}", f"{100 * r['mfu']:.1f}%",
+            f"{r['tokens_per_s']:,.0f}", fmt_tflops(r['achieved_tflops']), f"{100 * r['mfu']:.1f}%",
             f"{peak / 1e9:.1f} GB" if peak is not None else "—", f"{r['predicted_allocated_bytes'] / 1e9:.1f} GB",
             f"{r['memory_ratio']:.2f}" if peak is not None else "—",
         ])  # fmt: skip

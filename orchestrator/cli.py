@@ -189,8 +189,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.profile or args.job or args.overrides or args.policy or args.run_dir or args.measured:
             raise UserError(
                 "--resume takes the profile, job and policy (and any --measured step times) from the run directory; "
-                "drop --profile/--job/--set/--policy/--run-dir/--measured (--profile-set slurm.*=... may change how "
-                "an ended run's jobs are submitted)"
+                "drop --profile/--job/--set/--policy/--run-dir/--measured (--profile-set slurm.*=... or env.*=... "
+                "may change how an ended run's jobs are submitted)"
             )
         profile, job = load_run(run_dir, resume=True)  # a run.yaml cut short is refused, not run with defaults
         if args.profile_overrides:  # the fix a refused submission asked for: a QOS, an account, the time limit
