@@ -8,8 +8,9 @@ profile (`profile`, with `profile_set` overrides, widened to each run's node cou
 recomputation (`recompute`, default full), attention (`attention`: `materialized` — unfused, the scores written to
 memory, the default — or `sdpa`), sequence parallelism (`sequence_parallel`, default false), the micro-batch, global batch and virtual stages, and the models' vocabulary and
 sequence length (`model_defaults`). A model is a GPT unless it says otherwise: `family` (gpt, llama — SwiGLU,
-RMSNorm, RoPE — or bert), `kv_heads` (grouped-query attention) and `ffn_hidden` (the MLP's width; 4·hidden by
-default). Throughput is reported as TFLOP/s per GPU: a FLOP formula over the predicted iteration time, the
+RMSNorm, RoPE — or bert), `kv_heads` (grouped-query attention), `ffn_hidden` (the MLP's width; 4·hidden by
+default) and `tie_embeddings` (the output layer shares the embedding: Megatron's default for a GPT and a BERT, and
+so here; a Llama's is untied unless it says so). Throughput is reported as TFLOP/s per GPU: a FLOP formula over the predicted iteration time, the
 record's `flops` — `megatron-sc21`, the paper's (a GPT's, with full recomputation counted; the default), or
 `megatron-core`, Megatron-Core's model FLOPs (three GEMM passes, GQA and SwiGLU counted) for every other model.
 A run gives one of `tflops` (per GPU, by the record's formula), `iter_time_s` or `tokens_per_s` (per GPU); a time
@@ -53,7 +54,7 @@ VOCAB, SEQ = 51200, 2048
 """The default record's vocabulary and sequence length (`model_defaults` of a record overrides them)."""
 SECTIONS = ("runs", "table_1", "table_2", "figure_13", "figure_14", "figure_16")
 MODEL_KEYS = ("name", "layers", "hidden", "heads")
-MODEL_OPTIONS = ("family", "kv_heads", "ffn_hidden")
+MODEL_OPTIONS = ("family", "kv_heads", "ffn_hidden", "tie_embeddings")
 """What a model may say beyond its shape (a GPT with 4·hidden and no GQA when it says nothing)."""
 FAMILIES = ("gpt", "llama", "bert")
 FLOPS = ("megatron-sc21", "megatron-core")
@@ -73,7 +74,7 @@ FIGURE_KEYS = {
 }
 RECOMPUTE, ATTENTION = ("none", "selective", "full"), ("materialized", "sdpa")
 _CP = "context parallelism is not in cona's cost model (its trainer has none), and a run that used it cannot be " \
-      "costed without it (its GPUs are t·p·cp·d); leave the run out of the record"  # fmt: skip
+      "costed without it (its GPUs are t·p·cp·d); leave the run out of the record (cp: 1 is taken: none)"  # fmt: skip
 _SP = "is written sequence_parallel: true (Megatron's --sequence-parallel), for the record or for one run"
 _EP = "mixture-of-experts models are not in cona's cost model; leave the run out of the record"
 _ZERO = "the ZeRO stage is not a setting of the format: cona's data parallelism shards the optimizer state and " \
@@ -163,9 +164,19 @@ def _positive_number(value: Any) -> bool:
         return False
 
 
+_CP_KEYS = ("cp", "context_parallel", "context_parallel_size", "context_parallelism")
+
+
+def _unknown(mapping: dict[str, Any], valid: tuple[str, ...]) -> list[str]:
+    """The keys of `mapping` that `valid` lacks; a context-parallel degree of 1 (no context parallelism, as Llama 3's
+    Table 4 writes its CP=1 rows) is no unknown key but nothing to cost."""
+    one = {k for k in _CP_KEYS if k in mapping and mapping[k] == 1 and not isinstance(mapping[k], bool)}
+    return sorted(str(k) for k in set(mapping) - set(valid) - one)
+
+
 def _known_keys(mapping: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
     """A misspelled key is named with the list of valid ones (it would otherwise be ignored, silently)."""
-    unknown = sorted(str(k) for k in set(mapping) - set(valid))
+    unknown = _unknown(mapping, valid)
     _unsupported(unknown, where, ".")
     _require(not unknown, f"{where}.{', '.join(unknown)}", f"unknown field; valid: {', '.join(valid)}")
 
@@ -195,6 +206,11 @@ def _check_model(model: Any, where: str, *, alone: bool = False) -> None:
         _require(model["family"] in FAMILIES, f"{where}.family",
                  f"must be one of {', '.join(FAMILIES)}, got {model['family']!r} (a Llama-like model — SwiGLU, "
                  "RMSNorm, RoPE, grouped-query attention — is family: llama)")  # fmt: skip
+    if "tie_embeddings" in model:
+        _require(isinstance(model["tie_embeddings"], bool), f"{where}.tie_embeddings",
+                 f"must be true or false, got {model['tie_embeddings']!r}")  # fmt: skip
+        _require(model.get("family", "gpt") != "bert" or model["tie_embeddings"], f"{where}.tie_embeddings",
+                 "a BERT's MLM decoder is always tied to its token embedding; remove it")  # fmt: skip
     if "kv_heads" in model:
         _require(model["heads"] % model["kv_heads"] == 0, f"{where}.kv_heads",
                  f"{model['kv_heads']} key/value heads do not divide heads = {model['heads']} (grouped-query "
@@ -296,7 +312,7 @@ def validate_record(record: Any, path: Path | str) -> dict[str, Any]:
     _require(bool(record), where, f"the record is empty: give profile and at least one of {', '.join(SECTIONS)} "
                                   "(see tests/published/)")  # fmt: skip
     top = ("profile", "profile_set", "model_defaults", "recompute", "attention", "sequence_parallel", "flops", *SECTIONS)
-    unknown = sorted(str(k) for k in set(record) - set(top))
+    unknown = _unknown(record, top)
     _unsupported(unknown, f"{where}:", " ")
     _require(not unknown, f"{where}: {', '.join(unknown)}", f"unknown field; valid: {', '.join(top)}")
     formula = record.get("flops", FLOPS[0])
@@ -489,7 +505,10 @@ def megatron_job(model: dict[str, Any], *, mbs: int, gbs: int, v: int = 1, shard
         "name": name,
         "model": {"family": model.get("family", "gpt"), "num_layers": model["layers"], "hidden_size": model["hidden"],
                   "num_heads": model["heads"], "num_kv_heads": model.get("kv_heads", model["heads"]),
-                  "ffn_hidden_size": model.get("ffn_hidden", 4 * model["hidden"]), "vocab_size": vocab, "seq_len": seq},
+                  "ffn_hidden_size": model.get("ffn_hidden", 4 * model["hidden"]), "vocab_size": vocab, "seq_len": seq,
+                  # Megatron's GPT and BERT tie the output layer to the embedding (`--untie-embeddings-and-output-
+                  # weights` unties it); Llama's are untied.
+                  "tie_embeddings": model.get("tie_embeddings", model.get("family", "gpt") != "llama")},
         "batch": {"min_gbs": 1, "max_gbs": max(gbs, 1), "base_gbs": gbs, "mbs_choices": [mbs]},
         "parallel": parallel,
     }, source=f"published run {model['name']}")  # fmt: skip
@@ -676,8 +695,8 @@ def implausible(cases: list[Case], cluster: ClusterProfile, *, formula: str) -> 
 
 
 def _magnitude(x: float) -> str:
-    """A number for a message: 28,447, or 1e+30 rather than its 31 digits."""
-    return f"{x:,.0f}" if x < 1e9 else f"{x:.3g}"
+    """A number for a message: 28,447, or 1e+30 rather than its 31 digits, or 0.5 rather than 0."""
+    return f"{x:,.0f}" if 1 <= x < 1e9 else f"{x:.3g}"
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -722,17 +741,23 @@ def print_cases(cases: list[Case]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.published", description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, default=RECORD, help="the published runs (YAML, see the module doc)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "published.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON to write; a bare name goes under benchmarks/results (default: published.json for "
+                             "the default record, published-<record name>.json for another)")  # fmt: skip
     parser.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the record's cluster after its profile_set (repeatable), e.g. "
                              "'network.inter_node_bandwidth=135 Gbit/s'")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.out is None:  # another record's results never overwrite the shipped published.json
+        default = args.record.resolve() == RECORD.resolve() if args.record.exists() else False
+        args.out = RESULTS / ("published.json" if default else f"published-{args.record.stem}.json")
     if results_path(args.out).is_dir():  # said before the costing, not after its table
         parser.exit(2, f"{parser.prog}: error: --out {args.out}: is a directory; give the path of the JSON file\n")
     try:
         record = load_record(args.record)
     except RecordError as e:  # it names the file
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    own = [item for item in record.get("profile_set", []) if item not in args.profile_set]
     if args.profile_set:  # what the record says, then the command line's
         record = {**record, "profile_set": [*record.get("profile_set", []), *args.profile_set]}
     try:
@@ -740,7 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecordError as e:  # a profile that is not there: name the record that names it
         parser.exit(2, f"{parser.prog}: error: {args.record}: {e}\n")
     except ConfigError as e:  # the profile the record names, or its profile_set
-        parser.exit(2, f"{parser.prog}: error: {args.record}: profile: {e}\n")
+        message = str(e)
+        for item in own:  # an item of the record's own profile_set, not of the command line
+            message = message.replace(f"--profile-set {item}", f"the record's profile_set item {item}")
+        parser.exit(2, f"{parser.prog}: error: {args.record}: profile: {message}\n")
     try:
         cases = all_cases(record)
     except ConfigError as e:  # a run's model that the trainer's job refuses (it names the run and the field)

@@ -113,6 +113,13 @@ def test_main_writes_the_json_of_another_record(tmp_path, capsys):
         ({"runs": [{**RECORD["runs"][0], "tokens_per_s": 3000}]},
          "runs[0]: give exactly one of tflops (per GPU), iter_time_s and tokens_per_s (per GPU)"),
         ({"runs": [{**RECORD["runs"][0], "memory_gb": "40 GB"}]}, "runs[0].memory_gb: must be a positive number"),
+        ({"runs": [{**RECORD["runs"][0], "tie_embeddings": "yes"}]}, "runs[0].tie_embeddings: must be true or false"),
+        ({"flops": "megatron-core", "runs": [{**RECORD["runs"][0], "family": "bert", "tie_embeddings": False}]},
+         "runs[0].tie_embeddings: a BERT's MLM decoder is always tied"),
+        ({"runs": [{**RECORD["runs"][0], "cp": 2}]}, "runs[0].cp: context parallelism is not in cona's cost model"),
+        # A record's own profile_set item is named as the record's, not as a command-line flag no one gave.
+        ({"profile_set": ["network.bandwidth_efficiency=80"]},
+         "the record's profile_set item network.bandwidth_efficiency=80"),
         ({"table_2": {"model": {"name": "x", "layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1}, "gbs": 8,
                       "rows": [{"scheme": "ptd-p", "t": 1, "p": 1, "gpus": 8, "mbs": 1, "tflops": 9}]}},
          "table_2.model: model 'x' is not a GPT"),
@@ -268,3 +275,23 @@ def test_a_llama_record_with_gqa_swiglu_token_rates_and_memory(tmp_path, capsys)
     assert "pub GB" in text and "memory: predicted/published from" in text and "over 1 runs" in text, text
     saved = json.loads(out.read_text())["cases"][0]
     assert saved["published_memory_gb"] == 60 and saved["memory_ratio"] == pytest.approx(tok.memory_ratio, abs=1e-4)
+
+
+def test_tied_embeddings_a_cp_of_one_and_where_another_record_is_written(tmp_path, capsys, monkeypatch):
+    """Megatron's GPTs tie the output layer to the embedding, which the format could not say (every GPT was costed
+    untied: a run that trained in 80 GB was REJECTED); `cp: 1` (Llama 3's rows) was refused as context parallelism;
+    `--record` without `--out` overwrote the shipped published.json."""
+    tied, untied = (all_cases(load_record(write(tmp_path, {**RECORD, "runs": [{**RECORD["runs"][0], **extra}]},
+                                               f"{i}.yaml")))[0] for i, extra in enumerate(({}, {"tie_embeddings": False})))  # fmt: skip
+    assert tied.prediction.memory_gb < untied.prediction.memory_gb  # one copy of V·h fewer, with its grads and moments
+    one = all_cases(load_record(write(tmp_path, {**RECORD, "runs": [{**RECORD["runs"][0], "cp": 1}]}, "cp1.yaml")))
+    assert one[0].prediction.iter_time_s == pytest.approx(tied.prediction.iter_time_s)
+    import benchmarks.common as common
+    import benchmarks.published as published
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(published, "RESULTS", tmp_path / "results")
+    assert main(["--record", str(write(tmp_path, RECORD, "mine.yaml"))]) == 0
+    assert (tmp_path / "results" / "published-mine.json").exists()
+    assert not (tmp_path / "results" / "published.json").exists()
+    assert "0.5" in published._magnitude(0.5) and published._magnitude(28447.2) == "28,447"
