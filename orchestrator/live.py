@@ -290,6 +290,8 @@ class LiveView:
         state = scheduler.state
         live = scheduler.live
         ppl = f"{live.val_perplexity:.2f}" if live.val_perplexity else "n/a"
+        if live.val_perplexity and live.val_samples is not None and live.val_samples < live.samples:
+            ppl += f" (evaluated at {live.val_samples:,} samples)"  # the last evaluation's, not the end's
         print(
             f"cona: run {state.status} after {_duration(live.elapsed_s)}: {live.samples:,} samples, "
             f"val perplexity {ppl}, {self.switches(live)} switch(es), {len(state.attempts)} attempt(s)"
@@ -345,6 +347,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "train_loss": _defined(live.get("train_loss"), signed=True),
         "val_loss": _defined(live.get("val_loss"), signed=True),
         "val_perplexity": _defined(live.get("val_perplexity")),
+        "val_samples": live.get("val_samples"),
         "target_val_perplexity": job.target.val_perplexity,
         "noise_scale": _defined(live.get("noise_scale")),
         "noise_source": live.get("noise_source", "prior"),
@@ -430,9 +433,12 @@ def print_status(summary: dict[str, Any]) -> None:
         print(f"pending    for {_duration(pending['for_s'])}{late}: {pending['detail']}")
     ppl = summary.get("val_perplexity")
     target = summary.get("target_val_perplexity")
+    at = summary.get("val_samples")
+    stale = _defined(ppl) is not None and isinstance(at, int) and not isinstance(at, bool) and at < summary["samples"]
     print(
         f"progress   step {summary['step']}, {summary['samples']:,} samples, val perplexity "
-        f"{_shown(_defined(ppl), '.2f')}" + (f" (target {target})" if target else "")
+        f"{_shown(_defined(ppl), '.2f')}" + (f" at {at:,} samples" if stale else "")
+        + (f" (target {target})" if target else "")
     )
     noise = _defined(summary.get("noise_scale"))
     print(f"noise      B_noise {_shown(noise or None, '.1f')} ({summary.get('noise_source')})")

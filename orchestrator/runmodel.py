@@ -45,6 +45,9 @@ class LiveStatus:
     train_loss: float | None = None
     val_loss: float | None = None
     val_perplexity: float | None = None
+    val_samples: int | None = None
+    """Samples trained at the evaluation `val_loss` comes from: a run that ends between two evaluations (or before
+    the first after step 0) shows an older model's perplexity, and says so."""
     noise_scale: float | None = None
     """The B_noise the policy ranks with (prior, blend or the scaled estimate); the estimate for other policies."""
     noise_source: str = "prior"
@@ -164,6 +167,7 @@ class RunModel:
 
     def record_evaluation(self, *, time: float, samples: int, val_loss: float) -> None:
         self.live.val_loss, self.live.val_perplexity = val_loss, perplexity(val_loss)
+        self.live.val_samples = samples
         self.val_history.append({"time": time, "samples": samples, "val_loss": val_loss})
 
     def switch_started(self, *, requested_at: float, to_attempt: int, kind: SwitchKind, predicted_s: float | None) -> None:

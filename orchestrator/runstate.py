@@ -622,7 +622,7 @@ def _state_problem(known: dict[str, Any]) -> str | None:
     if live is not None and not isinstance(live, dict):
         return f"field 'model.live' is {_shown(live)}, not a JSON object"
     # What `cona status` formats: a count as `{:,}`, a loss as a number, the decision's reason as text.
-    for key in ("step", "samples"):
+    for key in ("step", "samples", "val_samples"):
         value = (live or {}).get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             return f"field 'model.live.{key}' is {_shown(value)}, not a count"

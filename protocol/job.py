@@ -390,7 +390,8 @@ class TargetSpec(StrictModel):
     val_perplexity: float | None = Field(None, gt=1)
     """Stop once validation perplexity reaches this value."""
     max_samples: int = Field(200_000, gt=0)
-    """Hard budget in training samples."""
+    """Budget in training samples, in whole steps: training stops at the first step boundary at or past it, so the
+    last step may pass it by up to one global batch less one sample."""
     max_time_s: float | None = Field(None, gt=0)
     """Optional wall-clock budget in seconds."""
 

@@ -303,3 +303,20 @@ def test_cona_status_shows_a_dash_for_undefined_values_and_its_json_has_no_nan(t
     out = capsys.readouterr().out.replace(str(run.root), "RUN")
     assert "nan" not in out.lower() and "-4" not in out, out
     assert f"val perplexity {NOT_SHOWN}" in out and f"B_noise {NOT_SHOWN}" in out
+
+
+def test_a_val_perplexity_from_before_the_end_says_when_it_was_evaluated(tmp_path, capsys):
+    """A run that ended between two evaluations (a budget below eval.interval_samples) showed the step-0 model's
+    perplexity beside the end's sample count, as if it were the trained model's."""
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILES / "local-cpu.yaml"), job=load_job(EXAMPLES / "tiny-gpt.yaml"))
+    live = {"step": 188, "samples": 3008, "val_loss": 5.546, "val_perplexity": 256.24, "val_samples": 0}
+    write_state(run, RunState(status="done", model={"live": live}))
+    summary = status_summary(run)
+    assert summary["val_samples"] == 0
+    print_status(summary)
+    assert "val perplexity 256.24 at 0 samples" in capsys.readouterr().out
+    write_state(run, RunState(status="done", model={"live": {**live, "val_samples": 3008}}))
+    print_status(status_summary(run))
+    out = capsys.readouterr().out
+    assert "val perplexity 256.24" in out and "at 3,008 samples" not in out and "at 0 samples" not in out

@@ -256,3 +256,14 @@ def test_console_counts_a_switch_when_it_is_decided_and_shows_no_old_rate_after_
     capsys.readouterr()
     view.end(type("Ended", (), {"state": RunState(status="done"), "live": model.live})())
     assert "1 switch(es)" in capsys.readouterr().out
+
+
+def test_report_samples_per_s_is_samples_over_time_not_the_mean_of_window_rates(tmp_path):
+    """Windows at 400 and 100 samples/s over the same samples train at 160 samples/s: the arithmetic mean of the
+    rates (250) overstated what the attempt trained (a sweep's report said 244.5 where 231 was trained)."""
+    beats = _attempt_beats(1, A, 110.0, 0, warm_s=1.6, steady_s=0.08)  # warm-up, then 400, 400
+    beats[3] = {**beats[3], "step_time_s": 0.32, "samples_per_s": A.gbs / 0.32}  # ... and 100
+    events = [{"time": 100.0, "event": "start", "strategy": A.to_dict()},
+              {"time": 100.0, "event": "launch", "attempt": 1, "strategy": A.to_dict(), "reason": "initial strategy"}]
+    text = write_report(_run(tmp_path, events, beats, RunState(status="running")))[1].read_text()
+    assert "| 1 | 0.0 | `d2t1p2 m8 g32` | 160.0 | initial strategy |" in text, text
