@@ -428,6 +428,12 @@ class ConaPolicy(Policy):
         rated = [
             (progress_rate(c, throughput, noise_scale, lr_rule=self.lr_rule), c) for c in candidates if c.feasible
         ]
+        # A layout that measures no noise scale (one replica, the whole batch as one micro-batch: on one device,
+        # m8 g8) would leave the run on the prior for good, its batch never changed: ranked only when nothing else
+        # runs here.
+        seeing = [rc for rc in rated if rc[1].strategy.measures_noise]
+        if seeing:
+            rated = seeing
         # Highest R first; ties prefer the current strategy (no pointless switch), then simpler layouts.
         rated.sort(
             key=lambda rc: (

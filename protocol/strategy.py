@@ -42,6 +42,12 @@ class Strategy:
         return self.gbs // (self.dp * self.mbs)
 
     @property
+    def measures_noise(self) -> bool:
+        """Whether its steps hold a smaller batch beside the whole one — several data-parallel replicas, or several
+        micro-batches — from which the two-batch noise scale is measured (`measures_noise`)."""
+        return measures_noise(dp=self.dp, microbatches=self.num_microbatches)
+
+    @property
     def local_batch(self) -> int:
         """Samples per data-parallel replica per optimizer step."""
         return self.gbs // self.dp
@@ -98,3 +104,10 @@ class Strategy:
             if name not in values:
                 raise ValueError(f"strategy {text!r}: missing {name}=")
         return cls(**values)
+
+
+def measures_noise(*, dp: int, microbatches: int) -> bool:
+    """The one rule of which layouts measure the gradient noise scale: a step needs a batch smaller than the whole
+    one (`trainer.gradstats`: another replica's gradient, or another micro-batch's), so one replica running the whole
+    batch as one micro-batch measures none, and cona could never learn which batch to train at."""
+    return dp > 1 or microbatches > 1

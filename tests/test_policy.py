@@ -645,3 +645,27 @@ def test_the_start_says_why():
         "R 1.077× the base batch g32's under the prior B_noise=32, above the margin 1.05×"
     )
     assert cona(prior_noise_scale=32.0).start(candidates=FAMILY, throughput=tm)[1] == "best R under the prior B_noise=32"
+
+
+def test_cona_never_ranks_a_layout_that_measures_no_noise_scale_while_another_runs():
+    """On one device the fastest layout at a batch is the whole batch as one micro-batch (m8 g8), whose steps have
+    no smaller batch to measure the noise scale from: a run there stayed on the prior for 15,000 samples and never
+    changed its batch. cona ranks only layouts that measure it while any runs."""
+    profile = load_profile(PROFILES / "local-cpu.yaml", ["gpus_per_node=1"])
+    job = load_job(EXAMPLES / "tiny-gpt.yaml")
+    candidates = enumerate_candidates(profile=profile, job=job, feasible_only=True)
+    blind = [c for c in candidates if not c.strategy.measures_noise]
+    assert blind and all(c.dp == 1 and c.mbs == c.gbs for c in blind)
+    policy = ConaPolicy.from_spec(job.policy, base_gbs=job.batch.base_gbs)
+    throughput = ThroughputModel(candidates=candidates)
+    start = policy.initial(candidates=candidates, throughput=throughput, samples=0)
+    assert start.measures_noise and start.num_microbatches > 1, start
+    for noise in (1.0, 80.0, 1e4):
+        assert policy.best(candidates, throughput, noise).measures_noise
+    # Nothing else runs (a job whose micro-batch is its only batch): the layout is ranked after all.
+    only = [c for c in candidates if c.gbs == 8 and c.mbs == 8]
+    assert policy.best(only, ThroughputModel(candidates=only), 80.0) == only[0].strategy
+    # The trainer measures by the same rule (`trainer.gradstats` asks `measures_noise` too).
+    assert not Strategy.parse("dp=1,tp=1,pp=1,mbs=8,gbs=8").measures_noise
+    assert Strategy.parse("dp=1,tp=1,pp=1,mbs=4,gbs=8").measures_noise
+    assert Strategy.parse("dp=2,tp=1,pp=1,mbs=4,gbs=8").measures_noise

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from cona.protocol.strategy import measures_noise
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -151,7 +152,7 @@ class GradStats:
     @property
     def has_local(self) -> bool:
         """Whether this layout has a small batch at all (dp > 1, or dp = 1 with several micro-batches)."""
-        return self.enabled and (self.dp > 1 or self.num_microbatches > 1)
+        return self.enabled and measures_noise(dp=self.dp, microbatches=self.num_microbatches)
 
     def begin_step(self, *, use_adam: bool) -> None:
         self._pending, self._pending_ids = [], set()
