@@ -297,6 +297,8 @@ def batch_hint(profile: ClusterProfile, job: Job, devices: int, gbs_values: list
         base = next((g for g in fitting if g >= base), fitting[-1])
     # The four nearest the base batch (by ratio), the base among them: the first four of a wide range (96 … 768 for
     # a base of 1536) would name a base batch the choices do not hold.
+    if not fitting:  # no batch of this range splits into these micro-batches on any share of the factor: not the cause
+        return ""
     shown = sorted(sorted(fitting, key=lambda g: (abs(math.log(g / base)), g))[:4])
     if not _batch_rule_is_the_cause(profile, job, devices, batches, shown):
         return ""

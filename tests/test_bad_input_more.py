@@ -578,3 +578,12 @@ def test_without_profile_the_embedded_local_default_is_used(tmp_path, monkeypatc
     assert f"on {load_profile(cli.DEFAULT_PROFILE).name}: 1 node(s) × 4 cpu" in out.getvalue()
     code, err = run_cli(["run", "--set", "seed=1"])
     assert code == 2 and "give --job (and --profile: the embedded local one without it)" in error_line(err)
+
+
+def test_an_odd_device_count_is_not_blamed_when_the_micro_batches_are_the_cause():
+    """3 devices with micro-batches of 5: no batch of the range splits into them on any share of the factor 3, so
+    the advice to pick a multiple of 3 (followed, it still failed) was no fix; d1t1p3 runs at g32 with mbs 4."""
+    code, err = run_cli(["run", "--profile", str(PROFILES / "local-cpu.yaml"), "--profile-set", "gpus_per_node=3",
+                         "--job", str(JOB), "--set", "batch.mbs_choices=[5]", "--run-dir", "/nonexistent/x"])  # fmt: skip
+    line = error_line(err)
+    assert code == 2 and "factor 3" not in line and "no feasible strategy" in line, line
