@@ -395,8 +395,8 @@ def test_strategy_parse_and_errors():
          "examples: a path here, but -n/--namespace foo is for a run on Kubernetes; drop -n to use the path"),
         # argparse's own errors are one line too (its usage block came above them), and a misspelled command or
         # choice is answered with the close one.
-        (["plan", "--job", "examples/tiny-gpt.yaml"],
-         "cona plan: error: the following arguments are required: --profile (see cona plan --help)"),
+        (["plan", "--profile", "slurm/profiles/local-cpu.yaml"],
+         "cona plan: error: the following arguments are required: --job (see cona plan --help)"),
         (["plam"], "cona: error: argument COMMAND: invalid choice: 'plam'; did you mean 'plan'? (choose from 'plan', "),
         (["render", "slurmm", "--profile", "x", "--job", "y"], "invalid choice: 'slurmm'; did you mean 'slurm'?"),
     ],
