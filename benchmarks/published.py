@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
                              "'network.inter_node_bandwidth=135 Gbit/s'")  # fmt: skip
     args = parser.parse_args(argv)
     if args.out is None:  # another record's results never overwrite the shipped published.json
-        default = args.record.resolve() == RECORD.resolve() if args.record.exists() else False
+        default = args.record.resolve() == RECORD.resolve()
         args.out = RESULTS / ("published.json" if default else f"published-{args.record.stem}.json")
     if results_path(args.out).is_dir():  # said before the costing, not after its table
         parser.exit(2, f"{parser.prog}: error: --out {args.out}: is a directory; give the path of the JSON file\n")

@@ -6,8 +6,9 @@ tool, and needs Hugging Face `tokenizers` (`pip install cona[data]`), not torch.
     DIR/tokens.bin    every document's token ids back to back, each followed by the EOS id when the tokenizer has
                       one; raw uint16 when the ids fit (below 65,536), else uint32
     DIR/tokens.json   {"tokenizer_sha256", "vocab_sha256", "vocab_size", "eos_id", "token_dtype", "num_tokens",
-                      "documents", "dropped_characters", "tokenizer", "inputs"}: the trainer reads the dtype from it, checks the token
-                      file's size against it and refuses a model whose vocabulary is smaller than the tokenizer's
+                      "documents", "dropped_characters", "tokenizer", "inputs"}: the trainer reads the dtype from
+                      it, checks the token file's size against it and refuses a model whose vocabulary is smaller
+                      than the tokenizer's
                       (`cona.protocol.inputs.read_token_metadata`); `cona run` refuses a `model.init_from` whose
                       tokenizer.json has another vocabulary (`vocab_sha256`, `cona.protocol.inputs.check_tokenizer`)
 
@@ -60,12 +61,11 @@ from typing import IO, Any, NoReturn
 
 import numpy as np
 from cona.protocol.cliargs import OptionParser
-from cona.protocol.inputs import corpus_files, vocab_digest
+from cona.protocol.inputs import TOKENIZER_FILE, corpus_files, vocab_digest
 from cona.trainer.data import TEXT_SUFFIXES, TOKENS_FILE, TOKENS_META
 
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 """Tokens tried, in order, as the end-of-document token when --eos is not given."""
-TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 """A model directory's tokenizer (what a fast tokenizer's save_pretrained writes) and its settings (`eos_token`)."""
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd")
@@ -499,7 +499,7 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
             os.fsync(f.fileno())
         meta = {
             "tokenizer": str(tokenizer_path), "tokenizer_sha256": hashlib.sha256(raw).hexdigest(),
-            "vocab_sha256": vocab_digest(json.loads(tokenizer_json)), "vocab_size": vocab_size,
+            "vocab_sha256": vocab_digest(settings), "vocab_size": vocab_size,
             "eos_id": eos_id, "token_dtype": np.dtype(dtype).name, "num_tokens": total, "documents": len(files),
             "dropped_characters": sum(dropped.values()),
             "inputs": [str(p) for p in files],

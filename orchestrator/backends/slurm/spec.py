@@ -20,6 +20,8 @@ SIGNAL_MAX_S = 65535
 _NODES = "the node count comes from the profile and each submission's strategy; set nodes / min_nodes in the profile"
 _TASKS = "cona runs one task per node, which starts gpus_per_node trainers; set nodes / gpus_per_node in the profile"
 _GPUS = "each node runs gpus_per_node trainer processes; set gpus_per_node in the profile"
+_EXPORT = ("the trainers need the batch shell's environment (the profile's env, PATH, the venv); give --export=ALL,... "
+           "or remove the entry")  # fmt: skip
 _GPUS_TYPED = (f"{_GPUS} (for a GPU type, as in --gres=gpu:a100:8, set slurm.gpus_per_node_flag: false and give "
                "that count)")  # fmt: skip
 _LOG = "the job's log stays in the run directory (attempts/slurm-%j.out); remove the entry"
@@ -75,7 +77,6 @@ SHORT_OPTIONS = {"A": "account", "a": "array", "B": "extra-node-info", "b": "beg
                  "t": "time", "V": "version", "v": "verbose", "W": "wait", "w": "nodelist", "x": "exclude"}  # fmt: skip
 """sbatch's short options by their long names (man sbatch): an entry is judged, and handed to submitit (which
 takes long names only), by what sbatch would read."""
-_SHORT = SHORT_OPTIONS
 _SHORT_FLAGS = frozenset("hHIkOQsvVW")
 """sbatch's short options without an argument: in a cluster such as `-HN8` the letters after them are options
 too, while the rest after one that takes an argument is its value."""
@@ -96,7 +97,7 @@ def _sbatch_options(entry: str) -> list[tuple[str, str | None]]:
     options: list[tuple[str, str | None]] = []
     for i, letter in enumerate(word):
         attached = word[i + 1 :]
-        options.append((_SHORT.get(letter, letter), (attached or rest.strip()) or None))
+        options.append((SHORT_OPTIONS.get(letter, letter), (attached or rest.strip()) or None))
         if letter not in _SHORT_FLAGS:
             break  # it takes an argument: the rest of the word (or the next one) is its value
     return options
@@ -120,10 +121,10 @@ def _refusal(
                   if set_fields.get(field)})  # fmt: skip
     if gpus and _requests_gpus(value):
         owned.update(dict.fromkeys(_GPU_REQUESTS, _GPUS_TYPED))
-    if name in ("export", "expor", "expo", "exp") and value is not None and "ALL" not in value.upper().split(","):
-        # NONE (or a list without ALL): srun hands the tasks only that, so the trainers lose env, PATH and the venv.
-        return "export", ("the trainers need the batch shell's environment (the profile's env, PATH, the venv); "
-                          "give --export=ALL,... or remove the entry")  # fmt: skip
+    if value is not None and "ALL" not in value.upper().split(","):
+        # An --export of NONE (or a list without ALL): srun hands the tasks only that, so the trainers lose env, PATH
+        # and the venv. Its prefixes (`--exp=NONE`) are the rule below's.
+        owned["export"] = _EXPORT
     if name in owned:
         return name, owned[name]
     # sbatch reads options with getopt_long, which takes any unambiguous prefix (`--gpus-per-n=4` is
