@@ -490,7 +490,9 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
             if not text_seen:
                 raise ValueError(empty)
             if dropped:
-                shown = ", ".join(f"{c!r} ×{n:,}" for c, n in dropped.most_common(DROPPED_SHOWN))
+                # Ties by character: the counter's order follows set iteration, which string hashing randomizes.
+                ranked = sorted(dropped.items(), key=lambda item: (-item[1], item[0]))[:DROPPED_SHOWN]
+                shown = ", ".join(f"{c!r} ×{n:,}" for c, n in ranked)
                 print(f"cona data prepare: warning: {sum(dropped.values()):,} characters of the text are in no token "
                       f"({len(dropped):,} distinct: {shown}): {tokenizer_path} has no unknown token or byte fallback "
                       "for them, so they are not in tokens.bin; give a tokenizer that covers them if they matter",
