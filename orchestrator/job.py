@@ -42,7 +42,7 @@ class PolicySpec(StrictModel):
     """B_noise assumed before the estimate is stable (samples); set, every batch is ranked under it from the start.
     Unset: `batch.base_gbs`, the batch the LR was tuned at, taken as the estimator's value and multiplied by
     `critical_batch_factor` like every estimate; cona starts at the base batch unless another batch's R under that
-    prior is ahead by `min_gain` (a steep throughput curve: on gpt3-1.3b on 16×8 A100s it starts at 256, not 128),
+    prior is ahead by `min_gain` (a steep throughput curve: gpt3-1.3b on 16×8 A100s with a base batch of 128 starts at 256),
     and then changes only the layout until the estimate is in, its blend with the prior included (a batch chosen on
     a guess, or on the first and smallest estimates, costs a switch to undo)."""
     noise_estimator: Literal["plain", "adam"] = "plain"
@@ -91,7 +91,7 @@ class PolicySpec(StrictModel):
     """The horizon H is at most this many decision intervals."""
     in_place_switch: bool = True
     """Switch between strategies of the same world size without restarting the trainer processes (the model,
-    optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local).
+    optimizer and meshes are rebuilt and resume from the switch checkpoint), where the backend supports it (local, Slurm).
     Off, every switch exits and relaunches."""
     switch_cost_s: float | None = Field(None, ge=0)
     """Seconds charged for a switch before one of its kind (in place, relaunch, resubmission) was measured. Unset,

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node=4 -m cona.trainer --run-dir RUN [--job JOB.yaml] [--strategy dp=2,tp=2,...]
              [--max-steps N] [--attempt N] [--set section.field=value ...]
 
-Without --job the job is `run.yaml`'s `job:` mapping; without --strategy the strategy is state.json's; without
---attempt the attempt is state.json's. --max-steps is an absolute optimizer step of the run (see trainer.train).
+Without --job the job is `run.yaml`'s `job:` mapping; without --strategy the strategy is the launch record's;
+without --attempt the attempt is the launch record's. --max-steps is an absolute optimizer step of the run (see trainer.train).
 No flag is a prefix of a torchrun flag, so they can never be mistaken for torchrun's own.
 
 Exit codes (cona.protocol.rundir.ExitCode): 0 done, 42 switched, 43 stopped (command, signal), 44 the world
@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(prog="python -m cona.trainer", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared by all nodes)")
     parser.add_argument("--job", type=Path, help="job YAML (default: run.yaml's `job:` in the run directory)")
-    parser.add_argument("--strategy", help="e.g. dp=2,tp=2,pp=1,mbs=2,gbs=16 (default: state.json's strategy)")
+    parser.add_argument("--strategy", help="e.g. dp=2,tp=2,pp=1,mbs=2,gbs=16 (default: the launch record's)")
     parser.add_argument("--max-steps", type=int, help="stop (after a checkpoint) at this absolute optimizer step")
-    parser.add_argument("--attempt", type=int, help="attempt number (default: state.json's); names heartbeat files")
+    parser.add_argument("--attempt", type=int, help="attempt number (default: the launch record's); names heartbeat files")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job field")
     parser.add_argument("--dump-loaded-state", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
