@@ -393,18 +393,25 @@ def cmd_stop(args: argparse.Namespace) -> int:
               f"with `cona run --resume {run_dir.root}`")  # fmt: skip
         return 0
     orphan = orphaned(run_dir, profile=profile, job=job, state=state)
+    if orphan is not None and orphan.stopped:
+        print(f"{run_dir.root} is stopped already (its trainer served a stop while its orchestrator was gone); "
+              f"nothing to stop; resume it with `cona run --resume {run_dir.root}`")  # fmt: skip
+        return 0
     if orphan is not None and orphan.trainer_seen_s is None:
         # Nobody would act on a stop now, so the next `cona run --resume` would: it would stop after one step.
-        print(f"{run_dir.root} is not running: its orchestrator (pid {orphan.pid}) is gone and no trainer of it has "
-              f"written lately; nothing to stop (no stop command written); resume it with "
-              f"`cona run --resume {run_dir.root}`")  # fmt: skip
+        trainer = (f"attempt {orphan.attempt}'s trainer is gone too ({orphan.trainer_end})" if orphan.trainer_end
+                   else "no trainer of it has written lately")  # fmt: skip
+        print(f"{run_dir.root} is not running: its orchestrator (pid {orphan.pid}) is gone and {trainer}; nothing to "
+              f"stop (no stop command written); resume it with `cona run --resume {run_dir.root}`")  # fmt: skip
         return 0
-    request_stop(run_dir)
-    if orphan is not None:  # the orchestrator died, its trainer trains on unattended and reads control.json itself
+    # An orchestrator gone, its trainer trains on unattended and reads control.json itself: the stop is for that
+    # trainer alone, so that it cannot outlive it (a crash before it served it must not stop the next resume).
+    request_stop(run_dir, attempt=orphan.attempt if orphan is not None else None)
+    if orphan is not None:
         seen = "'s trainer is still writing" if orphan.heartbeating else " was launched lately (no heartbeat yet)"
         print(f"asked {run_dir.root} to stop: its orchestrator (pid {orphan.pid}) is gone, but attempt {orphan.attempt}"
               f"{seen}; it checkpoints at its next step boundary and exits; resume later with "
-              f"`cona run --resume {run_dir.root}`")  # fmt: skip
+              f"`cona run --resume {run_dir.root}` (the stop is for this trainer alone: a resume goes on training)")  # fmt: skip
         return 0
     print(f"asked {run_dir.root} to stop: the trainer checkpoints at its next step boundary and exits")
     return 0

@@ -23,8 +23,8 @@ from cona.orchestrator.runstate import (
     warn_skipped,
 )
 from cona.protocol.checkpoint_record import checkpoint_problem
-from cona.protocol.heartbeat_record import NOTICE_EVENTS
-from cona.protocol.rundir import RunDir, read_json
+from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, perplexity, timed_window
+from cona.protocol.rundir import RunDir, read_json, read_jsonl
 
 if TYPE_CHECKING:
     from cona.orchestrator.profile import ClusterProfile
@@ -141,17 +141,31 @@ class Orphaned:
     pid: str
     """The process id orchestrator.lock names: the orchestrator that held it last, as written."""
     attempt: int | None
-    """The current attempt."""
+    """The attempt its trainer runs as, or ended as: the current one, or the last of the in-place switches it went on
+    through after its orchestrator was gone (`RunDir.running_as`)."""
     trainer_seen_s: float | None
-    """Seconds since the current attempt's trainer last wrote, when that is recent enough that it may still train:
-    an orchestrator that dies leaves its trainer training, and a resume adopts it. None: no sign of it."""
+    """Seconds since that trainer last wrote, when that is recent enough that it may still train and it is not known
+    to have ended (`trainer_end`): an orchestrator that dies leaves its trainer training, and a resume adopts it.
+    None: no sign of it."""
     heartbeating: bool = True
     """Whether that was a heartbeat; False: the attempt's launch record, its trainer has sent none yet (starting,
     or never started: the orchestrator may have died in the launch)."""
+    trainer_end: str | None = None
+    """How that trainer is known to have ended, for a person (`exited CRASH`, `its processes are gone without an exit
+    record`); None: not known to have ended."""
+    stopped: bool = False
+    """That trainer served a stop (`cona stop` reached it while its orchestrator was gone): the run lies stopped, and
+    `cona run --resume` goes on with it as with any stopped run."""
 
     def status(self, run_dir: RunDir) -> tuple[str, str]:
         """(status, reason) for `cona status`."""
         resume = f"`cona run --resume {run_dir.root}`"
+        if self.stopped:
+            return "stopped", (f"on request, while its orchestrator (pid {self.pid}) was gone: attempt {self.attempt}'s "
+                               f"trainer checkpointed and exited; resume with {resume}")  # fmt: skip
+        if self.trainer_end is not None:
+            return "not running", (f"its orchestrator (pid {self.pid}) is gone, and so is attempt {self.attempt}'s "
+                                   f"trainer ({self.trainer_end}); resume with {resume}")  # fmt: skip
         if self.trainer_seen_s is None:
             return "not running", f"its orchestrator (pid {self.pid}) is gone; resume with {resume}"
         seen = (f"attempt {self.attempt}'s trainer wrote {_duration(self.trainer_seen_s)} ago and may train on "
@@ -192,22 +206,37 @@ def _uses_run_lock(profile: ClusterProfile) -> bool:
         return False
 
 
-def _trainer_seen(run_dir: RunDir, job: Job, state: RunState) -> tuple[float | None, bool]:
-    """Seconds since the current attempt's trainer last wrote its heartbeat file (before its first heartbeat: since
-    its launch record), when within the heartbeat (startup) timeout and it has written no exit record, else None;
-    and whether it was the heartbeat file."""
+def _unattended(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunState, pid: str) -> Orphaned:
+    """What is known of the trainer of a run whose orchestrator (`pid`) is gone: the attempt it runs as (an in-place
+    switch the orchestrator did not follow goes on as the next attempt), whether it ended — its exit record, or its
+    processes gone without one (`Backend.gone`: a crash leaves no record, and its last heartbeat looks recent for a
+    while) — and else how long ago it last wrote its heartbeat file (before its first heartbeat: since its launch
+    record), when within the heartbeat (startup) timeout."""
+    from cona.orchestrator.backends import make_backend
+
     current = state.current
-    if current is None or run_dir.exit_file(current.number).exists():
-        return None, False
+    if current is None:
+        return Orphaned(pid=pid, attempt=None, trainer_seen_s=None)
+    number = run_dir.running_as(current.number)
+    record = run_dir.read_exit(number)
+    if record is not None:
+        return Orphaned(pid=pid, attempt=number, trainer_seen_s=None, trainer_end=f"it exited {record.name}",
+                        stopped=record.served_stop)  # fmt: skip
+    # The processes of an in-place chain are the current attempt's: the backend knows them by it. Built without the
+    # job, which a backend reads only to launch (and Slurm's warns about once it has it).
+    if make_backend(profile=profile, run_dir=run_dir).gone(current):
+        return Orphaned(pid=pid, attempt=number, trainer_seen_s=None,
+                        trainer_end="its processes are gone, without an exit record")  # fmt: skip
     now = time.time()
-    for path, limit, heartbeat in ((run_dir.heartbeat_file(current.number), job.policy.heartbeat_timeout_s, True),
-                                   (run_dir.launch_file(current.number), job.policy.startup_timeout_s, False)):  # fmt: skip
+    for path, limit, heartbeat in ((run_dir.heartbeat_file(number), job.policy.heartbeat_timeout_s, True),
+                                   (run_dir.launch_file(number), job.policy.startup_timeout_s, False)):  # fmt: skip
         try:
             age = now - path.stat().st_mtime
         except OSError:
             continue
-        return (max(age, 0.0) if age < limit else None), heartbeat
-    return None, False
+        return Orphaned(pid=pid, attempt=number, trainer_seen_s=max(age, 0.0) if age < limit else None,
+                        heartbeating=heartbeat)  # fmt: skip
+    return Orphaned(pid=pid, attempt=number, trainer_seen_s=None, heartbeating=False)
 
 
 def orphaned(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunState) -> Orphaned | None:
@@ -219,9 +248,40 @@ def orphaned(run_dir: RunDir, *, profile: ClusterProfile, job: Job, state: RunSt
     pid = _unheld_lock(run_dir.lock)
     if pid is None:
         return None
+    return _unattended(run_dir, profile=profile, job=job, state=state, pid=pid)
+
+
+def trainer_progress(run_dir: RunDir, state: RunState, attempt: int) -> dict[str, Any]:
+    """The progress attempt `attempt`'s trainer wrote in its heartbeat file beyond what state.json holds, as the keys
+    of `cona status`'s summary (step, samples, losses, the trainer's own samples/s), or {} when it wrote nothing
+    newer. For a run whose orchestrator is gone: the trainer trains on and writes heartbeats that nobody reads into
+    state.json, which keeps the progress of the orchestrator's last poll."""
     current = state.current
-    seen, heartbeating = _trainer_seen(run_dir, job, state)
-    return Orphaned(pid=pid, attempt=current.number if current else None, trainer_seen_s=seen, heartbeating=heartbeating)
+    # The orchestrator read the current attempt's file up to `heartbeat_offset`; an attempt it did not follow (an
+    # in-place switch after it was gone), not at all.
+    offset = state.heartbeat_offset if current is not None and current.number == attempt else 0
+    records, _ = read_jsonl(run_dir.heartbeat_file(attempt), offset=offset)  # a torn tail is left to its writer
+    beats = []
+    for record in records:
+        try:
+            beats.append(Heartbeat.from_dict(record))
+        except TypeError:  # damaged: the orchestrator's reads name it (`bad-heartbeat`), status skips it
+            continue
+    if not beats:
+        return {}
+    last = beats[-1]
+    progress: dict[str, Any] = {"step": last.step, "samples": last.samples, "progress_from": str(run_dir.heartbeat_file(attempt))}
+    losses = [hb.train_loss for hb in beats if hb.train_loss is not None]
+    if losses:
+        progress["train_loss"] = _defined(losses[-1], signed=True)
+    evals = [hb for hb in beats if hb.val_loss is not None]
+    if evals:
+        progress.update(val_loss=_defined(evals[-1].val_loss, signed=True), val_samples=evals[-1].samples,
+                        val_perplexity=_defined(perplexity(evals[-1].val_loss)))  # fmt: skip
+    windows = [hb for hb in beats if timed_window(hb)]
+    # The trainer's own measure of its last window: the run model that smooths it is the orchestrator's.
+    progress["samples_per_s"] = _defined(windows[-1].samples_per_s) if windows else None
+    return progress
 
 
 class LiveView:
@@ -263,7 +323,7 @@ class LiveView:
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
             # resume-run: a stopped or failed run taken up again (`cona run --resume`); without it the console
             # shows only the next launch, whose reason reads as if the cluster had preempted it.
-            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "resume-run", "stop-requested",
+            elif kind in ("failure", "heartbeat-gap", "failed", "adopt", "resume", "resume-run", "stop-requested", "stop-dropped",
                           "time-budget", "disruption", "pending", "pending-timeout", "pods-not-created", "cpu-shortage"):
                 print(f"cona: {event_line(e)}", flush=True)
         warn_skipped(skipped)
@@ -332,16 +392,23 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         status = "unknown"
         reason = f"{run_dir.state_json.name} is missing; the last event in {run_dir.events.name} is {events[-1]['event']!r}"
     orphan = orphaned(run_dir, profile=profile, job=job, state=state) if status == "running" else None
+    attempt, strategy = (current.number, current.strategy) if current else (0, None)
+    progress: dict[str, Any] = {}
     if orphan is not None:  # state.json says running, but the orchestrator that would say otherwise is dead
         status, reason = orphan.status(run_dir)
+        if orphan.attempt is not None and orphan.attempt != attempt:  # an in-place switch it did not follow
+            launch = run_dir.read_launch(orphan.attempt)
+            attempt, strategy = orphan.attempt, launch.strategy if launch is not None else strategy
+        # Its trainer went on writing heartbeats that nobody took into state.json: they are the newer progress.
+        progress = trainer_progress(run_dir, state, attempt) if attempt else {}
     return {
         "run_dir": str(run_dir.root),
         "job": job.name,
         "profile": profile.name,
         "policy": job.policy.name,
         "status": status,
-        "attempt": current.number if current else 0,
-        "strategy": current.strategy.to_dict() if current else None,
+        "attempt": attempt,
+        "strategy": strategy.to_dict() if strategy else None,
         "step": live.get("step", 0),
         "samples": live.get("samples", 0),
         "train_loss": _defined(live.get("train_loss"), signed=True),
@@ -352,8 +419,10 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "noise_scale": _defined(live.get("noise_scale")),
         "noise_source": live.get("noise_source", "prior"),
         "samples_per_s": _defined(live.get("samples_per_s")),
-        # The last estimate state.json holds outlives the run: an ended run has nothing left to wait for.
-        "eta_s": None if state.final else _defined(live.get("eta_s")),
+        # The last estimate state.json holds outlives the run (and its orchestrator): nobody estimates it any more.
+        "eta_s": None if state.final or orphan is not None else _defined(live.get("eta_s")),
+        "progress_from": None,
+        **progress,
         "switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
         ],
@@ -366,7 +435,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         "checkpoint_notice": notice_line(run_dir, notices[-1]) if notices else None,
         "orphaned": dataclasses.asdict(orphan) if orphan else None,
         "updated": state.updated,
-        **_world(run_dir, profile, current.strategy if current else None),
+        **_world(run_dir, profile, strategy),
     }
 
 
@@ -439,6 +508,7 @@ def print_status(summary: dict[str, Any]) -> None:
         f"progress   step {summary['step']}, {summary['samples']:,} samples, val perplexity "
         f"{_shown(_defined(ppl), '.2f')}" + (f" at {at:,} samples" if stale else "")
         + (f" (target {target})" if target else "")
+        + (f"; from {summary['progress_from']} (no orchestrator reads it)" if summary.get("progress_from") else "")
     )
     noise = _defined(summary.get("noise_scale"))
     print(f"noise      B_noise {_shown(noise or None, '.1f')} ({summary.get('noise_source')})")

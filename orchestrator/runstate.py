@@ -223,9 +223,14 @@ def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
     return measured
 
 
-def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:
+def request_stop(run_dir: RunDir, *, reason: str = "cona stop", attempt: int | None = None) -> int:
     """Ask the run to stop: a stop command in control.json (the trainer checkpoints at its next step boundary and
-    exits; the orchestrator marks the run stopped). Returns the control record's sequence number."""
+    exits; the orchestrator marks the run stopped). Returns the control record's sequence number.
+
+    `attempt`: the stop is for that attempt's trainer alone (`cona stop` of a run whose orchestrator is gone, sent to
+    the trainer that trains on unattended): no relaunch serves it, and the next orchestrator drops it if that trainer
+    ended without serving it, or resumes the run it stopped (`Scheduler.start_or_resume`). None: for the run, which
+    its orchestrator carries across attempts until the run has stopped."""
     from cona.protocol.rundir import ControlRecord
 
     current = run_dir.read_control()
@@ -234,8 +239,8 @@ def request_stop(run_dir: RunDir, *, reason: str = "cona stop") -> int:
     except ConfigError:
         noted = 0
     seq = max(current.seq if current else 0, noted) + 1
-    run_dir.write_control(ControlRecord(seq=seq, command="stop", reason=reason))
-    log_event(run_dir, "stop-command", seq=seq, reason=reason)
+    run_dir.write_control(ControlRecord(seq=seq, command="stop", reason=reason, attempt=attempt))
+    log_event(run_dir, "stop-command", seq=seq, reason=reason, **({"attempt": attempt} if attempt is not None else {}))
     return seq
 
 
@@ -342,6 +347,8 @@ def event_problem(record: dict[str, Any]) -> str | None:
         return "a record without an event name"
     if not _is_number(record.get("time")):
         return f"a {kind} record without a numeric time"
+    if "at" in record and not _is_number(record["at"]):
+        return f"a {kind} record whose `at` is not a time ({record['at']!r})"
     if kind == "launch":
         if not _is_int(record.get("attempt")):
             return f"a launch record without an attempt number ({record.get('attempt')!r})"
@@ -358,6 +365,12 @@ def event_problem(record: dict[str, Any]) -> str | None:
     elif kind in NOTICE_EVENTS and not (_is_int(record.get("attempt")) and isinstance(record.get("detail"), str)):
         return f"a {kind} record without its attempt number and detail"
     return None
+
+
+def happened_at(record: dict[str, Any]) -> float:
+    """When what a usable event records happened: its `at`, where that was before the orchestrator logged it (an
+    attempt that went on in place, or a run that ended, while no orchestrator watched), else its `time`."""
+    return float(record.get("at", record["time"]))
 
 
 def _usable_events(

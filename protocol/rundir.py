@@ -38,6 +38,16 @@ class ExitCode(enum.IntEnum):
 MAX_STEPS_REASON = "max_steps"
 """The exit reason of a trainer that stopped at its own `--max-steps` (after its checkpoint)."""
 
+STOP_REASON_PREFIX = "stop (control seq "
+"""How the exit reason of a trainer that served a `stop` control record begins (`stop_exit_reason`)."""
+
+
+def stop_exit_reason(seq: int) -> str:
+    """The exit reason of a trainer that checkpointed and exited STOPPED on the `stop` control record `seq` (not on a
+    signal): the one spelling, which the orchestrator reads back (`ExitRecord.served_stop`)."""
+    return f"{STOP_REASON_PREFIX}{seq})"
+
+
 HOLD_TIMEOUT_REASON = "hold at the switch point timed out"
 """How the exit reason of a trainer whose hold at a switch point (`SwitchPoints`) got no decision within `wait_s`
 begins. It exits SWITCH after a checkpoint at the point: training on under the old strategy would move the switch
@@ -261,6 +271,16 @@ class ExitRecord:
     `FIX_EITHER` (`InputRefused.fix`), which the orchestrator's advice follows. None for any other exit, and for a
     record without it or with a value this version does not know (read as no advice of where the fix lies)."""
 
+    @property
+    def served_stop(self) -> bool:
+        """Whether the trainer exited on a `stop` control record (`cona stop`, a time budget), not on a signal."""
+        return self.exit_code == ExitCode.STOPPED and self.reason.startswith(STOP_REASON_PREFIX)
+
+    @property
+    def went_on_in_place(self) -> bool:
+        """Whether the processes did not exit but went on in place as attempt `next_attempt` under `next_strategy`."""
+        return self.next_attempt is not None and self.next_strategy is not None
+
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"exit_code": self.exit_code, "name": self.name, "reason": self.reason,
                                 "step": self.step, "time": self.time}  # fmt: skip
@@ -468,6 +488,20 @@ class RunDir:
             return ExitRecord.from_dict(data) if isinstance(data, dict) else None
         except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError):
             return None
+
+    def switched_in_place(self, attempt: int) -> ExitRecord | None:
+        """Attempt `attempt`'s exit record when its processes went on in place as attempt `attempt` + 1, else None."""
+        record = self.read_exit(attempt)
+        if record is None or not record.went_on_in_place or record.next_attempt != attempt + 1:
+            return None
+        return record
+
+    def running_as(self, attempt: int) -> int:
+        """The attempt that attempt `attempt`'s processes run as now, or ended as: `attempt`, or the last of the in-place
+        switches they went on through (`switched_in_place`), which an orchestrator that was gone did not follow."""
+        while self.switched_in_place(attempt) is not None:
+            attempt += 1
+        return attempt
 
     def attempt_exit_code(self, attempt: int, process_status: int | None) -> int | None:
         """How attempt `attempt` ended, as an `ExitCode` value: its exit record's code when rank 0 wrote one, else

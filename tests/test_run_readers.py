@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import time
 import zlib
 
@@ -16,7 +18,7 @@ from cona.orchestrator.live import LiveView, print_status, status_summary
 from cona.orchestrator.profile import load_profile
 from cona.orchestrator.report import write_report
 from cona.orchestrator.runstate import RunLock, RunState, create_run, log_event, write_state
-from cona.protocol.rundir import RunDir
+from cona.protocol.rundir import ExitRecord, LaunchRecord, RunDir, stop_exit_reason
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES, REPO
@@ -454,6 +456,91 @@ def test_status_and_stop_of_a_run_whose_orchestrator_is_gone(tmp_path, capsys):
     summary = status_summary(run)
     assert summary["status"] == "running" and "is gone, but attempt 1 was launched " in summary["reason"]
     assert "ago and has sent no heartbeat yet: it may be starting" in summary["reason"], summary["reason"]
+
+
+def _orphan(tmp_path, *, backend_id: str = "", extra: dict | None = None, **state) -> RunDir:
+    """A run whose orchestrator (pid 4345) is gone, attempt 1 current in state.json."""
+    run = make_run(tmp_path)
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[
+        Attempt(number=1, strategy=A, backend_id=backend_id, extra=extra or {})], **state))  # fmt: skip
+    run.lock.write_text("4345")
+    return run
+
+
+def test_status_and_stop_follow_the_trainer_of_an_in_place_switch_its_orchestrator_did_not_see(tmp_path, capsys):
+    """Ctrl-C of `cona run` during an in-place switch: attempt 1's exit record says its processes went on as attempt
+    2, which trains on. Status said "not running" (attempt 1 had an exit record) and showed the orchestrator's last
+    progress; it follows the processes to attempt 2, its strategy and the progress its heartbeats report, and a stop
+    is addressed to attempt 2's trainer."""
+    run = _orphan(tmp_path, model={"live": {"step": 30, "samples": 480, "train_loss": 3.0, "eta_s": 12.0}})
+    run.write_exit(1, ExitRecord(exit_code=42, name="SWITCH", reason="switch in place", step=30, time=time.time(),
+                                 next_attempt=2, next_strategy=B))  # fmt: skip
+    run.write_launch(LaunchRecord(attempt=2, strategy=B, backend="local", written_at=time.time(), in_place=True))
+    write_beats(run, 2, [beat(attempt=2, strategy=B.to_dict(), step=31, samples=496, train_loss=2.9),
+                         beat(attempt=2, strategy=B.to_dict(), step=40, samples=640, train_loss=2.5, val_loss=1.0)])  # fmt: skip
+
+    summary = status_summary(run)
+    assert summary["status"] == "running" and "is gone, but attempt 2's trainer wrote" in summary["reason"], summary
+    assert (summary["attempt"], summary["strategy"]) == (2, B.to_dict())
+    assert (summary["step"], summary["samples"], summary["train_loss"], summary["val_samples"]) == (40, 640, 2.5, 640)
+    assert summary["eta_s"] is None  # nobody estimates it now
+    code, out, _ = cona(["status", str(run.root)], capsys)
+    assert f"attempt    2 with {B.short()}" in out and "progress   step 40, 640 samples" in out, out
+    assert f"from {run.heartbeat_file(2)} (no orchestrator reads it)" in out
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "but attempt 2's trainer is still writing" in out, out
+    assert (run.read_control().command, run.read_control().attempt) == ("stop", 2)
+
+
+def test_status_takes_the_newer_progress_of_the_trainer_from_where_the_orchestrator_stopped_reading(tmp_path):
+    """The orchestrator was killed after reading 2 heartbeats; the trainer wrote 2 more: status shows those."""
+    run = _orphan(tmp_path)
+    write_beats(run, 1, [beat(step=1, samples=16), beat(step=2, samples=32)])
+    offset = run.heartbeat_file(1).stat().st_size
+    state = RunState.from_dict({**json.loads(run.state_json.read_text()), "heartbeat_offset": offset,
+                                "model": {"live": {"step": 2, "samples": 32, "train_loss": 5.0}}})  # fmt: skip
+    write_state(run, state)
+    assert (status_summary(run)["step"], status_summary(run)["progress_from"]) == (2, None)  # nothing newer
+    with open(run.heartbeat_file(1), "a") as f:
+        f.write(json.dumps(beat(step=7, samples=112, train_loss=4.0, step_time_s=0.2, samples_per_s=80.0)) + "\n")
+    summary = status_summary(run)
+    assert (summary["step"], summary["samples"], summary["train_loss"], summary["samples_per_s"]) == (7, 112, 4.0, 80.0)
+
+
+def test_a_trainer_that_ended_after_its_orchestrator_is_said_gone_and_not_stopped(tmp_path, capsys):
+    """The orchestrator was SIGKILLed, then a trainer worker crashed: no exit record, and the last heartbeat is
+    recent. Status said the trainer "may train on unattended" and `cona stop` wrote a stop that the next resume's
+    relaunch served after one step. The backend tells that its processes are gone."""
+    gone = subprocess.Popen(["true"])  # stands in for the attempt's wrapper, ended
+    gone.wait()
+    run = _orphan(tmp_path, backend_id=str(gone.pid), extra={"host": socket.gethostname()})
+    write_beats(run, 1, [beat()])  # written just now
+    summary = status_summary(run)
+    assert summary["status"] == "not running", summary
+    assert ("its orchestrator (pid 4345) is gone, and so is attempt 1's trainer (its processes are gone, without an "
+            "exit record)") in summary["reason"]  # fmt: skip
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "attempt 1's trainer is gone too" in out and "no stop command written" in out, out
+    assert run.read_control() is None
+
+    # Alive (this process stands in for the attempt's wrapper), or on another machine: as before.
+    from cona.orchestrator.backends.local.backend import _process_start_time
+
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(
+        number=1, strategy=A, backend_id=str(os.getpid()), extra={"start_time": _process_start_time(os.getpid())})]))  # fmt: skip
+    assert "is gone, but attempt 1's trainer wrote" in status_summary(run)["reason"]
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(
+        number=1, strategy=A, backend_id=str(gone.pid), extra={"host": "elsewhere"})]))  # fmt: skip
+    assert "is gone, but attempt 1's trainer wrote" in status_summary(run)["reason"]
+
+    # An exit record says how it ended; one that served a stop (`cona stop` reached it) leaves the run stopped.
+    run.write_exit(1, ExitRecord(exit_code=1, name="CRASH", reason="step 7: loss nan", step=5, time=time.time()))
+    assert "and so is attempt 1's trainer (it exited CRASH)" in status_summary(run)["reason"]
+    run.write_exit(1, ExitRecord(exit_code=43, name="STOPPED", reason=stop_exit_reason(1), step=5, time=time.time()))
+    summary = status_summary(run)
+    assert summary["status"] == "stopped" and summary["reason"].startswith("on request, while its orchestrator")
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "is stopped already" in out and run.read_control() is None, out
 
 
 def test_a_run_without_a_lock_file_or_on_kubernetes_is_not_judged_by_the_lock(tmp_path, capsys):

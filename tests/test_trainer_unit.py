@@ -241,6 +241,20 @@ def test_control_records_are_acted_on_once(tmp_path):
     assert relaunched.poll(run) == Action.NONE
 
 
+def test_a_record_for_an_attempt_these_processes_went_on_from_in_place_is_theirs(tmp_path):
+    """`cona stop` of a run whose orchestrator was gone names the attempt it saw the trainer run as; the processes
+    may have switched in place since (attempt 1 went on as 2): the stop is theirs. A relaunch (other processes) never
+    acts on a record for an attempt before it, nor anyone on one for a later attempt."""
+    run = RunDir(tmp_path)
+    state = ControlState()
+    assert state.poll(run, 1) == Action.NONE  # launched as attempt 1
+    run.write_control(ControlRecord(seq=1, command="stop", attempt=1))
+    assert state.poll(run, 2) == Action.STOP  # gone on in place as attempt 2
+    assert ControlState(last_seq=0).poll(run, 2) == Action.NONE  # a relaunch as attempt 2
+    run.write_control(ControlRecord(seq=2, command="stop", attempt=3))
+    assert state.poll(run, 2) == Action.NONE
+
+
 def test_decide_combines_command_and_signals():
     assert decide(command_code=0, signal_count=0) == Action.NONE
     assert decide(command_code=2, signal_count=0) == Action.SWITCH

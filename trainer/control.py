@@ -42,17 +42,31 @@ class ControlState:
     pending: ControlRecord | None = None
     """The record behind the command code returned by the last `poll`, until `mark_handled`."""
     signal_name: str | None = None
+    launched_as: int | None = None
+    """The attempt these processes were launched as: the lowest `poll` was asked for (in-place switches hand this
+    state on as they go on as later attempts)."""
     _signalled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def poll(self, run_dir: RunDir, attempt: int | None = None) -> Action:
-        """The command of a new control record for `attempt` (or for any attempt), or NONE. Reads one small file;
-        call on rank 0 only."""
+        """The command of a new control record for these processes, or NONE: a record for any attempt, or for one
+        they ran as — `attempt`, or one before it that they went on from in place (a `cona stop` sent to the trainer
+        of an orchestrator that was gone names the attempt it saw, which may have switched in place since). Never one
+        for an attempt of other processes: a relaunch must not act on a record its predecessor was sent. Reads one
+        small file; call on rank 0 only."""
+        if attempt is not None:
+            self.launched_as = attempt if self.launched_as is None else min(self.launched_as, attempt)
         record = run_dir.read_control()
-        if record is None or record.seq <= self.last_seq or (None not in (record.attempt, attempt) and record.attempt != attempt):
+        if record is None or record.seq <= self.last_seq or not self._ours(record.attempt, attempt):
             self.pending = None
             return Action.NONE
         self.pending = record
         return _COMMAND_ACTIONS[record.command]
+
+    def _ours(self, addressed: int | None, attempt: int | None) -> bool:
+        """Whether a record for attempt `addressed` (None: any) is for these processes, now running as `attempt`."""
+        if addressed is None or attempt is None:
+            return True
+        return (self.launched_as if self.launched_as is not None else attempt) <= addressed <= attempt
 
     def mark_handled(self) -> ControlRecord | None:
         """Remember the pending record as handled (so neither this process nor a relaunch acts on it again)."""

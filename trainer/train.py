@@ -40,6 +40,7 @@ from cona.protocol.rundir import (
     RunDir,
     SwitchPoints,
     atomic_write_json,
+    stop_exit_reason,
 )
 from cona.protocol.samples_log import log_resume, log_step
 from cona.protocol.strategy import Strategy
@@ -344,7 +345,7 @@ class Trainer:
                 self.next_strategy = self._in_place_target(record)
                 how = f" in place to {self.next_strategy.short()}" if self.next_strategy else ""
                 return self.finish(ExitCode.SWITCH, f"switch{how} (control seq {record.seq if record else '?'})")
-            reason = self._signal_reason if self._signalled_now or record is None else f"stop (control seq {record.seq})"
+            reason = self._signal_reason if self._signalled_now or record is None else stop_exit_reason(record.seq)
             return self.finish(ExitCode.STOPPED, reason)
         if action == Action.CHECKPOINT or periodic:
             self._checkpoint(requested=action == Action.CHECKPOINT)

@@ -252,6 +252,12 @@ class Backend(abc.ABC):
         run grows when the policy says it pays); None when the backend cannot tell (then it never grows)."""
         return None
 
+    def gone(self, attempt: Attempt) -> bool:
+        """Whether `attempt`'s processes are known to have ended, told without acting on anything: for `cona status`
+        and `cona stop` of a run whose orchestrator is gone, where a trainer that crashed meanwhile left no exit
+        record and its last heartbeat still looks recent. False: running, or this backend cannot tell from here."""
+        return False
+
     def adopt(self, attempt: Attempt) -> bool:
         """After an orchestrator restart: True if `attempt` is still alive and can be watched again."""
         return not self.poll(attempt).status.finished

@@ -21,6 +21,7 @@ import math
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -316,7 +317,8 @@ class LocalBackend(Backend):
             strategy=planned,
             backend_id=str(proc.pid),
             started_at=time.time(),
-            extra={"start_time": _process_start_time(proc.pid), "log": str(log), **chosen},
+            # The host: its PID and start time mean something only in this machine's process table (`gone`).
+            extra={"start_time": _process_start_time(proc.pid), "host": socket.gethostname(), "log": str(log), **chosen},
         )
 
     supports_in_place_switch = True
@@ -344,6 +346,15 @@ class LocalBackend(Backend):
             return False
         recorded = attempt.extra.get("start_time")
         return recorded is None or recorded == _process_start_time(pid)
+
+    def gone(self, attempt: Attempt) -> bool:
+        """Whether the attempt's wrapper process is gone (or its PID now another process's): torchrun and its workers
+        end before it. Not told for an attempt launched on another machine (a `cona status` from another host of a
+        shared filesystem), where this machine's process table says nothing of it."""
+        host = attempt.extra.get("host")
+        if (host is not None and host != socket.gethostname()) or not attempt.backend_id.isdigit():
+            return False
+        return not self._ours_and_alive(attempt)
 
     def _stray_workers(self) -> list[int]:
         """Trainer processes of this run directory that outlived their torchrun (killed outright)."""
