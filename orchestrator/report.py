@@ -12,6 +12,7 @@ from typing import Any
 
 from cona.orchestrator.runstate import (
     RunState,
+    happened_at,
     launched_without_state,
     load_run,
     read_events,
@@ -102,7 +103,7 @@ def _wall_end(final: bool, events: list[dict[str, Any]], beats: list[dict[str, A
     """When the run's wall time ends: for an ended run, its last end event (the `elapsed_s` that `cona run` prints
     and the `done` event records: the trainer's exit and the orchestrator's follow-up are part of the run, and a
     run that ended before any heartbeat still took time); for a run going on, its latest heartbeat."""
-    ends = [e["time"] for e in events if e.get("event") in END_EVENTS]
+    ends = [happened_at(e) for e in events if e.get("event") in END_EVENTS]
     if final and ends:
         return ends[-1]
     return beats[-1]["time"] if beats else None
@@ -114,7 +115,7 @@ def _pauses(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
     ended: float | None = None
     for e in events:
         if e.get("event") in END_EVENTS:
-            ended = e["time"]
+            ended = happened_at(e)  # a run that ended while no orchestrator watched ended then, not when logged
         elif e.get("event") == "resume-run" and ended is not None:
             pauses.append((ended, e["time"]))
             ended = None
@@ -254,7 +255,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         # Samples over time: each window covers the same samples (one attempt's batch and heartbeat interval), so
         # that is the harmonic mean; the arithmetic one weighed the fast windows more (244.5 where 231 was trained).
         mean = f"{len(rates) / sum(1.0 / r for r in rates):.1f}" if rates else "-"
-        lines.append(f"| {e['attempt']} | {clock(e['time']):.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
+        lines.append(f"| {e['attempt']} | {clock(happened_at(e)):.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
     if switches:
         lines += ["", "## Switch decisions", ""]
         for s in switches:

@@ -105,6 +105,9 @@ class Scheduler:
         """`min_nodes` < `nodes`: the run trains on any node count of that range (`cona.orchestrator.elastic`)."""
         self.state = RunState()
         """The loop's own state (attempts, control sequence, heartbeat offset, restarts, ...), with the model's."""
+        self.watching_since = time.time()
+        """When this orchestrator took the run up (`start_or_resume`): an attempt that ended before it ended while
+        no orchestrator watched (`_ended_unwatched`)."""
         self.tensorboard: TensorBoardWriter | None = None
         """`metrics.tensorboard`: the run's one TensorBoard writer, fed as heartbeats are absorbed."""
         if job.metrics.tensorboard:
@@ -146,12 +149,13 @@ class Scheduler:
 
     def _launch(
         self, strategy: Strategy, *, previous: Attempt | None, why: str, in_place: bool = False,
-        elastic: dict[int, Strategy] | None = None,
+        elastic: dict[int, Strategy] | None = None, at: float | None = None,
     ) -> Attempt:  # fmt: skip
         """Start `strategy` as the next attempt; `in_place`: `previous`'s processes already went on as it.
 
         `elastic`: an elastic (re)start, which the backend may begin on any node count of this table ({node count:
-        strategy}, from the planning table) with that count's strategy."""
+        strategy}, from the planning table) with that count's strategy. `at`: when the attempt began, where that was
+        before now (an in-place switch: the previous attempt's exit record), logged as the launch event's `at`."""
         number = self.state.attempts_started + 1
         if not in_place:
             # Processes already went on as an in-place switch's attempt; any other launch starts from a checkpoint.
@@ -187,6 +191,8 @@ class Scheduler:
             self._save()
             log_event(self.run_dir, "launch-failed", attempt=number, detail=str(e))
             raise
+        if at is not None:
+            attempt.started_at = at
         self.state.attempts.append(attempt)
         # Cleared only now: an orchestrator that died during the launch still knows which switch it followed.
         self.state.switch_requested = None
@@ -197,7 +203,7 @@ class Scheduler:
         self.state.pending = None
         self._save()
         log_event(self.run_dir, "launch", attempt=number, strategy=strategy.to_dict(), reason=why,
-                  backend=self.backend.name, backend_id=attempt.backend_id)  # fmt: skip
+                  backend=self.backend.name, backend_id=attempt.backend_id, **({"at": at} if at is not None else {}))  # fmt: skip
         return attempt
 
     def _refuse_lost_progress(self) -> None:
@@ -275,9 +281,10 @@ class Scheduler:
             self.tensorboard.switch(source=previous.strategy if previous else None, target=attempt.strategy,
                                     cost_s=done.cost_s, kind=done.kind.value)  # fmt: skip
 
-    def _elapsed(self) -> float:
-        """The run's time so far, without the time it lay stopped before a `--resume`."""
-        return time.time() - (self.state.run_started or time.time()) - self.state.paused_s
+    def _elapsed(self, at: float | None = None) -> float:
+        """The run's time so far (up to `at`, if given), without the time it lay stopped before a `--resume`."""
+        now = time.time() if at is None else at
+        return now - (self.state.run_started or now) - self.state.paused_s
 
     # ----------------------------------------------------------------------------------------------- decisions
 
@@ -418,8 +425,24 @@ class Scheduler:
         prescribed = self.model.policy.strategy_at(samples if isinstance(samples, int) else 0)
         return prescribed if prescribed is not None else attempt.strategy
 
+    def _take_up_ended_run(self, previous_status: str, *, ended_at: float | None, **note: str) -> None:
+        """Go on with a run that ended `previous_status` at `ended_at` (stopped or failed): a `resume-run` event, the
+        time it lay ended (which trained nothing: a time budget counts the run's time, not the calendar's) and the
+        flags of its end cleared. The caller relaunches from the last complete checkpoint."""
+        log_event(self.run_dir, "resume-run", previous_status=previous_status, **note)
+        if ended_at is not None:
+            self.state.paused_s += max(0.0, time.time() - ended_at)
+        # The stop that ended it was served; a relaunch from a checkpoint older than the one that served it (the
+        # newest found damaged) would read it as new and stop again at its first step: a wasted attempt.
+        self.run_dir.control_json.unlink(missing_ok=True)
+        self.state.final = self.state.stop_requested = self.state.time_budget_reached = False
+        self.state.reason = self.state.switch_requested = None
+        self.state.restarts_in_row = self.state.disruptions_without_progress = 0
+        self.state.status = "running"
+
     def start_or_resume(self) -> Attempt | None:
         self._restore()
+        self.watching_since = time.time()
         # This orchestrator holds the run now (its lock or Lease): nobody else will finish a torn last event.
         end_torn_events(self.run_dir)
         if self.state.status == "done":
@@ -429,17 +452,7 @@ class Scheduler:
         if self.state.final:
             # A stopped or failed run resumed by the user: go on from its last complete checkpoint.
             resumed = self.state.status
-            log_event(self.run_dir, "resume-run", previous_status=self.state.status)
-            # The time it lay stopped trained nothing: a time budget counts the run's time, not the calendar's.
-            if self.state.finished_at is not None:
-                self.state.paused_s += max(0.0, time.time() - self.state.finished_at)
-            # The stop that ended it was served; a relaunch from a checkpoint older than the one that served it (the
-            # newest found damaged) would read it as new and stop again at its first step: a wasted attempt.
-            self.run_dir.control_json.unlink(missing_ok=True)
-            self.state.final = self.state.stop_requested = self.state.time_budget_reached = False
-            self.state.reason = self.state.switch_requested = None
-            self.state.restarts_in_row = self.state.disruptions_without_progress = 0
-            self.state.status = "running"
+            self._take_up_ended_run(self.state.status, ended_at=self.state.finished_at)
         if self.state.run_started is None:
             self.state.run_started = time.time()
         attempt = self.current
@@ -468,6 +481,37 @@ class Scheduler:
         else:
             log_event(self.run_dir, "resume", attempt=attempt.number, note="orchestrator restarted; attempt not running")
         return attempt
+
+    def _addressed_stop(self) -> ControlRecord | None:
+        """The stop in control.json that `cona stop` sent to the trainer of one attempt while no orchestrator ran
+        (`request_stop`'s `attempt`), else None. It stays there until the run it stopped is taken up again
+        (`_take_up_ended_run` removes it) or it is dropped (`_drop_unserved_stop`)."""
+        record = self.run_dir.read_control()
+        return record if record is not None and record.command == "stop" and record.attempt is not None else None
+
+    def _drop_unserved_stop(self, attempt: Attempt) -> None:
+        """`attempt` ended (or went on as the next attempt elsewhere than in place) without serving the stop that
+        `cona stop` sent to its trainer while no orchestrator ran (a crash): that stop was for those processes alone
+        and ends with them — left in force, it would stop the run after its relaunch's first step. Removed, and
+        said so."""
+        stop = self._addressed_stop()
+        record = self.run_dir.read_exit(attempt.number)
+        if stop is None or (record is not None and record.served_stop):
+            return
+        self.run_dir.control_json.unlink(missing_ok=True)
+        self.state.control_seq = max(self.state.control_seq, stop.seq)
+        self.state.stop_requested = False
+        how = f"it exited {record.name}" if record is not None else "its processes are gone without an exit record"
+        log_event(self.run_dir, "stop-dropped", attempt=attempt.number, seq=stop.seq,
+                  reason=f"attempt {attempt.number}'s trainer ended before it served the stop ({how}); the run goes on")  # fmt: skip
+        self._save()
+
+    def _ended_unwatched(self, attempt: Attempt) -> float | None:
+        """When `attempt`'s trainer exited, if that was before this orchestrator took the run up (its exit record's
+        time); None when it ended while watched, or left no record. A run that ended meanwhile ended then, not when
+        an orchestrator came back to see it: the time between trained nothing."""
+        record = self.run_dir.read_exit(attempt.number)
+        return record.time if record is not None and record.time < self.watching_since else None
 
     def run(self) -> RunState:
         """Run to the end; returns the final state. Raises RunFailed with a clear reason."""
@@ -541,22 +585,26 @@ class Scheduler:
 
         Checked before the backend's poll: the processes may already have finished the next attempt too, and its
         exit belongs to that attempt, not to this one."""
-        record = self.run_dir.read_exit(attempt.number)
-        if record is None or record.next_attempt != attempt.number + 1 or record.next_strategy is None:
+        record = self.run_dir.switched_in_place(attempt.number)
+        if record is None:
             return None
+        assert record.next_strategy is not None  # `switched_in_place` checked it
         self._absorb(attempt, self._tail_heartbeats(attempt))  # the lines written before the exit record
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status="switched", exit_code=record.exit_code,
                   detail="in place", samples=self.live.samples, step=self.live.step)  # fmt: skip
         self.state.restarts_in_row = 0
         requested = self.state.switch_requested
+        # The processes went on as the next attempt when they wrote the record, which an orchestrator that was gone
+        # (Ctrl-C during the switch) reads only when it is back: the next attempt began then, not now.
         return self._follow_switch(attempt, record.next_strategy, requested=requested, in_place=True,
-                                   requested_at=requested.time if requested else record.time)  # fmt: skip
+                                   requested_at=requested.time if requested else record.time, at=record.time)  # fmt: skip
 
     def _follow_switch(
         self, attempt: Attempt, target: Strategy, *, requested: SwitchRequest | None, requested_at: float,
-        in_place: bool = False,
+        in_place: bool = False, at: float | None = None,
     ) -> Attempt:  # fmt: skip
-        """The attempt after a switch of `attempt` to `target`: relaunched, or the same processes gone on in place."""
+        """The attempt after a switch of `attempt` to `target`: relaunched, or the same processes gone on in place
+        (at `at`)."""
         if in_place:
             kind = SwitchKind.IN_PLACE
         else:  # the processes exited: whatever was planned, the next attempt is launched
@@ -564,8 +612,9 @@ class Scheduler:
             kind = SwitchKind.RELAUNCH if kind is SwitchKind.IN_PLACE else kind
         self.model.switch_started(requested_at=requested_at, to_attempt=attempt.number + 1, kind=kind,
                                   predicted_s=requested.predicted_s if requested else None)  # fmt: skip
-        self.state.strategy_since = time.time()
-        return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place)
+        self.state.strategy_since = at if at is not None else time.time()
+        return self._launch(target, previous=attempt, why="switch in place" if in_place else "switch", in_place=in_place,
+                            at=at)  # fmt: skip
 
     def _note_pending(self, attempt: Attempt, outcome: Outcome) -> Outcome:
         """Note that `attempt` is pending, and apply the backend's pending timeout: the one place that decides it.
@@ -636,8 +685,9 @@ class Scheduler:
             self.state.hang_cancelled = attempt.number
             self._save()
 
-    def _finish(self, status: str, *, reason: str | None = None) -> None:
-        self.state.status, self.state.final, self.state.finished_at = status, True, time.time()
+    def _finish(self, status: str, *, reason: str | None = None, at: float | None = None) -> None:
+        """End the run `status`, at `at` when it ended before now (`_ended_unwatched`)."""
+        self.state.status, self.state.final, self.state.finished_at = status, True, time.time() if at is None else at
         self.state.reason = reason
         self.state.pending = None
         self.live.status = status
@@ -649,10 +699,13 @@ class Scheduler:
     def _handle_end(self, attempt: Attempt, status: AttemptStatus, code: int | None, detail: str) -> Attempt | None:
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status=status.value, exit_code=code,
                   detail=detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
+        self._drop_unserved_stop(attempt)
+        ended = self._ended_unwatched(attempt)
+        at = {"at": ended} if ended is not None else {}  # END events say when the run ended, if before they were logged
         if status is AttemptStatus.DONE:
-            self._finish("done")
+            self._finish("done", at=ended)
             log_event(self.run_dir, "done", samples=self.live.samples, val_perplexity=self.live.val_perplexity,
-                      elapsed_s=round(self._elapsed(), 2), switches=self.live.switches)  # fmt: skip
+                      elapsed_s=round(self._elapsed(ended), 2), switches=self.live.switches, **at)  # fmt: skip
             return None
         if status is AttemptStatus.SWITCHED:
             self.state.restarts_in_row = 0
@@ -668,11 +721,21 @@ class Scheduler:
                 log_event(self.run_dir, "switch-unrequested", attempt=attempt.number)
                 return self._relaunch(attempt, why="resume after an unrequested switch exit")
             return self._follow_switch(attempt, requested.target, requested=requested, requested_at=requested.time)
+        if status is AttemptStatus.STOPPED and ended is not None and self._addressed_stop() is not None:
+            # `cona stop` reached the trainer of an orchestrator that was gone, which served it: the run stopped
+            # then. This orchestrator was started to go on with it (`cona run --resume`, the same command again), as
+            # with any stopped run: its stop and resume are logged as they would have been, and the time it lay
+            # stopped since is not the run's (`paused_s`, the report's wall time).
+            reason = "stopped on request while its orchestrator was gone"
+            log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples, **at)
+            self._take_up_ended_run("stopped", ended_at=ended, note=f"attempt {attempt.number}'s trainer served "
+                                    "`cona stop` while no orchestrator ran")  # fmt: skip
+            return self._relaunch(attempt, why="resume of the stopped run")
         if status in (AttemptStatus.STOPPED, AttemptStatus.DISRUPTED) and self.state.stop_requested:
             # A disrupted attempt of a run asked to stop is not relaunched just to stop again.
             reason = "time budget reached" if self.state.time_budget_reached else "stopped on request"
-            self._finish("stopped", reason=reason)
-            log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples)
+            self._finish("stopped", reason=reason, at=ended)
+            log_event(self.run_dir, "stopped", reason=reason, samples=self.live.samples, **at)
             return None
         if status is AttemptStatus.STOPPED:
             # Preempted, at a time limit, or a stopped run resumed: the checkpoint is there, carry on with the same

@@ -62,6 +62,19 @@ def test_report_wall_time_of_a_run_going_on_is_its_latest_heartbeat(tmp_path):
     assert "wall time: 25.0 s (without the 5.0 s it lay stopped before `cona run --resume`)" in md.read_text()
 
 
+def test_report_leaves_out_the_time_a_run_lay_stopped_from_when_its_trainer_stopped(tmp_path):
+    """The trainer served `cona stop` at 110 while no orchestrator ran; the resume at 125 logged the stop then, with
+    the time it happened (`at`): the pause is 110 → 125, not 121 → 125, and a damaged `at` is no time."""
+    events = [
+        {"time": 100.0, "event": "start", "strategy": A.to_dict()},
+        {"time": 121.0, "at": 110.0, "event": "stopped", "reason": "stopped on request while its orchestrator was gone"},
+        {"time": 125.0, "event": "resume-run", "previous_status": "stopped"},
+    ]
+    run = _run(tmp_path, events, [_beat(105.0, 5), _beat(140.0, 10)], RunState(status="running"))
+    _, md = write_report(run)
+    assert "wall time: 25.0 s (without the 15.0 s it lay stopped before `cona run --resume`)" in md.read_text()
+
+
 def test_status_of_an_ended_run_has_no_time_to_go(tmp_path):
     """state.json keeps the last live ETA; `cona status --json` of a done or stopped run must not offer it."""
     live = {"step": 10, "samples": 320, "eta_s": 4.2, "samples_per_s": 200.0}

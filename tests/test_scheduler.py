@@ -12,6 +12,7 @@ from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Bac
 from cona.orchestrator.job import load_job
 from cona.orchestrator.live import print_status, status_summary
 from cona.orchestrator.profile import load_profile
+from cona.orchestrator.report import write_report
 from cona.orchestrator.runstate import (
     PendingSpell,
     RunState,
@@ -24,7 +25,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.orchestrator.scheduler import RunFailed, Scheduler, _resume_reason
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir
+from cona.protocol.rundir import COMPLETE_MARKER, ExitCode, ExitRecord, RunDir, append_jsonl, stop_exit_reason
 from cona.protocol.strategy import Strategy
 
 from tests.conftest import EXAMPLES, PROFILES
@@ -106,8 +107,8 @@ def run(tmp_path):
 
 
 def _state_with_attempt_one(run_dir: RunDir, **fields) -> None:
-    write_state(run_dir, RunState(status="running", run_started=1.0, attempts_started=1,
-                                  attempts=[Attempt(number=1, strategy=A, backend_id="job1")], **fields))  # fmt: skip
+    write_state(run_dir, RunState(**{"status": "running", "run_started": 1.0, "attempts_started": 1,
+                                     "attempts": [Attempt(number=1, strategy=A, backend_id="job1")], **fields}))  # fmt: skip
 
 
 def test_a_switch_saved_but_never_sent_is_sent_after_a_restart(run):
@@ -285,6 +286,84 @@ def test_a_run_resumed_days_after_its_stop_keeps_its_time_budget(tmp_path):
     assert ran <= done["elapsed_s"] < ran + 60
     # Carried in state.json: an orchestrator restarted later still leaves the pause out.
     assert read_state(sched.run_dir).paused_s == pytest.approx(2 * day, abs=60)
+
+
+# --- what happened while no orchestrator watched (killed, Ctrl-C) -----------------------------------------------------
+
+
+def test_a_stop_a_trainer_served_while_its_orchestrator_was_gone_is_a_stopped_run_the_resume_goes_on_with(tmp_path):
+    """`cona stop` of a run whose orchestrator was gone reached its trainer, which checkpointed and exited 100 s ago.
+    The first `cona run --resume` logged the run stopped now and ended, training nothing; a second resume trained,
+    and the report counted the time before the first one as wall time. The run stopped when its trainer did: it is
+    logged so, the time since is a pause, and the resume goes on at once."""
+    sched, backend = make_scheduler(tmp_path)
+    _state_with_attempt_one(sched.run_dir)
+    seq = request_stop(sched.run_dir, attempt=1)  # `cona stop` of the orphaned attempt 1
+    exited = time.time() - 100
+    sched.run_dir.write_exit(1, ExitRecord(exit_code=ExitCode.STOPPED, name="STOPPED", reason=stop_exit_reason(seq),
+                                           step=21, time=exited))  # fmt: skip
+    backend.exit_codes = {1: ExitCode.STOPPED, 2: ExitCode.DONE}
+    assert sched.run().status == "done"
+    assert [n for n, _ in backend.launched] == [2]
+    stopped = _events(sched, "stopped")
+    assert len(stopped) == 1 and stopped[0]["at"] == exited, stopped
+    assert _events(sched, "resume-run")[0]["previous_status"] == "stopped"
+    assert [e["reason"] for e in _events(sched, "launch")] == ["resume of the stopped run"]
+    assert read_state(sched.run_dir).paused_s == pytest.approx(100, abs=30)
+    assert sched.run_dir.read_control() is None  # served: the relaunch must not see it
+
+
+def test_a_stop_sent_to_a_trainer_that_crashed_before_serving_it_ends_with_it(tmp_path):
+    """The orchestrator was killed, `cona stop` was sent to its trainer, which crashed before its next step: the
+    stop stayed in control.json, and the resume's relaunch served it after one step (a second resume finished).
+    It was for that trainer alone: dropped, said so, and the relaunch trains."""
+    sched, backend = make_scheduler(tmp_path)
+    _state_with_attempt_one(sched.run_dir)
+    seq = request_stop(sched.run_dir, attempt=1)
+    backend.exit_codes = {1: 1, 2: ExitCode.DONE}  # killed without an exit record
+    launched_with: list = []
+    launch = backend.launch
+
+    def launch_and_note(**kw):
+        launched_with.append(sched.run_dir.read_control())
+        return launch(**kw)
+
+    backend.launch = launch_and_note  # type: ignore[method-assign]
+    state = sched.run()
+    assert state.status == "done" and not state.stop_requested
+    assert launched_with == [None], launched_with
+    dropped = _events(sched, "stop-dropped")
+    assert [(e["attempt"], e["seq"]) for e in dropped] == [(1, seq)], dropped
+    assert "ended before it served the stop (its processes are gone without an exit record)" in dropped[0]["reason"]
+
+
+def test_what_the_trainer_did_while_no_orchestrator_watched_is_dated_when_it_happened(tmp_path):
+    """Ctrl-C of `cona run` during an in-place switch: the trainer went on as attempt 2 and finished. The resume
+    logged attempt 2's launch (and the report's strategies table started it) when it saw it, 50 s late; the run's
+    end, when it saw that."""
+    sched, backend = make_scheduler(tmp_path)
+    now = time.time()
+    request = SwitchRequest(time=now - 60, seq=1, source=A, target=B, kind=SwitchKind.IN_PLACE, predicted_s=1.0)
+    backend.offer_in_place(Attempt(number=1, strategy=A), number=2, strategy=B)
+    _state_with_attempt_one(sched.run_dir, switch_requested=request, control_seq=1, run_started=now - 100)
+    append_jsonl(sched.run_dir.events, {"time": now - 100, "event": "start", "strategy": A.to_dict()})
+    append_jsonl(sched.run_dir.events, {"time": now - 100, "event": "launch", "attempt": 1, "strategy": A.to_dict(),
+                                        "reason": "initial strategy"})  # fmt: skip
+    sched.run_dir.write_exit(1, ExitRecord(exit_code=ExitCode.SWITCH, name="SWITCH", reason="switch in place", step=30,
+                                           time=now - 50, next_attempt=2, next_strategy=B))  # fmt: skip
+    sched.run_dir.write_exit(2, ExitRecord(exit_code=ExitCode.DONE, name="DONE", reason="max_samples", step=80,
+                                           time=now - 20))  # fmt: skip
+    backend.exit_codes = {1: ExitCode.DONE, 2: ExitCode.DONE}  # the processes' status, read through attempt 2
+    state = sched.run()
+    assert state.status == "done" and backend.launched == []  # followed in place, nothing launched
+    launch = _events(sched, "launch")[-1]
+    assert (launch["attempt"], launch["reason"], launch["at"]) == (2, "switch in place", now - 50)
+    assert state.attempts[-1].started_at == now - 50 and state.strategy_since == now - 50
+    done = _events(sched, "done")[0]
+    assert done["at"] == now - 20 and state.finished_at == now - 20
+    assert done["elapsed_s"] == pytest.approx(80, abs=1)
+    report = write_report(sched.run_dir)[1].read_text()
+    assert "| 2 | 50.0 | `d2t1p2 m16 g64` |" in report, report
 
 
 def test_a_crash_without_an_exit_record_is_still_relaunched(tmp_path):
