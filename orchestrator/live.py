@@ -161,8 +161,8 @@ class Orphaned:
         """(status, reason) for `cona status`."""
         resume = f"`cona run --resume {run_dir.root}`"
         if self.stopped:
-            return "stopped", (f"on request, while its orchestrator (pid {self.pid}) was gone: attempt {self.attempt}'s "
-                               f"trainer checkpointed and exited; resume with {resume}")  # fmt: skip
+            return "stopped", (f"attempt {self.attempt}'s trainer served a stop command (it checkpointed and exited) "
+                               f"while its orchestrator (pid {self.pid}) was gone; resume with {resume}")  # fmt: skip
         if self.trainer_end is not None:
             return "not running", (f"its orchestrator (pid {self.pid}) is gone, and so is attempt {self.attempt}'s "
                                    f"trainer ({self.trainer_end}); resume with {resume}")  # fmt: skip

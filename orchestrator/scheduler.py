@@ -688,6 +688,8 @@ class Scheduler:
     def _finish(self, status: str, *, reason: str | None = None, at: float | None = None) -> None:
         """End the run `status`, at `at` when it ended before now (`_ended_unwatched`)."""
         self.state.status, self.state.final, self.state.finished_at = status, True, time.time() if at is None else at
+        if at is not None:  # `cona run`'s last line says the run's time, as the end event records it
+            self.live.elapsed_s = self._elapsed(at)
         self.state.reason = reason
         self.state.pending = None
         self.live.status = status

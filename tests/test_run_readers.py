@@ -538,7 +538,7 @@ def test_a_trainer_that_ended_after_its_orchestrator_is_said_gone_and_not_stoppe
     assert "and so is attempt 1's trainer (it exited CRASH)" in status_summary(run)["reason"]
     run.write_exit(1, ExitRecord(exit_code=43, name="STOPPED", reason=stop_exit_reason(1), step=5, time=time.time()))
     summary = status_summary(run)
-    assert summary["status"] == "stopped" and summary["reason"].startswith("on request, while its orchestrator")
+    assert summary["status"] == "stopped" and summary["reason"].startswith("attempt 1's trainer served a stop command")
     code, out, _ = cona(["stop", str(run.root)], capsys)
     assert code == 0 and "is stopped already" in out and run.read_control() is None, out
 
