@@ -807,10 +807,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cona: error: cannot start {sys.executable} for `cona {argv[0]}`: {e.strerror or e}; check that "
                   "this user can run cona's Python", file=sys.stderr)  # fmt: skip
             return 2
+    from cona.protocol.rundir import NotRegularFile
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, UserError, ValueError) as e:
+    except (ConfigError, UserError, ValueError, NotRegularFile) as e:
         print(f"cona: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except BackendError as e:

@@ -24,7 +24,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import NOTICE_EVENTS, Heartbeat, perplexity, timed_window
-from cona.protocol.rundir import RunDir, read_json, read_jsonl
+from cona.protocol.rundir import RunDir, open_regular, open_regular_fd, read_json, read_jsonl
 
 if TYPE_CHECKING:
     from cona.orchestrator.profile import ClusterProfile
@@ -179,7 +179,7 @@ def _unheld_lock(path: Path) -> str | None:
     """The pid written in the lock file `path` when no process holds its flock; None when one does, when there is
     no such file (no orchestrator ever ran here), or when it cannot be told (no locking on that filesystem)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular_fd(path)
     except OSError:
         return None
     try:
@@ -465,7 +465,8 @@ def _devices_file(run_dir: RunDir) -> str | None:
     from cona.orchestrator.backends.local.backend import DEVICES_FILE
 
     try:
-        return (run_dir.root / DEVICES_FILE).read_text().strip()[:20]
+        with open_regular(run_dir.root / DEVICES_FILE) as f:
+            return f.read().decode(errors="replace").strip()[:20]
     except OSError:
         return None
 

@@ -27,6 +27,7 @@ from cona.protocol.rundir import (
     atomic_write_json,
     atomic_write_text,
     drop_torn_tail,
+    open_regular_fd,
     read_json,
     read_jsonl,
     restrict_umask,
@@ -120,7 +121,7 @@ def _run_document(run_dir: RunDir, *, resume: bool) -> dict[str, Any]:
     if not run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)")
     # `load_yaml` names the file for every way it can be unreadable (corrupt YAML, bytes that are no text, a directory).
-    document = load_yaml(run_dir.run_yaml)
+    document = load_yaml(run_dir.run_yaml, run_file=True)
     if "profile" not in document or "job" not in document:
         raise ConfigError(f"{run_dir.run_yaml}: missing the profile or job section")
     damage = run_yaml_damage(document)
@@ -214,7 +215,7 @@ def stored_measurements(run_dir: RunDir) -> list[dict[str, Any]]:
     """The measured step times the run was created with (`cona run --measured`; run.yaml's `measured`), or []."""
     if not run_dir.run_yaml.exists():
         return []
-    measured = load_yaml(run_dir.run_yaml).get("measured") or []
+    measured = load_yaml(run_dir.run_yaml, run_file=True).get("measured") or []
     try:  # what `ThroughputModel.absorb` reads
         measured = checked_measurements(measured)
     except (KeyError, TypeError, ValueError) as e:
@@ -696,7 +697,7 @@ class RunLock:
     _fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

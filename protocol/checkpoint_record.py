@@ -11,9 +11,10 @@ load: it reads every shard, which `cona status` must not.
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
-from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE
+from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, NotRegularFile, open_regular
 
 _STATE_INTS = ("step", "samples", "tokens", "lr_position", "last_control_seq", "attempt", "seed")
 _STATE_NUMBERS = ("lr", "time", "elapsed_s")
@@ -22,7 +23,8 @@ _STATE_NUMBERS = ("lr", "time", "elapsed_s")
 
 def checkpoint_problem(path: Path) -> str | None:
     """None if `path` is a complete checkpoint whose records are intact; else why a resume passes over it (one
-    line): no or an unreadable COMPLETE marker, a file it lists missing or of another size, trainer_state.json
+    line): no or an unreadable COMPLETE marker, a file it lists missing, of another size or no regular file (a FIFO),
+    trainer_state.json
     unreadable or its counters not numbers; a directory or file this user may not read, named with what to do."""
     try:
         return _problem(path)
@@ -36,8 +38,11 @@ def _problem(path: Path) -> str | None:
     if not marker.exists():
         return "no COMPLETE marker (it was being written when the trainer stopped)"
     try:
-        manifest = json.loads(marker.read_text())
+        with open_regular(marker) as f:
+            manifest = json.loads(f.read().decode())
         files = manifest["files"]
+    except NotRegularFile:  # a FIFO would block the read: as damaged as a torn marker, and passed over alike
+        return "its COMPLETE marker is not a regular file"
     except (OSError, ValueError, KeyError, TypeError):
         return "its COMPLETE marker is unreadable"
     # Valid JSON of the wrong shape is as damaged as a torn marker: judged here, not left to crash the size checks.
@@ -45,9 +50,12 @@ def _problem(path: Path) -> str | None:
         return "its COMPLETE marker is unreadable (its files are not a mapping of names to sizes)"
     for name, size in files.items():
         try:
-            actual = (path / name).stat().st_size
+            found = (path / name).stat()
         except FileNotFoundError:
             return f"{name} is missing"
+        if not stat.S_ISREG(found.st_mode):  # a FIFO in its place: whoever reads the bytes (DCP, CRC-32s) would block
+            return f"{name} is not a regular file"
+        actual = found.st_size
         if actual != size:
             return f"{name} has {actual} bytes, expected {size} (truncated or overwritten)"
     crc32 = manifest.get("crc32")
@@ -57,7 +65,8 @@ def _problem(path: Path) -> str | None:
     if ".metadata" not in files or TRAINER_STATE not in files:
         return "it lacks .metadata or trainer_state.json"
     try:
-        state = json.loads((path / TRAINER_STATE).read_text())
+        with open_regular(path / TRAINER_STATE) as f:
+            state = json.loads(f.read().decode())
         int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"{TRAINER_STATE} is corrupt"

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cona.protocol.strategy import Strategy
 
@@ -84,6 +86,59 @@ def restrict_umask() -> None:
     os.umask(current | 0o022)
 
 
+class NotRegularFile(Exception):
+    """A run-directory file that is no regular file: a FIFO, a socket, a device (or a link to one). Reading a FIFO
+    blocks for ever (`cona status` hung on a state.json made one) and a device may never end (/dev/zero); cona
+    writes only regular files there, so one of these is refused, in one line naming it.
+
+    Neither an OSError nor a ValueError: the readers of records that may be missing or damaged (an exit record, a
+    control record, a heartbeat line) take those as absent or damaged and go on; this one reaches the program's
+    own one-line refusal (`cona`, the trainer, `cona export`)."""
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}  # fmt: skip
+
+
+def _not_regular(path: Path | str, mode: int | None) -> NotRegularFile:
+    kind = _KINDS.get(stat.S_IFMT(mode)) if mode is not None else None
+    return NotRegularFile(f"{path} is {f'{kind}, not' if kind else 'not'} a regular file; cona keeps only regular "
+                          "files in a run directory: remove it, or put back the file it replaced")  # fmt: skip
+
+
+def open_regular_fd(path: Path | str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """`os.open(path, flags)` for a file of a run directory: the one place that refuses what is no regular file
+    (`NotRegularFile`), for every reader and appender of one. Opened without blocking, so that a FIFO is found out
+    before anything waits on it (an open for writing blocks until a reader comes, a read until a writer writes);
+    the descriptor it returns blocks as usual. A directory raises IsADirectoryError, as open() does."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # a socket, or a FIFO opened for writing with no reader
+            raise
+        try:
+            found: int | None = os.stat(path).st_mode
+        except OSError:
+            found = None
+        raise _not_regular(path, found) from None
+    try:
+        found = os.fstat(fd).st_mode
+        if stat.S_ISDIR(found):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(found):
+            raise _not_regular(path, found)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """`path`, a file of a run directory, opened for reading in binary (`open_regular_fd`)."""
+    return os.fdopen(open_regular_fd(path), "rb")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -106,7 +161,8 @@ def atomic_write_json(path: Path, data: Any) -> None:
 def read_json(path: Path) -> Any | None:
     """The JSON in `path`, or None when it does not exist."""
     try:
-        return json.loads(path.read_text())
+        with open_regular(path) as f:
+            return json.loads(f.read().decode())
     except FileNotFoundError:
         return None
 
@@ -115,7 +171,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line with a single write, so concurrent readers see whole lines or a torn tail."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_regular_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line)
     finally:
@@ -165,7 +221,7 @@ def drop_torn_tail(path: Path) -> tuple[int, bytes]:
     newline, which would leave a damaged line every reader warns about forever. Readers' offsets stay valid: they
     never read past the last newline (`read_jsonl`)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = open_regular_fd(path, os.O_RDWR)
     except FileNotFoundError:
         return 0, b""
     try:
@@ -201,7 +257,7 @@ def read_jsonl(
     """
     start = offset or 0
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             end = _tail_start(f.fileno(), size, start)
             f.seek(start)

@@ -22,7 +22,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from cona.protocol.rundir import RunDir, append_jsonl
+from cona.protocol.rundir import RunDir, append_jsonl, open_regular
 
 
 class SamplesAuditError(ValueError):
@@ -94,7 +94,7 @@ def audit(run_dir: RunDir | Path | str) -> SamplesAudit:
     retrained = 0
     files = _attempt_files(run_dir)
     for _attempt, path in files:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
         whole = data[: data.rfind(b"\n") + 1]  # a torn last line is still being written
         for number, raw in enumerate(whole.splitlines(), start=1):

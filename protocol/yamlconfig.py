@@ -61,11 +61,19 @@ def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping with `yaml.safe_load`, turning every failure into a `ConfigError`."""
+def load_yaml(path: str | Path, *, run_file: bool = False) -> dict[str, Any]:
+    """Read a YAML mapping with `yaml.safe_load`, turning every failure into a `ConfigError`. `run_file`: a file of a
+    run directory (run.yaml), which must be a regular file (`rundir.open_regular`: a FIFO there hung `cona status`);
+    a job or profile may come through a pipe (`--job <(sed ... job.yaml)`)."""
+    from cona.protocol.rundir import open_regular
+
     path = Path(path)
     try:
-        text = path.read_text()
+        if run_file:
+            with open_regular(path) as f:
+                text = f.read().decode()
+        else:
+            text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except OSError as e:

@@ -595,3 +595,66 @@ def test_a_non_finite_time_or_loss_in_a_record_is_no_record(tmp_path, capsys):
     write_report(run)
     text = (run.root / "report.md").read_text()
     assert "- best validation loss 2.5000" in text and "nan" not in text, text
+
+
+# ------------------------------------------------------------------ a FIFO (or a device) in the run directory
+
+
+def _fifo_in_place_of(path) -> None:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+@pytest.mark.timeout(120)  # without the refusal each reader waits on the FIFO for ever
+def test_a_fifo_in_the_run_directory_is_refused_by_every_reader_not_waited_on(tmp_path, capsys):
+    """`cona status RUN` with RUN/state.json a FIFO blocked for ever (an open for reading waits for a writer), as did
+    every other reader of a run-directory file and the appenders of events and heartbeats (an open for writing
+    waits for a reader). One function (`rundir.open_regular_fd`) opens them without blocking and refuses anything
+    but a regular file, in one line naming it; within a checkpoint it is damage, which a resume passes over."""
+    from cona.trainer.export import main as export
+
+    run = _ended_run_of_two_attempts(tmp_path)
+    _samples_logs(run, {1: [{"step": 1, "start": 0, "end": 16}]})
+
+    def refused(path) -> str:
+        return (f"cona: error: {path} is a FIFO (named pipe), not a regular file; cona keeps only regular files in a "
+                "run directory: remove it, or put back the file it replaced\n")  # fmt: skip
+
+    readers = {run.state_json: ("status", "report", "stop"), run.run_yaml: ("status", "report", "stop"),
+               run.events: ("status", "report"), run.heartbeat_file(1): ("report",),
+               run.samples_log / "1.jsonl": ("report",)}  # fmt: skip
+    for path, commands in readers.items():
+        kept = path.read_bytes()
+        _fifo_in_place_of(path)
+        for command in commands:
+            code, _, err = cona([command, str(run.root)], capsys)
+            assert (code, err) == (2, refused(path)), (command, path)
+        path.unlink()
+        path.write_bytes(kept)
+    kept = run.run_yaml.read_bytes()
+    _fifo_in_place_of(run.run_yaml)  # `cona export` reads the job's data from run.yaml
+    make_checkpoint(run, 4)
+    assert export([str(run.root), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == refused(run.run_yaml)
+    run.run_yaml.unlink()
+    run.run_yaml.write_bytes(kept)
+
+    # An appender (`cona stop`'s event, a trainer's heartbeat) with nobody reading the FIFO: refused, not blocked.
+    from cona.protocol.rundir import NotRegularFile, append_jsonl
+
+    with pytest.raises(NotRegularFile, match=r"heartbeats/9\.jsonl is a FIFO"):
+        os.mkfifo(run.heartbeat_file(9))
+        append_jsonl(run.heartbeat_file(9), {"attempt": 9})
+
+    # The lock of a run that says running: `cona status` looks whether an orchestrator holds it.
+    write_state(run, RunState(status="running", attempts_started=2, attempts=[Attempt(number=2, strategy=B)]))
+    _fifo_in_place_of(run.lock)
+    code, _, err = cona(["status", str(run.root)], capsys)
+    assert (code, err) == (2, refused(run.lock))
+
+    # Inside a checkpoint a FIFO is damage: the resume (and `cona status`) passes the checkpoint over, saying why.
+    run.lock.unlink()
+    _fifo_in_place_of(run.checkpoint_dir(4) / "COMPLETE")
+    summary = status_summary(run)
+    assert summary["damaged_checkpoints"] == [
+        {"path": str(run.checkpoint_dir(4)), "problem": "its COMPLETE marker is not a regular file"}]

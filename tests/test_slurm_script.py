@@ -610,6 +610,15 @@ def test_helper_next_runs_its_own_launch_unless_the_run_moved_on(tmp_path):
     assert r.returncode == 0 and r.stdout.split()[:3] == ["3", "1", "4"]
 
 
+@pytest.mark.timeout(120)  # without the check the read waits on the FIFO for ever
+def test_the_helper_reads_a_fifo_in_the_run_directory_as_no_record(tmp_path, capsys):
+    """A FIFO in place of a record (exit.json, launch.json, control.json) hung the job's helper past every bound of
+    its waits; it is opened without blocking, said on stderr and read as no record."""
+    os.mkfifo(tmp_path / "exit.json")
+    assert helper._read_json(str(tmp_path / "exit.json")) is None
+    assert capsys.readouterr().err == f"slurm_helper: {tmp_path / 'exit.json'} is not a regular file; read as no record\n"
+
+
 def test_helper_next_after_restart(tmp_path):
     """A job that Slurm restarts reruns a requeued attempt but not one that had ended."""
     run = tmp_path / "run"

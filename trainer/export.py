@@ -24,7 +24,7 @@ from typing import NoReturn
 
 from cona.protocol.cliargs import OptionParser
 from cona.protocol.job import DataSpec, JobSpec, ModelSpec, job_from_dict, load_job
-from cona.protocol.rundir import TRAINER_STATE, RunDir
+from cona.protocol.rundir import TRAINER_STATE, NotRegularFile, RunDir
 from cona.protocol.yamlconfig import ConfigError, load_yaml, parse_bytes, validate
 from cona.trainer.data import TOKENS_FILE, TOKENS_META
 
@@ -83,7 +83,7 @@ def run_job(run_dir: RunDir) -> JobSpec | None:
     """The job run.yaml records (written by `cona run`; a run trained by hand has none)."""
     if not run_dir.run_yaml.exists():
         return None
-    data = load_yaml(run_dir.run_yaml)
+    data = load_yaml(run_dir.run_yaml, run_file=True)
     if not isinstance(data.get("job"), dict):
         return None
     return job_from_dict(data["job"], source=f"{run_dir.run_yaml} job")
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                               "config.json and model weights")  # fmt: skip
         files = hf.export_checkpoint(checkpoint, args.out, spec=spec, max_shard_bytes=max_shard, eos_token_id=eos,
                                      bos_token_id=None)  # fmt: skip
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, NotRegularFile) as e:
         print(f"cona: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:  # a control-plane-only install: the export reads torch checkpoints

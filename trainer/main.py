@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from cona.protocol.cliargs import OptionParser
-from cona.protocol.rundir import ExitCode, RunDir, process_exit_status, restrict_umask
+from cona.protocol.rundir import ExitCode, NotRegularFile, RunDir, process_exit_status, restrict_umask
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -69,7 +69,7 @@ def load_inputs(args: argparse.Namespace):
     else:
         if not run_dir.run_yaml.exists():
             raise ConfigError(f"{run_dir.run_yaml}: not found; pass --job JOB.yaml or create the run with `cona run`")
-        data = load_yaml(run_dir.run_yaml)
+        data = load_yaml(run_dir.run_yaml, run_file=True)
         if not isinstance(data.get("job"), dict):
             raise ConfigError(f"{run_dir.run_yaml}: has no `job:` mapping; pass --job JOB.yaml")
         job = job_from_dict(apply_overrides(data["job"], list(args.set)), source=f"{run_dir.run_yaml} job")
@@ -93,7 +93,7 @@ def load_inputs(args: argparse.Namespace):
     return run_dir, job, strategy, attempt, run_created
 
 
-def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError) -> None:
+def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError | NotRegularFile) -> None:
     """The exit record of an attempt that refused its input (exit CONFIG, the error's line as the reason), with
     `fix`: where the fix lies (`cona.protocol.inputs.InputRefused.fix`: `job`, `files` or `either`). A run's job is
     fixed once it exists, so the orchestrator advises a new run for a job field and a resume for the files."""
@@ -147,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run_dir, job, strategy, attempt, run_created = load_inputs(args)
-    except ConfigError as e:
+    except (ConfigError, NotRegularFile) as e:  # NotRegularFile: a FIFO in the run directory
         _fail(str(e))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
 
     from cona.trainer.train import write_exit
 
-    previous = run_dir.read_exit(attempt) if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
+    try:
+        previous = run_dir.read_exit(attempt) if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
+    except NotRegularFile as e:
+        _fail(str(e))
     if previous is not None and previous.exit_code in (ExitCode.DONE, ExitCode.SWITCH, ExitCode.STOPPED):
         # torchrun (--max-restarts) restarted the workers because a protocol exit is non-zero: exit the same way
         # instead of training on under a strategy the orchestrator is replacing.
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and run_dir.root.is_dir():
             write_exit(run_dir, attempt, code=code, reason=str(e), step=None)
         _fail(str(e), code)
-    except ConfigError as e:
+    except (ConfigError, NotRegularFile) as e:
         if rank == 0 and run_dir.root.is_dir():
             write_refusal(run_dir, attempt, e)
         _fail(str(e))
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer = make_trainer(strategy=strategy, attempt=attempt, startup=startup, control=control, written=written)
             code = trainer.run()
         status = process_exit_status(code, reason=trainer.exit_reason)
-    except ConfigError as e:
+    except (ConfigError, NotRegularFile) as e:
         if env.rank == 0:
             write_refusal(run_dir, attempt, e)
         _fail(str(e))

@@ -31,7 +31,7 @@ from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Bac
 from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
-from cona.protocol.rundir import RunDir
+from cona.protocol.rundir import RunDir, open_regular
 from cona.protocol.strategy import Strategy
 
 EXIT_CODE_FILE = "exit_code"
@@ -165,7 +165,8 @@ class LocalBackend(Backend):
         assert self.profile is not None
         path = self.run_dir.root / DEVICES_FILE
         try:
-            text = path.read_text().strip()
+            with open_regular(path) as file:
+                text = file.read().decode(errors="replace").strip()
         except FileNotFoundError:
             return self.profile.num_gpus
         except OSError as e:
@@ -410,7 +411,8 @@ class LocalBackend(Backend):
             time.sleep(0.2)
         exit_file = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number))) / EXIT_CODE_FILE
         try:
-            code = int(exit_file.read_text().strip())
+            with open_regular(exit_file) as file:
+                code = int(file.read().strip())
         except (OSError, ValueError):
             return Outcome(AttemptStatus.CRASHED, None, "the attempt's processes are gone without an exit code")
         # torchrun exits 1 whatever protocol code its workers returned, and 0 for a `--max-steps` stop; rank 0

@@ -35,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -62,12 +63,21 @@ def _atomic_write_json(path, data):
 
 
 def _read_json(path):
-    """The JSON object in `path`, or None when missing, torn or not an object."""
+    """The JSON object in `path`, or None when missing, torn or not an object. A FIFO or a device in its place is
+    no record either, said on stderr (the job's log): opened without blocking, since reading one would hang the job
+    past every bound of its waits (the orchestrator, which reads the same files, refuses it in its own line)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            print(f"slurm_helper: {path} is not a regular file; read as no record", file=sys.stderr, flush=True)
+            return None
+        try:
+            data = json.loads(f.read().decode())
+        except (OSError, ValueError):
+            return None
     return data if isinstance(data, dict) else None
 
 
