@@ -251,7 +251,11 @@ def _create_or_same(
 def _refuse_foreign_directory(run_dir: RunDir) -> None:
     """UserError for a `--run-dir` that exists, holds files and is no run (no run.yaml): a run would scatter its
     files among the user's (`--run-dir .`, `--run-dir data`). An empty directory is used; a run's is resumed."""
+    from cona.protocol.rundir import file_given_as_run_dir
+
     root = run_dir.root
+    if (problem := file_given_as_run_dir(root, new=True)) is not None:  # "cannot create it (File exists)" said less
+        raise UserError(f"--run-dir {problem}")
     if not root.is_dir() or run_dir.run_yaml.exists():
         return
     try:

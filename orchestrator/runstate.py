@@ -27,6 +27,7 @@ from cona.protocol.rundir import (
     atomic_write_json,
     atomic_write_text,
     drop_torn_tail,
+    file_given_as_run_dir,
     open_regular_fd,
     read_json,
     read_jsonl,
@@ -118,6 +119,8 @@ def load_run(run_dir: RunDir, *, resume: bool = False) -> tuple[ClusterProfile, 
 
 def _run_document(run_dir: RunDir, *, resume: bool) -> dict[str, Any]:
     """run.yaml as parsed, checked as `load_run` says (refused or warned about when it is not whole)."""
+    if (problem := file_given_as_run_dir(run_dir.root)) is not None:
+        raise ConfigError(problem)
     if not run_dir.run_yaml.exists():
         raise ConfigError(f"{run_dir.root}: not a cona run directory (no run.yaml)")
     # `load_yaml` names the file for every way it can be unreadable (corrupt YAML, bytes that are no text, a directory).

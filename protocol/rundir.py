@@ -484,6 +484,22 @@ def _marked(path: Path) -> bool:
         return True
 
 
+def file_given_as_run_dir(root: Path, *, new: bool = False) -> str | None:
+    """One line when `root`, given where a run directory belongs, exists and is no directory, saying what to give
+    instead; None otherwise (a directory, or nothing there: each command says that in its own words). `cona export
+    FILE` said "no such run directory" and `cona status FILE` "not a cona run directory (no run.yaml)", as if the
+    path were missing or a directory. A file of a run (`runs/x/state.json`) points to the run's directory; `new`: the
+    path is to be a new run's (`cona run --run-dir`)."""
+    if not root.exists() or root.is_dir():
+        return None
+    parent = root.parent
+    if (parent / "run.yaml").is_file() or (parent / "checkpoints").is_dir():
+        return f"{root}: a file, not a run directory; give the run directory it is in, {parent}"
+    if new:
+        return f"{root}: a file, not a run directory; pick a path where none exists (or an empty directory)"
+    return f"{root}: a file, not a run directory; give the run's directory (the --run-dir it was created with)"
+
+
 @dataclasses.dataclass
 class RunDir:
     """Paths and small helpers of one run directory."""

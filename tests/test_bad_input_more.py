@@ -322,6 +322,33 @@ def test_the_missing_data_hint_fits_what_the_job_names(tmp_path):
 # M10: a --run-dir full of the user's files ---------------------------------------------------------------------
 
 
+def test_a_file_given_as_a_run_directory_is_said_to_be_a_file(tmp_path):
+    """`cona export FILE` said "no such run directory" and `cona status/stop/report FILE` and `cona run --resume
+    FILE` "not a cona run directory (no run.yaml)", as if the path did not exist or were a directory; `cona run
+    --run-dir FILE` said "cannot create it (File exists)". Each says it is a file, and a file of a run (its
+    state.json) names the run's directory to give instead (`rundir.file_given_as_run_dir`)."""
+    from cona.trainer.export import main as export
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    run = RunDir(tmp_path / "run")
+    create_run(run_dir=run, profile=load_profile(PROFILE), job=load_job(JOB))
+    for path, advice in [(a_file, "give the run's directory (the --run-dir it was created with)"),
+                         (run.run_yaml, f"give the run directory it is in, {run.root}")]:  # fmt: skip
+        said = f"{path}: a file, not a run directory; {advice}"
+        for argv in (["status", str(path)], ["stop", str(path)], ["report", str(path)], ["run", "--resume", str(path)]):
+            code, err = run_cli(argv)
+            assert (code, error_line(err)) == (2, f"cona: error: {said}"), argv
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert export([str(path), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+        assert err.getvalue() == f"cona: error: {said}\n"
+    code, err = run_cli(["run", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", str(a_file)])
+    assert (code, error_line(err)) == (2, f"cona: error: --run-dir {a_file}: a file, not a run directory; pick a path "
+                                          "where none exists (or an empty directory)")  # fmt: skip
+    assert a_file.read_text() == "mine"
+
+
 def test_a_run_directory_of_someone_else_s_files_is_refused_and_an_empty_one_used(tmp_path):
     mine = tmp_path / "notes"
     mine.mkdir()

@@ -295,10 +295,10 @@ def test_paths_of_the_wrong_kind_are_one_line(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     for argv, expected in [
-        (["status", str(a_file)], "not a cona run directory"),
-        (["report", str(a_file)], "not a cona run directory"),
-        (["stop", str(a_file)], "not a cona run directory"),
-        (["run", "--resume", str(a_file)], "not a cona run directory"),
+        (["status", str(a_file)], f"{a_file}: a file, not a run directory"),
+        (["report", str(a_file)], f"{a_file}: a file, not a run directory"),
+        (["stop", str(a_file)], f"{a_file}: a file, not a run directory"),
+        (["run", "--resume", str(a_file)], f"{a_file}: a file, not a run directory"),
         (["run", "--profile", str(PROFILE), "--job", str(JOB), "--run-dir", str(a_file / "run")],
          f"--run-dir {a_file / 'run'}: cannot create it"),
     ]:  # fmt: skip

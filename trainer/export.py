@@ -24,7 +24,7 @@ from typing import NoReturn
 
 from cona.protocol.cliargs import OptionParser
 from cona.protocol.job import DataSpec, JobSpec, ModelSpec, job_from_dict, load_job
-from cona.protocol.rundir import TRAINER_STATE, NotRegularFile, RunDir
+from cona.protocol.rundir import TRAINER_STATE, NotRegularFile, RunDir, file_given_as_run_dir
 from cona.protocol.yamlconfig import ConfigError, load_yaml, parse_bytes, validate
 from cona.trainer.data import TOKENS_FILE, TOKENS_META
 
@@ -57,6 +57,8 @@ def find_checkpoint(run_dir: RunDir, step: int | None) -> Path:
     """The complete checkpoint to export; ValueError naming what is there otherwise."""
     from cona.trainer.checkpoint import checksum_problem, verify_checkpoint
 
+    if (problem := file_given_as_run_dir(run_dir.root)) is not None:
+        raise ValueError(problem)
     if not run_dir.root.is_dir():
         raise ValueError(f"{run_dir.root}: no such run directory")
     complete = run_dir.complete_checkpoints()
