@@ -55,10 +55,34 @@ def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     if len(text) > 1 and text[0] == "0" and text.isdigit():
         raise _DuplicateKey(problem=f"{node.value} is an octal number to YAML 1.1 ({int(text, 8)}); write it without "
                                     "the leading zero, or quote it if it is text", problem_mark=node.start_mark)  # fmt: skip
+    if ":" in str(node.value):
+        raise _Sexagesimal(node, loader.construct_yaml_int(node))
     return loader.construct_yaml_int(node)
 
 
+def _construct_float(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
+    if ":" in str(node.value):  # `1:30.5` is 90.5 to YAML 1.1
+        raise _Sexagesimal(node, loader.construct_yaml_float(node))
+    return loader.construct_yaml_float(node)
+
+
+class _Sexagesimal(_DuplicateKey):
+    """YAML 1.1 reads digits separated by colons as one number in base 60: `gbs: 1:04` was 64, `1:30:00` 5400 and
+    `env: {FOO: 1:30}` reached the trainers as FOO=90, without a word. No field of cona takes a number written so;
+    the text as written is what such a value means (a Slurm time), and quotes keep it: a file's value is refused,
+    saying so, and an override's (`--set`, `--profile-set`) is that text (`apply_overrides`), as `_as_written`
+    takes any other. `text`: the value as written."""
+
+    def __init__(self, node: yaml.ScalarNode, value: float) -> None:
+        self.text = str(node.value)
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        super().__init__(problem=f"{self.text} is a base-60 number to YAML 1.1 ({shown}); write the number itself, or "
+                                 f'quote it if it is text ("{self.text}", e.g. a Slurm time)',
+                         problem_mark=node.start_mark)  # fmt: skip
+
+
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 def load_yaml(path: str | Path, *, run_file: bool = False) -> dict[str, Any]:
@@ -142,6 +166,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, source: str =
                               "optimizer.lr=3e-4")  # fmt: skip
         try:
             value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""  # as a file reads it (an octal count)
+        except _Sexagesimal as e:
+            if e.text != raw.strip():  # inside a list or mapping: the quotes go there
+                raise ConfigError(f"{source} {item!r}: {e.problem}") from None
+            value = e.text  # on the command line the text is what was meant (`slurm.time_limit=1:30:00`)
         except _DuplicateKey as e:
             raise ConfigError(f"{source} {item!r}: {e.problem}") from None
         except yaml.YAMLError:
@@ -208,8 +236,8 @@ def _describe(model: type[pydantic.BaseModel], error: dict[str, Any]) -> str:
     # Say what was given, unless the message already quotes it (`must be positive, got '0 GB'`).
     shown = f" (got {value!r})" if not isinstance(value, dict | list) and repr(value) not in msg else ""
     if kind == "string_type" and isinstance(value, int | float) and not isinstance(value, bool):
-        # `memory: 80` lacks its unit; YAML reads an unquoted 24:00:00 as the number 86400.
-        shown += '; YAML read a number here: write the value in quotes, with its unit if it has one (e.g. "80 GB", "24:00:00")'
+        # `memory: 80` lacks its unit. (An unquoted 24:00:00, base 60 to YAML 1.1, is refused as it is read.)
+        shown += '; YAML read a number here: write the value in quotes, with its unit if it has one (e.g. "80 GB")'
     return f"field {path!r}: {msg}{shown}" if loc else f"{msg}{shown}"
 
 
@@ -242,10 +270,10 @@ def validate(
 
 def _as_written(data: dict[str, Any], errors: list[Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any] | None:
     """`data` with each text field that an override set to what YAML read as a number given the override's own text
-    instead, or None when there is none. On the command line the text is what was meant: YAML 1.1 reads
-    `--profile-set slurm.time_limit=1:00:00` as the number 3600 (base 60) and `data.path=2024` as an integer, and
-    the fix the error suggested, quotes, has to survive the shell (`'slurm.time_limit="1:00:00"'`). A file's value
-    is left as it is: there the quotes are easy, and its error says so."""
+    instead, or None when there is none. On the command line the text is what was meant: YAML reads `--set
+    data.path=2024` as an integer, and the fix the error suggested, quotes, has to survive the shell
+    (`'data.path="2024"'`); a base-60 number (`slurm.time_limit=1:00:00`) is kept as written already
+    (`_Sexagesimal`). A file's value is left as it is: there the quotes are easy, and its error says so."""
     raw = {key: value.strip() for key, value in map(_split_override, overrides)}
     fixed: dict[tuple[str, ...], str] = {}
     for error in errors:
@@ -283,6 +311,15 @@ class StrictModel(pydantic.BaseModel):
             raise ValueError(_bool_message(field.annotation))
         if _arms(field.annotation) == [bool] and value is not None and (problem := not_a_bool(value)):
             raise ValueError(problem)
+        if isinstance(value, str) and ":" in value and _takes_number_not_text(field.annotation):
+            # An override's base-60 number stays the text written (`_Sexagesimal`): a count field says why not.
+            try:
+                number = yaml.safe_load(value)  # YAML 1.1's own reading, to show it
+            except yaml.YAMLError:
+                number = None
+            if isinstance(number, int | float) and not isinstance(number, bool):
+                raise ValueError(f"{value!r} is not a number here (YAML 1.1 reads it as base 60, {number:g}); write "
+                                 "the number itself")  # fmt: skip
         if isinstance(value, str) and _takes_int_not_text(field.annotation):
             # YAML 1.1 reads `1.5e8` and `1e6` (no dot, or no sign in the exponent) as text, which pydantic will
             # not read as an integer: a whole number written in e-notation is what the user meant.
@@ -315,6 +352,11 @@ def _arms(annotation: Any) -> list[Any]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return [a for a in typing.get_args(annotation) if a is not type(None)]
     return [annotation]
+
+
+def _takes_number_not_text(annotation: Any) -> bool:
+    arms = _arms(annotation)
+    return (int in arms or float in arms) and str not in arms and Any not in arms
 
 
 def _takes_int_not_text(annotation: Any) -> bool:

@@ -461,7 +461,8 @@ def test_a_dotted_label_key_is_set_quoted_or_escaped(tmp_path):
 
 def test_a_text_field_set_on_the_command_line_takes_the_text_as_written(tmp_path):
     """YAML 1.1 reads `1:00:00` as 3600 (base 60) and `2` as an integer; on the command line the text is what was
-    meant (the error's advice, quotes, had to survive the shell). In a file the quotes are asked for, as before."""
+    meant (the error's advice, quotes, had to survive the shell). In a file the quotes are asked for, as before
+    (a base-60 number as it is read: `test_a_base_60_number_is_no_number_in_any_field`)."""
     profile = load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=1:00:00"])
     assert profile.slurm.time_limit == "1:00:00"
     assert load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=  2 "]).slurm.time_limit == "2"
@@ -472,5 +473,39 @@ def test_a_text_field_set_on_the_command_line_takes_the_text_as_written(tmp_path
         load_job(EXAMPLES / "tiny-gpt.yaml", ["batch.base_gbs=abc"])  # a number field keeps its own check
     edited = tmp_path / "profile.yaml"
     edited.write_text((PROFILES / "local-slurm.yaml").read_text().replace('time_limit: "01:00:00"', "time_limit: 24:00:00"))
-    with pytest.raises(ConfigError, match=r"'slurm\.time_limit'.*\(got 86400\); YAML read a number here: write the value in quotes"):
+    with pytest.raises(ConfigError, match=r'24:00:00 is a base-60 number to YAML 1\.1 \(86400\); .*quote it if it is text \("24:00:00"'):
         load_profile(edited)
+
+
+def test_a_base_60_number_is_no_number_in_any_field(tmp_path):
+    """YAML 1.1 reads digits separated by colons as one number in base 60: `base_gbs: 1:04` was 64, `1:30:00`
+    5400, `env: {FOO: 1:30}` reached the trainers as FOO=90 and `--set batch.max_gbs=2:08` was 128, without a word.
+    A file's is refused where it is read, with its line and what to write (quotes keep the text); an override's is
+    the text written (`--profile-set slurm.time_limit=1:30:00`, accepted as before), which a number field refuses."""
+    job = tmp_path / "job.yaml"
+    text = (EXAMPLES / "tiny-gpt.yaml").read_text()
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.strip().startswith("base_gbs:"))
+    for written, value in (("1:04", "64"), ("1:30.5", "90.5")):
+        job.write_text(text.replace("base_gbs: 16", f"base_gbs: {written}"))
+        with pytest.raises(ConfigError) as info:
+            load_job(job)
+        assert str(info.value) == (f"{job}: line {line} column 13: invalid YAML: {written} is a base-60 number to YAML "
+                                   f'1.1 ({value}); write the number itself, or quote it if it is text ("{written}", '
+                                   "e.g. a Slurm time)")  # fmt: skip
+    profile = tmp_path / "profile.yaml"
+    slurm = (PROFILES / "local-slurm.yaml").read_text()
+    for edited in (slurm.replace('time_limit: "01:00:00"', "time_limit: 1:30:00"), slurm + "env: {FOO: 1:30}\n"):
+        profile.write_text(edited)
+        with pytest.raises(ConfigError, match=r"is a base-60 number to YAML 1\.1 \((5400|90)\); .*or quote it"):
+            load_profile(profile)
+    profile.write_text(slurm.replace('time_limit: "01:00:00"', 'time_limit: "1:30:00"') + 'env: {FOO: "1:30"}\n')
+    assert load_profile(profile).slurm.time_limit == "1:30:00" and load_profile(profile).env == {"FOO": "1:30"}
+
+    loaded = load_profile(PROFILES / "local-slurm.yaml", ["slurm.time_limit=1:30:00", "env.FOO=1:30"])
+    assert loaded.slurm.time_limit == "1:30:00" and loaded.env == {"FOO": "1:30"}
+    with pytest.raises(ConfigError) as info:
+        load_job(EXAMPLES / "tiny-gpt.yaml", ["batch.max_gbs=2:08"])
+    assert str(info.value) == (f"{EXAMPLES / 'tiny-gpt.yaml'}: field 'batch.max_gbs': '2:08' is not a number here (YAML "
+                               "1.1 reads it as base 60, 128); write the number itself, set by --set batch.max_gbs=2:08")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--set 'batch\.mbs_choices=\[1:04\]': 1:04 is a base-60 number"):
+        load_job(EXAMPLES / "tiny-gpt.yaml", ["batch.mbs_choices=[1:04]"])  # inside a list: the quotes go there
