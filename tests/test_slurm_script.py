@@ -385,6 +385,28 @@ def test_slurm_time_seconds(time_limit, seconds):
     assert slurm_time_seconds(time_limit) == seconds
 
 
+def test_a_time_limit_of_whole_minutes_is_one_rule_in_a_file_and_on_the_command_line(tmp_path):
+    """`--profile-set slurm.time_limit=90` rendered `--time=90` (90 minutes, sbatch's MM) while the same unquoted
+    `time_limit: 90` in a profile file was refused ("write the value in quotes"): the field takes a whole number as
+    minutes wherever it is written, and judges any other number as its text, alike."""
+    edited = tmp_path / "profile.yaml"
+    base = (PROFILES / "local-slurm.yaml").read_text()
+    for written, expected in (("90", "90"), ('"90"', "90"), ("90.5", None), ("-5", None)):
+        edited.write_text(base.replace('time_limit: "01:00:00"', f"time_limit: {written}"))
+        overrides = [f"slurm.time_limit={written}"]
+        if expected is None:
+            said = []
+            for path, given in ((edited, []), (PROFILES / "local-slurm.yaml", overrides)):
+                with pytest.raises(ConfigError) as raised:
+                    load_profile(path, given)
+                said.append(str(raised.value).split("field 'slurm.time_limit': ")[1].split(" (got")[0])
+            assert said == ["not a Slurm time: use MM (minutes), MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"] * 2
+            continue
+        from_file, from_flag = load_profile(edited), load_profile(PROFILES / "local-slurm.yaml", overrides)
+        assert from_file.slurm.time_limit == from_flag.slurm.time_limit == expected
+        assert "#SBATCH --time=90\n" in render_batch_script(from_file, None, "/runs/r")
+
+
 def test_signal_must_come_before_the_time_limit():
     """A lead at or above the limit fires the signal as the job starts: checkpoint, requeue, again, forever."""
     with pytest.raises(ConfigError) as raised:

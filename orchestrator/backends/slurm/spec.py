@@ -161,7 +161,8 @@ class SlurmSpec(StrictModel):
     qos: str | None = None
     time_limit: str = "04:00:00"
     """`--time` of the training job, in one of Slurm's forms: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`,
-    `D-HH:MM:SS`, or `UNLIMITED`."""
+    `D-HH:MM:SS`, or `UNLIMITED`. A whole number is minutes (`MM`), quoted or not, in a file as on the command
+    line; a form with colons goes in quotes in a file (unquoted, YAML 1.1 reads it as one number in base 60)."""
     gpus_per_node_flag: bool = True
     """Request `--gpus-per-node`; false on CPU-only clusters (the default there when `accelerator.device` is `cpu`:
     `cona.orchestrator.profile` sets it unless the profile says), or where `extra_sbatch` asks for the GPUs itself
@@ -203,11 +204,20 @@ class SlurmSpec(StrictModel):
             raise ValueError(f"{value!r} is not a Slurm {info.field_name} name: it holds a blank or starts with '-'{many}")
         return name
 
-    @pydantic.field_validator("time_limit")
+    @pydantic.field_validator("time_limit", mode="before")
     @classmethod
-    def _time_limit(cls, value: str) -> str:
+    def _time_limit(cls, value: object) -> object:
+        # A whole number is minutes, sbatch's `MM` (`--time=90`), written with quotes or without: YAML reads an
+        # unquoted `time_limit: 90` as an integer, which a file refused ("write the value in quotes") while
+        # `--profile-set slurm.time_limit=90` rendered --time=90. (`1:30:00` unquoted is base 60 to YAML 1.1,
+        # refused as the file is read: `yamlconfig._Sexagesimal`.) Any other number is judged as its text, alike.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # pydantic says it is no text
         if value.strip() and not _SLURM_TIME.fullmatch(value.strip()):  # empty: no --time line (the partition's)
-            raise ValueError("not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED")
+            raise ValueError("not a Slurm time: use MM (minutes), MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+                             "UNLIMITED")  # fmt: skip
         return value.strip()
 
     @pydantic.field_validator("extra_sbatch")
