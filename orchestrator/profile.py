@@ -8,7 +8,7 @@ from typing import Literal
 
 import pydantic
 from cona.orchestrator.backends.kubernetes.spec import KubernetesSpec
-from cona.orchestrator.backends.slurm.spec import SlurmSpec
+from cona.orchestrator.backends.slurm.spec import SlurmSpec, gpu_request_problem
 from cona.protocol.yamlconfig import (
     ConfigError,
     StrictModel,
@@ -195,6 +195,8 @@ class ClusterProfile(StrictModel):
                              f"than kubernetes.pending_timeout_s={k8s.pending_timeout_s:g}: an elastic run would fail "
                              "before it shrinks to the pods that fit; lower elastic_pending_timeout_s or raise "
                              "pending_timeout_s")  # fmt: skip
+        if self.slurm is not None and (problem := gpu_request_problem(self.slurm, self.gpus_per_node)):
+            raise ValueError(problem)
         if self.backend == "slurm" and self.slurm is None:
             self.slurm = SlurmSpec()
         if (self.slurm is not None and self.accelerator.device == "cpu"

@@ -365,6 +365,23 @@ def test_extra_sbatch_keeps_options_cona_leaves_alone():
         _profile_set("slurm.qos=normal", _extra("--qos=high"))
 
 
+def test_a_gpu_count_of_extra_sbatch_must_be_the_profiles_gpus_per_node():
+    """With `gpus_per_node_flag: false`, `--gres=gpu:TYPE:N` asks for the GPUs, and nothing compared N with
+    `gpus_per_node`: 4 of 8 started 8 trainer processes per node on a job holding 4 GPUs. A count that differs is
+    refused at load, naming both fields; a bare `gpu` or a type alone is one GPU, as sbatch reads it."""
+    off = "slurm.gpus_per_node_flag=false"  # the a100-4x8 profile: 8 GPUs per node
+    for entry, count in [("--gres=gpu:a100:4", 4), ("--gres=gpu", 1), ("--gres=gpu:a100", 1), ("--gres gpu:16", 16),
+                         ("--gres=nvme:1,gpu:a100:4,gpu:v100:2", 6), ("--tres-per-task=gres/gpu:a100=2", 2)]:  # fmt: skip
+        with pytest.raises(ConfigError) as raised:
+            _profile_set(off, _extra("--exclusive", entry))
+        assert str(raised.value) == (
+            f"{A100}: slurm.extra_sbatch {entry!r} asks for {count} GPU{'s' if count > 1 else ''} per node, but "
+            "gpus_per_node is 8, the trainer processes each node starts (one per GPU); make the two agree")  # fmt: skip
+    for entry in ("--gres=gpu:a100:8", "--gres=gpu:8", "--gres=gres/gpu=8", "--gres=gpu:a100:4,gpu:v100:4"):
+        assert _profile_set(off, _extra(entry)).slurm.extra_sbatch == [entry]
+    assert _profile_set(off, _extra("--gres=gpu:a100:4"), "gpus_per_node=4").gpus_per_node == 4
+
+
 def test_a_heterogeneous_job_separator_on_an_sbatch_line_is_refused():
     """sbatch reads 'hetjob' or 'packjob' anywhere in an #SBATCH line, in any case, as the separator of a
     heterogeneous job's components: a job named hetjob-ablation would have been split."""

@@ -111,6 +111,45 @@ def _requests_gpus(value: str | None) -> bool:
     return "gpu" in names
 
 
+def _gpu_count(value: str) -> int | None:
+    """The GPUs a `--gres` or `--tres-per-task` value asks for (`gpu` is 1, `gpu:8`, `gpu:a100` is 1, `gpu:a100:8`,
+    `gres/gpu=2`, `gres/gpu:a100=2`; several GPU items add up), or None when a count cannot be read (a suffix, a
+    form sbatch reads otherwise): then it is left to sbatch."""
+    total = 0
+    for item in value.split(","):
+        name, *rest = re.split(r"[:=]", item.strip().removeprefix("gres/").removeprefix("gres:"))
+        if name != "gpu":
+            continue
+        if not rest or (len(rest) == 1 and not rest[0].isdigit()):  # no count, or a type alone: one GPU
+            total += 1
+        elif rest[-1].isascii() and rest[-1].isdigit():
+            total += int(rest[-1])
+        else:
+            return None
+    return total
+
+
+def gpu_request_problem(spec: SlurmSpec, gpus_per_node: int) -> str | None:
+    """What is wrong (one line) when an `extra_sbatch` entry asks for the GPUs itself — allowed only with
+    `gpus_per_node_flag: false`, for a type (`--gres=gpu:a100:8`) — and its count is not the profile's
+    `gpus_per_node`; None otherwise. Each node starts gpus_per_node trainer processes, one per GPU: asked for fewer,
+    the job would start processes on GPUs it does not hold, or never start; asked for more, it would hold GPUs it
+    never uses. `--tres-per-task` counts per node too: cona runs one task per node."""
+    if spec.gpus_per_node_flag:
+        return None  # cona asks with --gpus-per-node, and a GPU request of extra_sbatch is refused (`_refusal`)
+    for entry in spec.extra_sbatch:
+        for name, value in _sbatch_options(entry):
+            if not (any(name == option or (len(name) >= 2 and option.startswith(name)) for option in _GPU_REQUESTS)
+                    and _requests_gpus(value)):  # fmt: skip
+                continue
+            count = _gpu_count(value or "")
+            if count is not None and count != gpus_per_node:
+                return (f"slurm.extra_sbatch {entry.strip()!r} asks for {count} GPU{'s' if count != 1 else ''} per node, "
+                        f"but gpus_per_node is {gpus_per_node}, the trainer processes each node starts (one per "
+                        "GPU); make the two agree")  # fmt: skip
+    return None
+
+
 def _refusal(
     name: str, value: str | None, set_fields: dict[str, str | None], *, gpus: bool = True
 ) -> tuple[str, str] | None:
