@@ -183,8 +183,9 @@ def test_a_run_yaml_cut_short_anywhere_is_refused_for_resume_in_one_line(tmp_pat
     whole = run.run_yaml.read_bytes()
     assert whole.startswith(b"version: 2\n") and whole.endswith(b"complete: true\n")
     assert load_run(run, resume=True)[1].target.val_perplexity is not None
-    # Only the last newline may go: then nothing is lost (`complete: true` is whole).
-    for cut in [*range(40, len(whole), 61), len(whole) - 3, len(whole) - 2]:
+    # Only the last newline may go: then nothing is lost (`complete: true` is whole). The stride must not land on
+    # that cut: run.yaml's length follows the test's paths (2,664 bytes put one there).
+    for cut in [*range(40, len(whole) - 1, 61), len(whole) - 3, len(whole) - 2]:
         run.run_yaml.write_bytes(whole[:cut])
         with pytest.raises(ConfigError) as err:
             load_run(run, resume=True)
