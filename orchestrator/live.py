@@ -19,6 +19,7 @@ from cona.orchestrator.runstate import (
     read_events,
     read_new_events,
     read_state,
+    switch_events,
     unlogged_attempts,
     warn_skipped,
 )
@@ -305,7 +306,7 @@ class LiveView:
             flush=True,
         )
         earlier, self._events_offset = read_new_events(self.run_dir, 0)
-        self._switches = sum(e["event"] == "switch" for e in earlier)  # a resumed run's switches count too
+        self._switches = len(switch_events(earlier)[0])  # a resumed run's switches count too
 
     def _print_events(self) -> None:
         skipped: list[str] = []
@@ -319,6 +320,9 @@ class LiveView:
             elif kind == "switch":
                 self._switches += 1
                 print(f"cona: {_switch_line(e['from'], e['to'], e.get('reason', ''))}", flush=True)
+            elif kind == "switch-aborted":  # counted when it was decided; it never happened
+                self._switches -= 1
+                print(f"cona: {event_line(e)}", flush=True)
             elif kind == "switch-complete":
                 print(f"cona: switch took {e['switch_cost_s']:.1f}s", flush=True)
             # resume-run: a stopped or failed run taken up again (`cona run --resume`); without it the console
@@ -376,7 +380,8 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     warn_skipped(skipped)
     if (lost := unlogged_attempts(run_dir, state, events)) is not None:  # else `switches 0` for a run that switched
         print(lost, file=sys.stderr, flush=True)
-    switches = [e for e in events if e.get("event") == "switch"]
+    switches, aborted = switch_events(events)
+    aborts = {e["attempt"]: e for e in events if e["event"] == "switch-aborted"}
     notices = [e for e in events if e["event"] in NOTICE_EVENTS]
     live = state.live
     current = state.current
@@ -425,6 +430,11 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         **progress,
         "switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", "")} for e in switches
+        ],
+        # Decided and sent, but the attempt ended without making them (a crash before the switch): not switches.
+        "aborted_switches": [
+            {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", ""),
+             "aborted": str(aborts[e["attempt"]].get("reason", ""))} for e in aborted
         ],
         "last_decision": state.model.get("last_decision"),
         "reason": reason,
@@ -516,6 +526,8 @@ def print_status(summary: dict[str, Any]) -> None:
     print(f"switches   {len(summary['switches'])}")
     for s in summary["switches"]:
         print(f"           {_switch_line(s['from'], s['to'], s['reason'])}")
+    for s in summary.get("aborted_switches") or []:
+        print(f"           aborted, {s['aborted']}: {_switch_line(s['from'], s['to'], s['reason'])}")
     if summary.get("last_decision"):
         print(f"decision   {summary['last_decision']['reason']}")
     print(f"checkpoint {summary.get('latest_checkpoint') or '-'}")

@@ -17,6 +17,7 @@ from cona.orchestrator.runstate import (
     load_run,
     read_events,
     read_state,
+    switch_events,
     unlogged_attempts,
     warn_skipped,
 )
@@ -176,7 +177,7 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
     # A NaN (a damaged line; a diverged trainer stops before it reports one) is no evaluation: min() of it gave
     # "best validation loss nan".
     evals = [b for b in beats if isinstance(b.get("val_loss"), int | float) and math.isfinite(b["val_loss"])]
-    switches = [e for e in events if e.get("event") == "switch"]
+    switches, aborted = switch_events(events)
     pol = job.policy
     noise = NoiseScaleEstimator(ema=pol.noise_ema, kind=pol.noise_estimator, min_updates=pol.min_noise_samples)
     noise_series = []
@@ -256,10 +257,12 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         # that is the harmonic mean; the arithmetic one weighed the fast windows more (244.5 where 231 was trained).
         mean = f"{len(rates) / sum(1.0 / r for r in rates):.1f}" if rates else "-"
         lines.append(f"| {e['attempt']} | {clock(happened_at(e)):.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
-    if switches:
+    if switches or aborted:
         lines += ["", "## Switch decisions", ""]
-        for s in switches:
-            lines.append(f"- {clock(s['time']):.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {s.get('reason', '')}")
+        aborts = {e["attempt"]: e for e in events if e["event"] == "switch-aborted"}
+        for s in sorted(switches + aborted, key=lambda e: e["time"]):
+            why = f"{s.get('reason', '')}" if s in switches else f"aborted, {aborts[s['attempt']].get('reason', '')} (not counted): {s.get('reason', '')}"
+            lines.append(f"- {clock(s['time']):.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {why}")
     completed = [e for e in events if e["event"] == "switch-complete"]
     if completed:
         def measured(e: dict) -> str:

@@ -363,6 +363,8 @@ def event_problem(record: dict[str, Any]) -> str | None:
             return "a switch record without its two strategies"
         if not isinstance(record.get("reason", ""), str):
             return f"a switch record whose reason is not text ({record.get('reason')!r})"
+    elif kind == "switch-aborted" and not _is_int(record.get("attempt")):
+        return f"a switch-aborted record without an attempt number ({record.get('attempt')!r})"
     elif kind == "switch-complete":
         if not _is_number(record.get("switch_cost_s")):
             return f"a switch-complete record without a numeric switch_cost_s ({record.get('switch_cost_s')!r})"
@@ -375,6 +377,19 @@ def happened_at(record: dict[str, Any]) -> float:
     """When what a usable event records happened: its `at`, where that was before the orchestrator logged it (an
     attempt that went on in place, or a run that ended, while no orchestrator watched), else its `time`."""
     return float(record.get("at", record["time"]))
+
+
+def switch_events(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The `switch` events of the switches that went ahead, and those of switches the attempt they were sent to
+    ended without making (a crash, a hang, a stop: a `switch-aborted` event of that attempt, which the scheduler
+    logs), each in the file's order. The one reading of which switches a run made, for `cona status`, `cona
+    report` and `cona run`'s console: an aborted switch is decided again after the relaunch, and counted with its
+    first decision it was listed twice. An attempt is sent at most one switch (the next decision waits for its
+    end), so the attempt number pairs them."""
+    aborted = {e["attempt"] for e in events if e.get("event") == "switch-aborted"}
+    switches = [e for e in events if e.get("event") == "switch"]
+    return ([e for e in switches if e.get("attempt") not in aborted],
+            [e for e in switches if e.get("attempt") in aborted])  # fmt: skip
 
 
 def _usable_events(

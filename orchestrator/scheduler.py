@@ -372,7 +372,7 @@ class Scheduler:
                   reason=f"node {lost} lost ({outcome.detail}); replanned for {left} node(s) under B_noise="
                          f"{'-' if plan.noise_scale is None else f'{plan.noise_scale:.3g}'}: {target.short()}, from the "
                          f"last complete checkpoint")  # fmt: skip
-        self.state.switch_requested = None
+        self._abandon_switch(attempt, why=f"attempt {attempt.number} lost node {lost}", next_strategy=target)
         self.state.strategy_since = time.time()
         self._save()
         return self._launch(target, previous=attempt, why=f"shrink after losing node {lost}",
@@ -687,6 +687,8 @@ class Scheduler:
 
     def _finish(self, status: str, *, reason: str | None = None, at: float | None = None) -> None:
         """End the run `status`, at `at` when it ended before now (`_ended_unwatched`)."""
+        if self.current is not None:  # a switch still asked for when the run ends never happened
+            self._abandon_switch(self.current, why=f"the run ended ({status})")
         self.state.status, self.state.final, self.state.finished_at = status, True, time.time() if at is None else at
         if at is not None:  # `cona run`'s last line says the run's time, as the end event records it
             self.live.elapsed_s = self._elapsed(at)
@@ -743,6 +745,7 @@ class Scheduler:
             # Preempted, at a time limit, or a stopped run resumed: the checkpoint is there, carry on with the same
             # strategy. The reason says which, from what the trainer recorded (`signal SIGUSR1 (4 ranks)`).
             self.state.restarts_in_row = 0
+            self._abandon_switch(attempt, why=f"attempt {attempt.number} ended (stopped)", relaunch=True)
             return self._relaunch(attempt, why=_resume_reason(self.run_dir.read_exit(attempt.number)))
         if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
             return self._relaunch_disrupted(attempt, detail)
@@ -759,7 +762,6 @@ class Scheduler:
         # Crashed (or hung and cancelled, or an unusable world): relaunch from the last complete checkpoint.
         restarts = self.state.restarts_in_row + 1
         self.state.restarts_in_row = restarts
-        self.state.switch_requested = None
         limit = self.job.policy.max_restarts
         what = "hang" if self.state.hang_cancelled == attempt.number else status.value
         # What the trainer said of its crash (`step 7: loss nan ...; lower optimizer.lr`), when it wrote it down.
@@ -777,6 +779,7 @@ class Scheduler:
             said = f": {reason}" if reason else ""
             self._fail(attempt, f"attempt {attempt.number} {what} ({detail or f'exit {code}'}){said}; gave up after "
                                 f"{limit} restarts")  # fmt: skip
+        self._abandon_switch(attempt, why=f"attempt {attempt.number} ended ({what})", relaunch=True)
         backoff = min(30.0, 2.0 ** (restarts - 1))
         log_event(self.run_dir, "failure", attempt=attempt.number, kind=what, detail=detail, exit_code=code,
                   restart=restarts, backoff_s=backoff, strategy=running,
@@ -784,6 +787,28 @@ class Scheduler:
         self._save()
         time.sleep(backoff)
         return self._relaunch(attempt, why=f"relaunch after {what}")
+
+    def _abandon_switch(
+        self, attempt: Attempt, *, why: str, relaunch: bool = False, next_strategy: Strategy | None = None
+    ) -> None:  # fmt: skip
+        """Forget the switch `attempt` was asked to make and ended without making (a crash, a hang, a stop, a
+        disruption, a lost node, the run's end): the one place that says so, with a `switch-aborted` event for its
+        `switch` event. Readers count and list only the switches that went ahead (`runstate.switch_events`): the
+        relaunch resumes from a checkpoint before the switch, and the policy decides it again there, so without it
+        one switch was counted and listed twice.
+
+        Not aborted when the next launch runs the switch's target anyway (`next_strategy`, or with `relaunch` the
+        strategy `_relaunch` takes: a schedule whose switch point the newest checkpoint has reached)."""
+        request = self.state.switch_requested
+        self.state.switch_requested = None
+        if request is None:
+            return
+        if relaunch:
+            next_strategy = self._relaunch_strategy(attempt)
+        if next_strategy is not None and next_strategy == request.target:
+            return
+        log_event(self.run_dir, "switch-aborted", attempt=attempt.number, **{"from": request.source.to_dict()},
+                  to=request.target.to_dict(), reason=f"{why} before it switched")  # fmt: skip
 
     def _replayed_crash(self, reason: str, strategy: dict[str, int]) -> int | None:
         """The attempt whose crash, the one just before this (a relaunched crash in a row), the trainer explained in
@@ -815,12 +840,12 @@ class Scheduler:
         else:
             self.state.disruptions_without_progress += 1
         self.state.disruption_checkpoint = checkpoint
-        self.state.switch_requested = None
         count, limit = self.state.disruptions_without_progress, self.job.policy.max_disruptions_without_progress
         if count > limit:
             self._fail(attempt, f"attempt {attempt.number} disrupted ({detail}); gave up after {count} disruptions in "
                                 f"a row without a newer complete checkpoint (policy.max_disruptions_without_progress "
                                 f"{limit})")  # fmt: skip
+        self._abandon_switch(attempt, why=f"attempt {attempt.number} ended (disrupted)", relaunch=True)
         log_event(self.run_dir, "disruption", attempt=attempt.number, detail=detail, checkpoint=checkpoint,
                   without_progress=count, restarts=self.state.restarts_in_row)  # fmt: skip
         self._save()

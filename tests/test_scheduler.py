@@ -18,6 +18,7 @@ from cona.orchestrator.runstate import (
     RunState,
     SwitchRequest,
     create_run,
+    log_event,
     read_events,
     read_state,
     request_stop,
@@ -678,3 +679,62 @@ def test_the_relaunch_after_a_stop_says_what_stopped_it(reason, launch):
     # It said "resume after preemption" for every stop, a Slurm time limit and a deleted pod among them.
     record = None if reason is None else ExitRecord(ExitCode.STOPPED, "STOPPED", reason, 10, time.time())
     assert _resume_reason(record) == launch
+
+
+# --- a switch that its attempt ended without making -----------------------------------------------------------------
+
+
+def _decide_switch(sched: Scheduler, attempt: Attempt, target: Strategy) -> None:
+    """What `Scheduler._evaluate` does for a decided switch: the request saved and sent, its `switch` event."""
+    request = SwitchRequest(time=time.time(), seq=sched._next_seq(), source=attempt.strategy, target=target,
+                            kind=SwitchKind.RELAUNCH)  # fmt: skip
+    sched.state.switch_requested = request
+    sched._send_switch(request, "schedule: samples 208 ≥ 200", attempt=attempt.number)
+    log_event(sched.run_dir, "switch", attempt=attempt.number, **{"from": attempt.strategy.to_dict()},
+              to=target.to_dict(), reason="schedule: samples 208 ≥ 200")  # fmt: skip
+
+
+def test_a_switch_a_crash_aborted_is_counted_and_listed_once(tmp_path, capsys):
+    """The crash relaunches from a checkpoint before the switch and the policy decides it again there: `cona
+    status` said `switches 2` and listed the one switch twice, and so did the report."""
+    from cona.orchestrator.report import write_report
+
+    sched, _ = make_scheduler(tmp_path, "policy.max_restarts=2")
+    first = sched.start_or_resume()
+    assert first is not None
+    _decide_switch(sched, first, B)
+    second = sched._handle_end(first, AttemptStatus.CRASHED, 1, "torchrun exited 1")  # before the switch
+    assert second is not None and second.strategy == first.strategy
+    aborted = _events(sched, "switch-aborted")
+    assert [(e["attempt"], e["to"], e["reason"]) for e in aborted] == [
+        (1, B.to_dict(), "attempt 1 ended (crashed) before it switched")
+    ]
+    _decide_switch(sched, second, B)  # decided again at the same point, and made this time
+    third = sched._handle_end(second, AttemptStatus.SWITCHED, int(ExitCode.SWITCH), "")
+    assert third is not None and third.strategy == B
+    assert len(_events(sched, "switch-aborted")) == 1
+
+    summary = status_summary(sched.run_dir)
+    assert [(s["from"], s["to"]) for s in summary["switches"]] == [(first.strategy.to_dict(), B.to_dict())]
+    assert [s["aborted"] for s in summary["aborted_switches"]] == ["attempt 1 ended (crashed) before it switched"]
+    print_status(summary)
+    out = capsys.readouterr().out
+    assert "switches   1\n" in out and "aborted, attempt 1 ended (crashed) before it switched: " in out
+    _, md = write_report(sched.run_dir)
+    report = md.read_text()
+    assert "switches: 1\n" in report
+    assert report.count("(not counted)") == 1
+
+
+def test_a_switch_the_relaunch_makes_anyway_is_not_aborted(tmp_path, monkeypatch):
+    """A trainer killed after its switch checkpoint and before its exit record: the relaunch runs the target (the
+    schedule's strategy where the checkpoint is), so the switch went ahead."""
+    sched, _ = make_scheduler(tmp_path, "policy.max_restarts=2")
+    first = sched.start_or_resume()
+    assert first is not None
+    _decide_switch(sched, first, B)
+    monkeypatch.setattr(sched, "_relaunch_strategy", lambda attempt: B)
+    second = sched._handle_end(first, AttemptStatus.CRASHED, 1, "torchrun exited 1")
+    assert second is not None and second.strategy == B
+    assert not _events(sched, "switch-aborted")
+    assert len(status_summary(sched.run_dir)["switches"]) == 1
