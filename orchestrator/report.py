@@ -23,7 +23,7 @@ from cona.orchestrator.runstate import (
 )
 from cona.protocol.heartbeat_record import Heartbeat, perplexity, throughput_windows
 from cona.protocol.rundir import RunDir, read_jsonl
-from cona.protocol.samples_log import SamplesAuditError, audit
+from cona.protocol.samples_log import SamplesAudit, SamplesAuditError, audit
 from cona.protocol.strategy import Strategy
 
 
@@ -59,30 +59,62 @@ def _heartbeats_lost(run_dir: RunDir, state: RunState, beats: list[dict[str, Any
             f"recorded {recorded:,}; restore them from a backup for the whole run")  # fmt: skip
 
 
-def _sample_order(run_dir: RunDir, *, counted: int, final: bool) -> str | None:
+def resume_point(run_dir: RunDir) -> tuple[int, Path | None] | None:
+    """Where a resume of this run would go on: the step of the checkpoint it would load (`newest_intact_checkpoint`)
+    and that checkpoint, (0, None) when there is none (it starts from sample 0), None when its trainer_state.json
+    cannot be read here (nothing can be said)."""
+    from cona.orchestrator.live import newest_intact_checkpoint
+    from cona.protocol.rundir import TRAINER_STATE, read_json
+
+    latest, _ = newest_intact_checkpoint(run_dir)
+    if latest is None:
+        return 0, None
+    try:
+        step = read_json(latest / TRAINER_STATE)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (step, latest) if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _sample_order(run_dir: RunDir, *, counted: int, final: bool) -> tuple[str | None, SamplesAudit | None]:
     """The report's line on the order the samples were trained in (`samples/<attempt>.jsonl`, `samples_log.audit`):
     the model's history covers samples 0..N-1 once each, or why that cannot be said (also warned on stderr, since
-    nothing else reads these files). None for a run without a samples log (not started, or older than the log)."""
+    nothing else reads these files); and the audit, when there is one. None for a run without a samples log (not
+    started, or older than the log).
+
+    For an ended run the history ends at the checkpoint a resume would load (`resume_point`): the steps trained
+    after it (a failed run's last crash) were lost with the attempt that trained them and are said as rolled back,
+    not counted as the model's."""
+    point = resume_point(run_dir) if final else None
     try:
-        found = audit(run_dir)
+        found = audit(run_dir, resumes_at=point[0] if point is not None else None)
     except (SamplesAuditError, OSError) as e:
         print(f"cona: warning: {run_dir.samples_log}: {e}; the report cannot vouch for the order the samples were "
               "trained in (training does not read these files)", file=sys.stderr, flush=True)  # fmt: skip
-        return f"- sample order: not verified ({e})"
+        return f"- sample order: not verified ({e})", None
     if not found.files:
-        return None
-    covered = max(found.samples - 1, 0)
-    line = (f"- sample order: the model's history covers samples 0–{covered:,} once each, in order, "
-            f"across {found.files} attempt(s) (`samples/`, audited)")  # fmt: skip
+        return None, None
+    if found.samples:
+        line = (f"- sample order: the model's history covers samples 0–{found.samples - 1:,} once each, in order, "
+                f"across {found.files} attempt(s) (`samples/`, audited)")  # fmt: skip
+    else:
+        line = f"- sample order: the model's history holds no sample yet, across {found.files} attempt(s) (`samples/`, audited)"
     if found.retrained_steps:
         line += (f"; {found.retrained_steps} step(s) trained again after a crash or a damaged checkpoint, the "
                  "checkpoint that would have kept them never written or passed over (their updates were lost with it)")  # fmt: skip
-    if final and found.samples != counted:
+    if found.rolled_back and point is not None:
+        step, checkpoint = point
+        since = f"checkpoint `{checkpoint.name}` (step {step})" if checkpoint else "the start (no complete checkpoint)"
+        line += (f"; rolled back: {len(found.rolled_back)} step(s) after {since}, samples "
+                 f"{found.rolled_back[0][0]:,}–{found.trained - 1:,}, trained by the attempt that ended the run and "
+                 "lost with it (a resume goes on from that checkpoint and trains them again)")  # fmt: skip
+    if final and found.trained != counted:
         line += f"; the heartbeats count {counted:,} samples"
-        if found.samples < counted:  # an attempt's log lost or cut short: the rest of the history went unseen
-            print(f"cona: warning: {run_dir.samples_log}: the logs cover samples 0–{covered:,}, but the heartbeats "
-                  f"count {counted:,}; the report cannot vouch for the order of the rest", file=sys.stderr, flush=True)  # fmt: skip
-    return line
+        if found.trained < counted:  # an attempt's log lost or cut short: the rest of the history went unseen
+            print(f"cona: warning: {run_dir.samples_log}: the logs cover samples 0–{max(found.trained - 1, 0):,}, but "
+                  f"the heartbeats count {counted:,}; the report cannot vouch for the order of the rest", file=sys.stderr,
+                  flush=True)  # fmt: skip
+    return line, found
 
 
 def _typed(record: dict[str, Any]) -> Heartbeat | None:
@@ -229,13 +261,18 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         f"- policy: `{pol.name}`; attempts: {attempts}; switches: {len(switches)}",
     ]
     end = _wall_end(state.final, events, beats)
+    order, found = _sample_order(run_dir, counted=beats[-1].get("samples", 0) if beats else 0, final=state.final)
     if end is not None:  # heartbeats, or a run that ended before its first
         last = beats[-1] if beats else {}
         wall = f"{clock(end):.1f} s"
         if paused := sum(resumed - ended for ended, resumed in pauses if resumed <= end):
             wall += f" (without the {paused:.1f} s it lay stopped before `cona run --resume`)"
-        lines.append(f"- samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}; wall time: {wall}")
-    order = _sample_order(run_dir, counted=beats[-1].get("samples", 0) if beats else 0, final=state.final)
+        counts = f"samples: {last.get('samples', 0):,}; steps: {last.get('step', 0)}"
+        if found is not None and found.rolled_back:  # trained, but not the model's: said apart (sample order)
+            kept = len(found.ranges)
+            counts = (f"samples: {found.trained:,} trained, {found.samples:,} kept; steps: {kept + len(found.rolled_back)} "
+                      f"trained, {kept} kept (the rest rolled back, see the sample order)")  # fmt: skip
+        lines.append(f"- {counts}; wall time: {wall}")
     if order is not None:
         lines.append(order)
     if evals:

@@ -14,6 +14,10 @@ was lost with the checkpoint that never got written — and requires the kept re
 sample s. A step record must follow the last kept one: step = previous step + 1 and start = previous end (the first
 is step 1 starting at 0). What remains is the run's training history; it must cover [0, N) with no gap and no
 repeat. Any violation raises `SamplesAuditError` naming the file, line and what is wrong.
+
+An ended run (`audit(..., resumes_at=k)`, k the step of the checkpoint a resume would load) is read as if that resume
+had come: the steps after k are rolled back, trained by an attempt that ended before a checkpoint kept them (a failed
+run's last crash), so they are no part of the model's history; a resume trains them again.
 """
 
 from __future__ import annotations
@@ -64,10 +68,18 @@ class SamplesAudit:
     have kept them was never written."""
     files: int
     """Attempt files read."""
+    rolled_back: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """With `audit(..., resumes_at=k)`: the sample ranges of the steps after k, in step order (trained, but lost with
+    the attempt that trained them; a resume trains them again)."""
 
     @property
     def samples(self) -> int:
         return self.ranges[-1][1] if self.ranges else 0
+
+    @property
+    def trained(self) -> int:
+        """The samples the logs show trained, the rolled-back steps included."""
+        return self.rolled_back[-1][1] if self.rolled_back else self.samples
 
 
 def audit_samples(run_dir: RunDir | Path | str) -> list[tuple[int, int]]:
@@ -86,9 +98,12 @@ def _int(record: dict, key: str, where: str) -> int:
     return value
 
 
-def audit(run_dir: RunDir | Path | str) -> SamplesAudit:
+def audit(run_dir: RunDir | Path | str, *, resumes_at: int | None = None) -> SamplesAudit:
     """`audit_samples` with what it discarded on the way (`SamplesAudit`). A torn last line of a file is left out
-    (it may still be being written); every other damaged line raises `SamplesAuditError` naming the file and line."""
+    (it may still be being written); every other damaged line raises `SamplesAuditError` naming the file and line.
+
+    `resumes_at`: for a run that has ended, the step of the checkpoint a resume would load (0: none); the steps
+    after it are rolled back as a resume there would discard them (`SamplesAudit.rolled_back`)."""
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
     kept: list[tuple[int, int, int]] = []  # (step, start, end)
     retrained = 0
@@ -137,4 +152,8 @@ def audit(run_dir: RunDir | Path | str) -> SamplesAudit:
             if end <= start:
                 raise SamplesAuditError(f"{where}: step {step} has an empty range [{start}, {end})")
             kept.append((step, start, end))
-    return SamplesAudit([(start, end) for _step, start, end in kept], retrained, len(files))
+    # The rule of a `resume` line, for the resume that has not come yet (a log cut short before that step is for the
+    # caller to compare with what else counts the samples).
+    rolled_back = [(start, end) for step, start, end in kept if resumes_at is not None and step > resumes_at]
+    kept = kept[: len(kept) - len(rolled_back)]
+    return SamplesAudit([(start, end) for _step, start, end in kept], retrained, len(files), rolled_back)

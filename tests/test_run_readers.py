@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -192,6 +193,7 @@ def _ended_run_of_two_attempts(tmp_path) -> RunDir:
                          beat(attempt=2, time=13.0, step=4, samples=64, strategy=B.to_dict())])  # fmt: skip
     write_state(run, RunState(status="stopped", final=True, attempts_started=2, model={"live": {"samples": 64}},
                               attempts=[Attempt(number=1, strategy=A), Attempt(number=2, strategy=B)]))  # fmt: skip
+    make_checkpoint(run, 4)  # a stopped trainer checkpoints where it stops: a resume goes on from there
     return run
 
 
@@ -632,8 +634,7 @@ def test_a_fifo_in_the_run_directory_is_refused_by_every_reader_not_waited_on(tm
         path.unlink()
         path.write_bytes(kept)
     kept = run.run_yaml.read_bytes()
-    _fifo_in_place_of(run.run_yaml)  # `cona export` reads the job's data from run.yaml
-    make_checkpoint(run, 4)
+    _fifo_in_place_of(run.run_yaml)  # `cona export` reads the job's data from run.yaml (of the run's checkpoint 4)
     assert export([str(run.root), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err == refused(run.run_yaml)
     run.run_yaml.unlink()
@@ -658,3 +659,30 @@ def test_a_fifo_in_the_run_directory_is_refused_by_every_reader_not_waited_on(tm
     summary = status_summary(run)
     assert summary["damaged_checkpoints"] == [
         {"path": str(run.checkpoint_dir(4)), "problem": "its COMPLETE marker is not a regular file"}]
+
+
+def test_the_report_of_a_failed_run_rolls_back_the_steps_after_its_last_checkpoint(tmp_path, capsys):
+    """The last attempt of a failed run trained steps 3 and 4 after its checkpoint at step 2 and crashed: a resume
+    goes on from step 2 and trains them again, but the report counted them as the model's history (samples 0–63)."""
+    run = _ended_run_of_two_attempts(tmp_path)
+    shutil.rmtree(run.checkpoint_dir(4))
+    make_checkpoint(run, 2)
+    write_state(run, RunState(status="failed", final=True, attempts_started=2, model={"live": {"samples": 64}},
+                              reason="attempt 2 crashed", attempts=[Attempt(number=1, strategy=A),
+                                                                    Attempt(number=2, strategy=B)]))  # fmt: skip
+    steps = [{"step": k, "start": 16 * (k - 1), "end": 16 * k} for k in range(1, 5)]
+    _samples_logs(run, {1: [{"resume": 0, "samples": 0}, *steps[:2]], 2: [{"resume": 2, "samples": 32}, *steps[2:]]})
+    capsys.readouterr()
+    write_report(run)
+    assert capsys.readouterr().err == ""
+    text = (run.root / "report.md").read_text()
+    assert "- samples: 64 trained, 32 kept; steps: 4 trained, 2 kept (the rest rolled back, see the sample order); " in text
+    assert ("- sample order: the model's history covers samples 0–31 once each, in order, across 2 attempt(s) "
+            "(`samples/`, audited); rolled back: 2 step(s) after checkpoint `step-00000002` (step 2), samples 32–63, "
+            "trained by the attempt that ended the run and lost with it") in text, text  # fmt: skip
+
+    shutil.rmtree(run.checkpoint_dir(2))  # no checkpoint at all: a resume starts from sample 0
+    write_report(run)
+    text = (run.root / "report.md").read_text()
+    assert ("the model's history holds no sample yet, across 2 attempt(s) (`samples/`, audited); rolled back: 4 "
+            "step(s) after the start (no complete checkpoint), samples 0–63") in text, text  # fmt: skip
