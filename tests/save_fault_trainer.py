@@ -5,7 +5,9 @@ injected on ONE rank, for `tests/test_storage_faults.py`.
 
 - `writer`: creating DCP's storage writer raises PermissionError, before DCP's first collective;
 - `write`:  writing the shards raises PermissionError, inside DCP's collectives;
-- `marker`: writing the COMPLETE marker raises PermissionError, after the shards are on storage (rank 0 writes it).
+- `marker`: writing the COMPLETE marker raises PermissionError, after the shards are on storage (rank 0 writes it);
+- `kill`:   writing the shards SIGKILLs the rank (the OOM killer, a process dying inside DCP's collectives): the
+            others are left in collectives that never complete, and torchrun's SIGTERM must still end them.
 
 The trainer code stays free of test hooks: the patches are made here, in the worker, before `main` runs.
 """
@@ -46,6 +48,17 @@ def _install(rank: int, where: str) -> None:
             return real_write(self, plan, planner)
 
         filesystem._FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    elif where == "kill":
+        import signal
+
+        real_write_data = filesystem._FileSystemWriter.write_data
+
+        def write_data_then_die(self: Any, plan: Any, planner: Any) -> Any:
+            if failing(self.path):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_write_data(self, plan, planner)
+
+        filesystem._FileSystemWriter.write_data = write_data_then_die  # type: ignore[method-assign]
     elif where == "marker":
         real_atomic = ckpt.atomic_write_json
 

@@ -108,6 +108,30 @@ def test_a_save_that_fails_on_one_rank_stops_every_rank_promptly(tmp_path):
     assert audit_samples(RunDir(run))[-1] == (48, 64)
 
 
+@pytest.mark.distributed
+def test_ranks_left_in_a_collective_by_a_rank_killed_in_a_save_exit_on_torchruns_sigterm(tmp_path):
+    """Rank 0 (DCP's coordinator) killed while it writes its shards: the other three, out of DCP on its error, met in
+    mismatched collectives (two in the save's agreement all-reduce, one in DCP's gather) that never complete, and
+    ignored torchrun's SIGTERM — their handler only sets a flag, which a rank blocked in a collective never gets to
+    — until torchrun killed them after its 30 s grace. Each now sees that a process of its node is gone and exits at
+    once. The save that died has no COMPLETE marker, and the one before stays complete."""
+    from cona.trainer.checkpoint import verify_checkpoint
+
+    run = tmp_path / "run"
+    job = write_job(tmp_path, checkpoint={"interval_steps": 1000, "keep": 3})
+    first = launch(run, nproc=0, strategy=ONE, job=job, max_steps=2)  # the checkpoint to keep, in a world of one
+    assert first.returncode == 0, describe(first)
+    killed = launch(run, nproc=4, strategy="dp=4,tp=1,pp=1,mbs=4,gbs=16", job=job, max_steps=4, attempt=1, timeout=240,
+                    module="tests.save_fault_trainer", env={"CONA_TEST_SAVE_FAULT": "0:kill"})  # fmt: skip
+    assert killed.returncode == 1 and killed.exit is None, describe(killed)
+    assert "exitcode  : -9" in killed.stderr and "local_rank: 0" in killed.stderr, describe(killed)
+    # torchrun's words when a worker outlives the grace after its SIGTERM, and it kills it.
+    assert "forcefully exiting via 9" not in killed.stderr, describe(killed)
+    assert "a process of this node is gone" in killed.stderr, describe(killed)
+    assert not (RunDir(run).checkpoint_dir(4) / "COMPLETE").exists()
+    assert verify_checkpoint(RunDir(run).checkpoint_dir(2)) is None
+
+
 def test_corrupt_switch_points_are_refused_naming_the_file(tmp_path):
     run = RunDir(tmp_path)
     run.switch_points_json.write_text('{"samples": [200, "x"]}')

@@ -5,14 +5,28 @@ Every rank's signal handler only sets a flag. The decision is encoded as small n
 statistics all-reduce (a SUM): rank 0 contributes the command code, every rank its signal flag, so all ranks agree
 on the same step without an extra collective. The trainer stores the last handled seq in trainer_state.json so a
 relaunch does not act on an old record again.
+
+Python runs a signal handler only between bytecodes of the main thread, so a rank blocked in a collective that never
+completes — a peer died, and the survivors wait on each other in mismatched collectives — never sees its SIGTERM,
+and torchrun, which sends it to the survivors of a failed worker, waits its 30 s grace before it kills them. So
+under torchrun a thread watches for the signal (`signal.set_wakeup_fd` wakes it while the main thread is blocked):
+once SIGTERM has come, a trainer process of this node that is gone means the world is broken — no collective of the
+graceful stop can complete — and the rank exits at once (`LocalPeers`). A preemption, which signals live ranks, is
+not touched: they checkpoint and exit STOPPED as before. Exiting there never makes a checkpoint look whole: the
+COMPLETE marker is written by rank 0 only after every rank has agreed that its shards are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import signal
+import socket
+import sys
 import threading
+import time
+from pathlib import Path
 from types import FrameType
 
 from cona.protocol.rundir import ControlRecord, RunDir
@@ -45,7 +59,13 @@ class ControlState:
     launched_as: int | None = None
     """The attempt these processes were launched as: the lowest `poll` was asked for (in-place switches hand this
     state on as they go on as later attempts)."""
+    ending: bool = False
+    """Set once the trainer is past its last collective (its exit record written, the final barrier passed): a peer
+    that exits then has ended normally, and the watcher leaves this rank to end too."""
     _signalled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _watching: bool = False
+    _wakeup: tuple[socket.socket, socket.socket] | None = dataclasses.field(default=None, repr=False)
+    """The watcher's socket pair (`signal.set_wakeup_fd` writes the signal's byte to the second), kept open."""
 
     def poll(self, run_dir: RunDir, attempt: int | None = None) -> Action:
         """The command of a new control record for these processes, or NONE: a record for any attempt, or for one
@@ -78,9 +98,36 @@ class ControlState:
     # Signals --------------------------------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM (preemption, torchrun shutting down) and SIGUSR1 (Slurm's pre-timeout signal) set a flag."""
+        """SIGTERM (preemption, torchrun shutting down) and SIGUSR1 (Slurm's pre-timeout signal) set a flag; under
+        torchrun, a SIGTERM with a process of this node gone ends the rank at once (`_watch`). Call after the
+        process group is up: every local peer has started by then."""
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
+        self.ending = False  # an in-place switch goes on with more collectives
+        if self._watching or "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+            return
+        peers = LocalPeers.of_this_process()
+        if not peers.pids:
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # required by set_wakeup_fd: a signal handler must never block
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._watching = True
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader, peers), name="cona-sigterm-watch", daemon=True).start()
+
+    def _watch(self, reader: socket.socket, peers: LocalPeers) -> None:
+        """Wait for SIGTERM's byte, then end this rank as soon as a local peer is gone (see the module's doc)."""
+        while int(signal.SIGTERM) not in reader.recv(64):
+            pass
+        while not self.ending:
+            gone = peers.gone()
+            if gone:
+                print(f"cona trainer: rank {os.environ.get('RANK', '?')}: SIGTERM, and a process of this node is gone "
+                      f"({gone}): the world is broken and no collective can complete, so this rank exits now, without "
+                      "a checkpoint (the last complete one stays)", file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(128 + int(signal.SIGTERM))  # as the shell reports a process ended by SIGTERM
+            time.sleep(0.1)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -89,6 +136,50 @@ class ControlState:
     @property
     def signalled(self) -> bool:
         return self._signalled.is_set()
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (field 22 of /proc/pid/stat), None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name (field 2) may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPeers:
+    """The other trainer processes torchrun started on this node beside this one: {pid: (start time, name)}."""
+
+    pids: dict[int, tuple[str, str]]
+
+    @classmethod
+    def of_this_process(cls) -> LocalPeers:
+        """This process's siblings that torchrun made workers of this run (its `TORCHELASTIC_RUN_ID`, a
+        `LOCAL_RANK`): not the helper processes it may also have started. Empty where /proc cannot say."""
+        run_id = f"TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID', '')}".encode()
+        parent, found = os.getppid(), {}
+        try:
+            entries = [e for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()]
+        except OSError:
+            return cls({})
+        for entry in entries:
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rfind(")") + 2 :].split()[1]) != parent:
+                    continue
+                env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+            except (OSError, ValueError, IndexError):
+                continue
+            started = _start_time(int(entry.name))
+            if started is not None and run_id.split(b"=", 1)[1] == env.get(b"TORCHELASTIC_RUN_ID") and b"LOCAL_RANK" in env:
+                found[int(entry.name)] = (started, f"rank {env.get(b'RANK', b'?').decode()} (pid {entry.name})")
+        return cls(found)
+
+    def gone(self) -> str:
+        """The peers that have exited (or been replaced by a new process of the same pid), named; "" for none."""
+        return ", ".join(name for pid, (started, name) in self.pids.items() if _start_time(pid) != started)
 
 
 def decide(*, command_code: float, signal_count: float) -> Action:

@@ -195,16 +195,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
     from cona.trainer.checkpoint import CheckpointSaveError
+    from cona.trainer.control import ControlState
     from cona.trainer.distributed import init_distributed
     from cona.trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()
     startup["dist_ready"] = time.time()
     trainer = None
+    control = ControlState()  # the signals' state of these processes, handed from attempt to attempt
     try:
         make_trainer = functools.partial(Trainer, job=job, run_dir=run_dir, env=env, corpus=corpus, max_steps=args.max_steps,
                                          run_created=run_created)  # fmt: skip
-        trainer = make_trainer(strategy=strategy, attempt=attempt, dump_loaded_state=args.dump_loaded_state, startup=startup)
+        trainer = make_trainer(strategy=strategy, attempt=attempt, dump_loaded_state=args.dump_loaded_state, startup=startup,
+                               control=control)  # fmt: skip
         code = trainer.run()
         while code == ExitCode.SWITCH and trainer.next_strategy is not None:
             # An in-place switch: the process group, imports and data stay; the model, optimizer and meshes are
@@ -225,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             write_refusal(run_dir, attempt, e)
         _fail(str(e))
     except CheckpointSaveError as e:  # the storage, not the input: exit 1 (relaunched), and say why in one line
+        control.ending = True  # every rank raised it together: a peer that exits first has not died of it
         if env.rank == 0:
             with contextlib.suppress(OSError):  # the run directory may sit on the full disk too
                 write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
             print(f"cona trainer: error: {e}", file=sys.stderr, flush=True)
         status = 1
     except TrainingDiverged as e:  # a crash, not bad input: exit 1, but say why in one line
+        control.ending = True  # every rank raised it together: a peer that exits first has not died of it
         if env.rank == 0:  # every rank has the same all-reduced loss, so one says it
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
             print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)

@@ -608,6 +608,8 @@ class Trainer:
             write_exit(self.run_dir, self.attempt, code=code, reason=reason, step=self.state.step,
                        next_strategy=self.next_strategy)  # fmt: skip
         dist.barrier()
+        # Past the last collective: a peer may end now, and this rank with it (an in-place switch goes on instead).
+        self.control.ending = self.next_strategy is None
         return code
 
 
