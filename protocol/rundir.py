@@ -360,6 +360,50 @@ class ExitRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class CrashRecord:
+    """`attempts/<n>/crash-<rank>.json`: the exception that ended rank `rank` of attempt n where no exit record says
+    why (`RunDir.crash_file`), written by that rank just before it dies — each rank its own file, its only writer. A
+    rank killed by a signal writes none (its launcher knows the signal). The ranks a dead peer leaves behind often
+    write one too, later (a collective's `Connection closed by peer`): the earliest names the cause
+    (`describe_crashes`)."""
+
+    rank: int
+    error: str
+    """`<exception type>: <the last line of its message>`."""
+    time: float
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> CrashRecord:
+        import time
+
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        text = f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
+        return cls(rank=rank, error=text[:300], time=time.time())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CrashRecord:
+        rank, error, when = data["rank"], data["error"], data["time"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(error, str) or \
+                isinstance(when, bool) or not isinstance(when, int | float):  # fmt: skip
+            raise ValueError("not a crash record")
+        return cls(rank=rank, error=error, time=float(when))
+
+
+def describe_crashes(records: list[CrashRecord]) -> str | None:
+    """The crash the earliest record describes, with every rank that died of the same error (`rank 3: ValueError:
+    …`, `ranks 0, 1, 2, 3: KeyError: 'x'`); None for no record. The later records of other errors are the peers'
+    consequences and are left out."""
+    if not records:
+        return None
+    first = min(records, key=lambda r: r.time)
+    ranks = sorted({r.rank for r in records if r.error == first.error})
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {first.error}"
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchRecord:
     """`attempts/<n>/launch.json`: what the orchestrator launched as attempt n. Written by the orchestrator (the
     backend that launches the attempt) for every backend, before the attempt can start; it is the only place a
@@ -584,6 +628,24 @@ class RunDir:
 
     def write_exit(self, attempt: int, record: ExitRecord) -> None:
         atomic_write_json(self.exit_file(attempt), record.to_dict())
+
+    def crash_file(self, attempt: int, rank: int) -> Path:
+        """`attempts/<n>/crash-<rank>.json`: rank `rank`'s `CrashRecord` (that rank is its only writer)."""
+        return self.attempt_dir(attempt) / f"crash-{rank}.json"
+
+    def write_crash(self, attempt: int, record: CrashRecord) -> None:
+        atomic_write_json(self.crash_file(attempt, record.rank), record.to_dict())
+
+    def read_crashes(self, attempt: int) -> list[CrashRecord]:
+        """Attempt `attempt`'s crash records, oldest first; unreadable ones are left out."""
+        found = []
+        for path in self.attempt_dir(attempt).glob("crash-*.json"):
+            try:
+                data = read_json(path)
+                found.append(CrashRecord.from_dict(data))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(found, key=lambda r: r.time)
 
     def heartbeat_file(self, attempt: int) -> Path:
         return self.heartbeats / f"{attempt}.jsonl"

@@ -176,3 +176,67 @@ def test_visible_gpus_counts_device_nodes_narrowed_by_cuda_visible_devices(tmp_p
     for listed, count in (("0,2", 2), ("", 0), ("1,-1,2", 1), ("GPU-8a1b,GPU-77c2", 2), ("0,1,2,3,4", 3)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
         assert visible_gpus(tmp_path) == count, listed
+
+
+# torchrun's summary of a failed attempt (torch 2.13), as the attempt's log ends with it.
+SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+cona.trainer FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-07_20:41:11
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 21696)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-07_20:41:04
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : {code} (pid: 21699){signal}
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 21699
+============================================================
+"""
+
+
+class CrashingBackend(LocalBackend):
+    """Prints `text` (torchrun's output) and exits 1, as torchrun does when a worker failed."""
+
+    def __init__(self, *, run_dir: RunDir, text: str) -> None:
+        super().__init__(run_dir=run_dir)
+        self.text = text
+
+    def command(self, *, attempt: int, strategy: Strategy) -> list[str]:
+        return [sys.executable, "-c", f"import sys; sys.stdout.write({self.text!r}); raise SystemExit(1)"]
+
+
+def test_a_crash_names_the_rank_that_died_and_of_what(tmp_path):
+    """The crash line said only `torchrun exited 1`, though the attempt's log named the rank and the signal, and the
+    rank's exception went by in its traceback. A rank killed by a signal is named with it (torchrun's root cause);
+    one that raised, with the exception its own record holds (the earliest: the others died of its loss)."""
+    from cona.protocol.rundir import CrashRecord
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    cases = [
+        (SUMMARY.format(code=-9, signal="  (SIGKILL)"), [], "rank 3 killed by SIGKILL (torchrun exited 1)"),
+        (SUMMARY.format(code=1, signal=""), [CrashRecord(0, "RuntimeError: Connection closed by peer", 2.0),
+                                             CrashRecord(3, "ValueError: injected on one rank", 1.0)],
+         "rank 3: ValueError: injected on one rank (torchrun exited 1)"),
+        (SUMMARY.format(code=1, signal=""), [], "rank 3 exited 1 (torchrun exited 1)"),
+        ("", [CrashRecord(1, "KeyError: 'x'", 1.0), CrashRecord(0, "KeyError: 'x'", 1.1)],
+         "ranks 0, 1: KeyError: 'x' (torchrun exited 1)"),
+        ("no summary: torchrun itself failed\n", [], "torchrun exited 1"),
+    ]  # fmt: skip
+    for number, (text, records, detail) in enumerate(cases, start=1):
+        for record in records:
+            run_dir.write_crash(number, record)
+        backend = CrashingBackend(run_dir=run_dir, text=text)
+        outcome = _wait(backend, backend.launch(attempt=number, strategy=STRATEGY))
+        assert outcome.status is AttemptStatus.CRASHED and outcome.exit_code == 1, outcome
+        assert outcome.detail == detail, (number, outcome)

@@ -486,3 +486,28 @@ def test_recompute_modes_give_the_same_loss_and_gradients(preset):
         torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
         for grad, reference in zip(grads, reference_grads, strict=True):
             torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-7)
+
+
+def test_a_rank_that_dies_of_an_exception_records_it_for_the_crash_line(tmp_path, monkeypatch):
+    """torchrun's summary gives a raising rank's exit code only (`exitcode 1`): the rank writes what ended it,
+    `attempts/<n>/crash-<rank>.json`, for the orchestrator's crash line; a traceback follows as before."""
+    from cona.protocol.rundir import RunDir, describe_crashes
+    from cona.trainer.main import main
+    from cona.trainer.train import Trainer
+
+    import tests.trainer_helpers as helpers
+
+    def step(self):
+        raise ValueError("a bug in step 1\nthe message's last line")
+
+    monkeypatch.setattr(Trainer, "step", step)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    job = helpers.write_job(tmp_path)
+    with pytest.raises(ValueError, match="a bug in step 1"):
+        main(["--run-dir", str(run.root), "--job", str(job), "--strategy", "dp=1,tp=1,pp=1,mbs=4,gbs=16",
+              "--attempt", "3"])  # fmt: skip
+    assert run.read_exit(3) is None  # no protocol exit: a crash
+    assert describe_crashes(run.read_crashes(3)) == "rank 0: ValueError: the message's last line"

@@ -11,7 +11,8 @@ Exit codes (cona.protocol.rundir.ExitCode): 0 done, 42 switched, 43 stopped (com
 size does not fit the strategy, 2 bad input (one line on stderr saying what to fix). Stopping at --max-steps is a
 normal end: the process exits 0 and the exit record says STOPPED (`cona.protocol.rundir.process_exit_status`).
 torchrun itself exits 1 when a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat
-(`event: exit`) for the code.
+(`event: exit`) for the code. A rank that an exception ends without an exit record writes `attempts/<n>/crash-<rank>.json`
+(`cona.protocol.rundir.CrashRecord`) for the orchestrator's crash line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from cona.protocol.cliargs import OptionParser
-from cona.protocol.rundir import ExitCode, NotRegularFile, RunDir, process_exit_status, restrict_umask
+from cona.protocol.rundir import (
+    CrashRecord,
+    ExitCode,
+    NotRegularFile,
+    RunDir,
+    process_exit_status,
+    restrict_umask,
+)
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 
@@ -240,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             write_exit(run_dir, attempt, code=1, reason=str(e), step=None)
             print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
         status = 1
+    except Exception as e:
+        # Unexplained: this rank's own record of what ended it, for the orchestrator's crash line (`rank 3:
+        # ValueError: …`); torchrun's summary names only an exit code. The traceback follows in the log.
+        with contextlib.suppress(OSError):
+            run_dir.write_crash(attempt, CrashRecord.of(env.rank, e))
+        raise
     finally:
         # FSDP2's state and the DTensors of a trainer sit in reference cycles that hold the process groups. Left to
         # the interpreter's teardown, the groups are destroyed there, and a rank can abort after a clean exit record
