@@ -643,7 +643,7 @@ class RunDir:
             try:
                 data = read_json(path)
                 found.append(CrashRecord.from_dict(data))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, NotRegularFile):  # a crash line's detail, no more
                 continue
         return sorted(found, key=lambda r: r.time)
 

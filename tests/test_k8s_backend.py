@@ -123,6 +123,12 @@ def test_poll_maps_a_failed_job_by_the_trainers_exit_code(k8s, setup, codes, rea
     assert (outcome.status, outcome.exit_code) == (status, code)
     if status is AttemptStatus.CRASHED:
         assert reason in outcome.detail and "exit code 1" in outcome.detail and "\n" not in outcome.detail
+        # Which rank died of what: its own crash record on the shared volume (`Backend.with_crash_cause`).
+        from cona.protocol.rundir import CrashRecord
+
+        backend.run_dir.write_crash(1, CrashRecord(1, "ValueError: injected on one rank", 1.0))
+        said = backend.poll(attempt).detail
+        assert said == f"{outcome.detail}: rank 1: ValueError: injected on one rank", said
 
 
 def test_poll_complete_is_done_and_prefers_the_trainers_exit_record(k8s, setup):

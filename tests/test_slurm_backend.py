@@ -767,3 +767,22 @@ def test_a_checkpoint_slower_than_the_pre_timeout_signal_is_said_once(tmp_path, 
     ample = slow.model_copy(update={"slurm": slow.slurm.model_copy(update={"signal_before_timeout_s": 3200})})
     silent = slow.model_copy(update={"slurm": slow.slurm.model_copy(update={"signal_before_timeout_s": 0})})
     assert save_outlasts_signal(ample, job) is None and save_outlasts_signal(silent, job) is None
+
+
+def test_a_crash_names_the_rank_that_died_and_of_what(env):
+    """A Slurm crash line said `exit 1 in job 101`: which rank died of what is in the ranks' own crash records, on
+    the shared run directory (`Backend.with_crash_cause`, as the Kubernetes backend says it too)."""
+    from cona.protocol.rundir import CrashRecord
+
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    _exit(run, 1, attempt.extra["submission"], 1, "exit")
+    assert backend.poll(attempt).detail == "exit 1 in job 101"
+    run.write_crash(1, CrashRecord(2, "ValueError: injected on one rank", 1.0))
+    run.write_crash(1, CrashRecord(0, "RuntimeError: Connection closed by peer", 2.0))
+    outcome = backend.poll(attempt)
+    assert outcome.status is AttemptStatus.CRASHED
+    assert outcome.detail == "exit 1 in job 101: rank 2: ValueError: injected on one rank"
+    _exit(run, 1, attempt.extra["submission"], 43, "stop")  # no crash: the records are not said
+    assert backend.poll(attempt).detail == "exit 43 in job 101"

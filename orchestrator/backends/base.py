@@ -15,7 +15,7 @@ from typing import Any
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir
+from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir, describe_crashes
 from cona.protocol.strategy import Strategy
 
 
@@ -251,6 +251,15 @@ class Backend(abc.ABC):
         """How many nodes a run could train on now: those `attempt` holds plus idle ones it could get (an elastic
         run grows when the policy says it pays); None when the backend cannot tell (then it never grows)."""
         return None
+
+    def with_crash_cause(self, attempt: Attempt, outcome: Outcome) -> Outcome:
+        """`outcome` with the rank that died and of what (`describe_crashes` of the attempt's crash records) added to
+        a crash's detail: the cluster says a job or pod failed, the ranks' own records say why. Unchanged for any
+        other status, or where no rank left a record (a signal, a lost node)."""
+        if outcome.status is not AttemptStatus.CRASHED:
+            return outcome
+        said = describe_crashes(self.run_dir.read_crashes(attempt.number))
+        return dataclasses.replace(outcome, detail=f"{outcome.detail}: {said}") if said else outcome
 
     def gone(self, attempt: Attempt) -> bool:
         """Whether `attempt`'s processes are known to have ended, told without acting on anything: for `cona status`

@@ -579,7 +579,7 @@ class KubernetesBackend(Backend):
             print(f"cona: warning: {line}", file=sys.stderr, flush=True)
 
     def poll(self, attempt: Attempt) -> Outcome:
-        outcome = self._poll(attempt)
+        outcome = self.with_crash_cause(attempt, self._poll(attempt))
         if attempt.running != attempt.strategy:
             outcome = dataclasses.replace(outcome, strategy=attempt.running)
         return outcome

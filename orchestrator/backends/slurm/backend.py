@@ -934,7 +934,7 @@ class SlurmBackend(Backend):
 
     def poll(self, attempt: Attempt) -> Outcome:
         try:
-            return self._poll(attempt)
+            return self.with_crash_cause(attempt, self._poll(attempt))
         except SlurmError as e:
             # slurmctld busy or restarting (`Socket timed out`, `Unable to contact slurm controller`): nothing
             # is known to have changed; ask again at the next poll (heartbeats still tell a hang).
