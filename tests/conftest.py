@@ -52,6 +52,19 @@ def k8s():
 # among them (its quick Slurm run). A scheduler of our own, not `xdist_group` markers: xdist 3.8 groups by renaming
 # `item._nodeid`, which pytest 9 no longer reads, so the markers alone would let two Slurm tests run at once.
 SLURM_MODULES = ("test_slurm_", "test_faults.py")
+# A module whose tests all read one costly module-scoped fixture is one unit of work as well: a worker sets such a
+# fixture up for the first of its tests that needs it, so tests handed out one by one set it up on both workers
+# (test_memorymodel_tp.py's torchrun measurement ran twice, 71 and 73 s).
+ONE_WORKER_MODULES = ("test_memorymodel_tp.py",)
+
+
+def work_unit(nodeid: str) -> str:
+    """What the scheduler hands to one worker at once: the Slurm tests together, each module of
+    `ONE_WORKER_MODULES` whole, every other test alone."""
+    module = Path(nodeid.split("::")[0]).name
+    if module.startswith(SLURM_MODULES):
+        return "slurm"
+    return module if module in ONE_WORKER_MODULES else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -60,11 +73,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlurmTestsTogether(LoadScopeScheduling):
+    # xdist hands out the units with the most tests first (`--loadscope-reorder`, its default): the Slurm tests and
+    # the modules above, then the single tests in collection order (`pytest_collection_modifyitems`).
+    class UnitsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slurm" if Path(nodeid.split("::")[0]).name.startswith(SLURM_MODULES) else nodeid
+            return work_unit(nodeid)
 
-    return SlurmTestsTogether(config, log)
+    return UnitsTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

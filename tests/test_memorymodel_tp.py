@@ -16,9 +16,9 @@ from cona.protocol.job import ModelSpec, ParallelSpec
 from tests.conftest import REPO
 
 WORKER = Path(__file__).resolve().parent / "sp_memory_worker.py"
-pytestmark = pytest.mark.xdist_group("sp-memory")  # one worker runs the module: one measurement, not one per worker
 
 
+# One worker runs this module (`ONE_WORKER_MODULES` in tests/conftest.py): one measurement, not one per worker.
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict[str, int]]:
     out = tmp_path_factory.mktemp("sp-memory")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, pytest_collection_modifyitems
+from tests.conftest import REPO, pytest_collection_modifyitems, work_unit
 from tests.timeline import summarize
 
 
@@ -29,6 +29,17 @@ def test_slow_tests_go_first_and_the_slurm_tests_keep_their_order():
     pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
     assert [i.name for i in items] == ["test_slurm_e2e.py::first", "test_a.py::slow", "test_slurm_e2e.py::second",
                                        "test_faults.py::x", "test_b.py::slow", "test_a.py::fast", "test_b.py::fast"]  # fmt: skip
+
+
+def test_a_module_of_one_shared_measurement_goes_to_one_worker():
+    """Its module-scoped fixture (a torchrun measurement) is then set up once, not once per worker that ran one."""
+    module = "tests/test_memorymodel_tp.py"
+    ids = [f"{module}::test_a_tp_block_saves_what_the_model_says_on_every_rank[tp-none-gpt]",
+           f"{module}::test_a_tp_block_saves_what_the_model_says_on_every_rank[tp-sp-full-bert]",
+           f"{module}::test_sequence_parallelism_saves_less_in_every_recompute_mode"]  # fmt: skip
+    assert len({work_unit(nodeid) for nodeid in ids}) == 1
+    assert work_unit("tests/test_slurm_e2e.py::a") == work_unit("tests/test_faults.py::b[x]") == "slurm"
+    assert work_unit("tests/test_a.py::one") != work_unit("tests/test_a.py::two") != work_unit(ids[0])
 
 
 def test_the_timeline_has_every_phase_of_every_test(tmp_path):
