@@ -10,6 +10,11 @@ and mbs change. At every switch the parameters and AdamW state loaded under the 
 exactly. The losses equal those of a run that never switched within 1e-5: the single-process gbs-16 reference
 before the gbs change, and one process resuming from the same checkpoint with gbs 32 after it. The samples
 consumed are exactly the reference's, none lost or repeated (`audit_samples`), across the gbs change too.
+
+Under sequence parallelism the same checks run on a shorter chain, the one made of what sequence parallelism
+changes, the layouts with tp > 1 and the switches into and out of them:
+
+    dp2·tp2 → dp2·pp2 → dp2·tp2 → tp2·pp2 with gbs 16→32 and mbs 2→4
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ CHAIN = [
     "dp=2,tp=2,pp=1,mbs=2,gbs=16",
     "dp=1,tp=2,pp=2,mbs=4,gbs=32",
 ]
+# The segments of CHAIN with tp = 1 (dp4, dp2·pp2, dp4 mbs 4) train and save the same with sequence parallelism on
+# (it changes nothing there), so the chain above runs them already. This one starts under tp, leaves it for
+# dp2·pp2 and comes back, then switches from tp to tp·pp across the gbs and mbs change: every layout that sequence
+# parallelism changes is trained from scratch, loaded into from a layout without it and saved for one, and loaded
+# from a layout with it.
+SEQUENCE_PARALLEL_CHAIN = [
+    "dp=2,tp=2,pp=1,mbs=2,gbs=16",
+    "dp=2,tp=1,pp=2,mbs=2,gbs=16",
+    "dp=2,tp=2,pp=1,mbs=2,gbs=16",
+    "dp=1,tp=2,pp=2,mbs=4,gbs=32",
+]
 
 
 def _losses(run_dir, attempts) -> dict[int, float]:
@@ -59,12 +75,16 @@ def _assert_same_state(saved: dict, loaded: dict, where: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sequence-parallel"])
-def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_parallel):
+@pytest.mark.parametrize(
+    ("sequence_parallel", "chain"),
+    [(False, CHAIN), (True, SEQUENCE_PARALLEL_CHAIN)],
+    ids=["tp", "tp-sequence-parallel"],
+)
+def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_parallel, chain):
     """With sequence parallelism the tp layouts' norms are DTensors (replicated over tp) and their blocks' inputs
     slices of the sequence: the chain in and out of them loads and trains the same."""
     job = write_job(tmp_path, parallel={"sequence_parallel": sequence_parallel})
-    last_gbs16_step = STEPS_PER_SEGMENT * (len(CHAIN) - 1)
+    last_gbs16_step = STEPS_PER_SEGMENT * (len(chain) - 1)
 
     # The never-switched reference: one process, one layout, the same gbs.
     reference = tmp_path / "reference"
@@ -74,7 +94,7 @@ def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_paral
     assert sorted(expected) == list(range(1, last_gbs16_step + 1))
 
     run = tmp_path / "run"
-    for attempt, strategy in enumerate(CHAIN):
+    for attempt, strategy in enumerate(chain):
         start_step = attempt * STEPS_PER_SEGMENT
         dump = tmp_path / f"loaded-{attempt}"
         result = launch(
@@ -84,7 +104,7 @@ def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_paral
         assert result.exit_code == ExitCode.STOPPED, describe(result)
         if attempt:
             saved = read_checkpoint_tensors(run / "checkpoints" / f"step-{start_step:08d}")
-            _assert_same_state(saved, read_checkpoint_tensors(dump), f"{CHAIN[attempt - 1]} → {strategy}")
+            _assert_same_state(saved, read_checkpoint_tensors(dump), f"{chain[attempt - 1]} → {strategy}")
         if strategy.endswith("gbs=16"):
             got = _losses(run, [attempt])
             for step in range(start_step + 1, start_step + STEPS_PER_SEGMENT + 1):
@@ -98,7 +118,7 @@ def test_switch_chain_matches_a_run_that_never_switched(tmp_path, sequence_paral
     final_step = last_gbs16_step + STEPS_PER_SEGMENT
     single = launch(after, nproc=0, strategy="dp=1,mbs=8,gbs=32", job=job, max_steps=final_step)
     assert single.exit_code == ExitCode.STOPPED, describe(single)
-    got, want = _losses(run, [len(CHAIN) - 1]), _losses(after, [0])
+    got, want = _losses(run, [len(chain) - 1]), _losses(after, [0])
     for step in range(last_gbs16_step + 1, final_step + 1):
         assert got[step] == pytest.approx(want[step], abs=1e-5), f"after the gbs change: step {step}"
 
