@@ -52,10 +52,11 @@ def k8s():
 # among them (its quick Slurm run). A scheduler of our own, not `xdist_group` markers: xdist 3.8 groups by renaming
 # `item._nodeid`, which pytest 9 no longer reads, so the markers alone would let two Slurm tests run at once.
 SLURM_MODULES = ("test_slurm_", "test_faults.py")
-# A module whose tests all read one costly module-scoped fixture is one unit of work as well: a worker sets such a
+# A module whose tests share a costly module-scoped fixture is one unit of work as well: a worker sets such a
 # fixture up for the first of its tests that needs it, so tests handed out one by one set it up on both workers
-# (test_memorymodel_tp.py's torchrun measurement ran twice, 71 and 73 s).
-ONE_WORKER_MODULES = ("test_memorymodel_tp.py",)
+# (test_memorymodel_tp.py's torchrun measurement ran twice, 71 and 73 s; test_trainer_families.py's one-process
+# references are shared by its parallel layouts).
+ONE_WORKER_MODULES = ("test_memorymodel_tp.py", "test_trainer_families.py")
 
 
 def work_unit(nodeid: str) -> str:

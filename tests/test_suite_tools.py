@@ -1,5 +1,5 @@
-"""The suite's own machinery (tests/conftest.py): the slow tests are collected first, and `CONA_TEST_TIMELINE`
-records each test phase with its worker."""
+"""The suite's own machinery (tests/conftest.py): the slow tests are collected first, the modules that share a
+costly fixture go to one worker, and `CONA_TEST_TIMELINE` records each test phase with its worker."""
 
 from __future__ import annotations
 
@@ -31,13 +31,16 @@ def test_slow_tests_go_first_and_the_slurm_tests_keep_their_order():
                                        "test_faults.py::x", "test_b.py::slow", "test_a.py::fast", "test_b.py::fast"]  # fmt: skip
 
 
-def test_a_module_of_one_shared_measurement_goes_to_one_worker():
-    """Its module-scoped fixture (a torchrun measurement) is then set up once, not once per worker that ran one."""
+def test_a_module_with_a_costly_shared_fixture_goes_to_one_worker():
+    """Its module-scoped fixture (a torchrun measurement, one-process references) is then set up once, not once per
+    worker that ran one of its tests."""
     module = "tests/test_memorymodel_tp.py"
     ids = [f"{module}::test_a_tp_block_saves_what_the_model_says_on_every_rank[tp-none-gpt]",
            f"{module}::test_a_tp_block_saves_what_the_model_says_on_every_rank[tp-sp-full-bert]",
            f"{module}::test_sequence_parallelism_saves_less_in_every_recompute_mode"]  # fmt: skip
     assert len({work_unit(nodeid) for nodeid in ids}) == 1
+    families = "tests/test_trainer_families.py::test_pipelines_match_one_process"
+    assert work_unit(f"{families}[llama-gqa-tp2-pp2-gpipe]") == work_unit(f"{families}[llama-uneven-pp3-1f1b]")
     assert work_unit("tests/test_slurm_e2e.py::a") == work_unit("tests/test_faults.py::b[x]") == "slurm"
     assert work_unit("tests/test_a.py::one") != work_unit("tests/test_a.py::two") != work_unit(ids[0])
 

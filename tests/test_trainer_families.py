@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 from cona.protocol.rundir import ExitCode
 
@@ -27,6 +30,28 @@ def test_tiny_preset_trains_and_validation_loss_falls(tmp_path, preset):
     assert evals[-1]["val_perplexity"] == pytest.approx(2.718281828 ** last, rel=1e-6)
 
 
+# One worker runs this module (ONE_WORKER_MODULES, tests/conftest.py): each reference runs once, not per worker.
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Callable[[str, dict], Path]:
+    """The run directory of one process training `preset` with `model`'s overrides for 3 steps at gbs 16, the
+    reference of the parallel layouts below; one run per (preset, model) for the module. Its job has no `parallel`
+    section: the parallel layouts' (pipeline schedule, sequence parallelism, recompute) change nothing in a world
+    of one, where no pipeline runs, no tp splits the sequence and recompute runs the same ops again."""
+    runs: dict[tuple, Path] = {}
+
+    def run(preset: str, model: dict) -> Path:
+        key = (preset, tuple(sorted(model.items())))
+        if key not in runs:
+            directory = tmp_path_factory.mktemp(f"one-process-{preset}")
+            job = write_job(directory, preset=preset, model=model)
+            single = launch(directory / "run", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
+            assert single.exit_code == ExitCode.STOPPED, describe(single)
+            runs[key] = directory / "run"
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("preset", "strategy", "schedule", "model"),
@@ -43,23 +68,22 @@ def test_tiny_preset_trains_and_validation_loss_falls(tmp_path, preset):
                      id="gpt-uneven-chunks-pp2-interleaved"),
     ],
 )  # fmt: skip
-def test_pipelines_match_one_process(tmp_path, preset, strategy, schedule, model):
+def test_pipelines_match_one_process(tmp_path, one_process, preset, strategy, schedule, model):
     """A tied head (BERT's decoder, a tied GPT head) across the first and last stage, also under tp, llama's kv
     heads split by tp, and stages of unequal size: same losses."""
     job = write_job(tmp_path, preset=preset, parallel={"pipeline_schedule": schedule}, model=model)
-    single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
-    assert single.exit_code == ExitCode.STOPPED, describe(single)
+    single = one_process(preset, model)
     degrees = dict(part.split("=") for part in strategy.split(","))
     nproc = int(degrees["dp"]) * int(degrees["tp"]) * int(degrees["pp"])
     parallel = launch(tmp_path / "parallel", nproc=nproc, strategy=strategy, job=job, max_steps=3)
     assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
     # Stopping at --max-steps is the end the user asked for: torchrun exits 0 and prints no failure dump.
     assert parallel.returncode == 0 and "ChildFailedError" not in parallel.stderr, describe(parallel)
-    want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
+    want, got = step_records(single, 0), step_records(tmp_path / "parallel", 0)
     for step in (1, 2, 3):
         assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step
     start = next(hb for hb in heartbeats(tmp_path / "parallel") if hb.get("event") == "eval")
-    reference = next(hb for hb in heartbeats(tmp_path / "single") if hb.get("event") == "eval")
+    reference = next(hb for hb in heartbeats(single) if hb.get("event") == "eval")
     assert start["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
 
 
@@ -118,12 +142,10 @@ def test_run_directory_defaults_and_bit_identical_reruns(tmp_path):
         pytest.param("tiny-llama", "dp=2,tp=2,pp=1,mbs=2,gbs=16", "selective", id="llama-dp2-tp2-selective"),
     ],
 )  # fmt: skip
-def test_sequence_parallelism_matches_one_process(tmp_path, preset, strategy, recompute):
+def test_sequence_parallelism_matches_one_process(tmp_path, one_process, preset, strategy, recompute):
     job = write_job(tmp_path, preset=preset, parallel={"sequence_parallel": True, "recompute": recompute})
-    single = launch(tmp_path / "single", nproc=0, strategy="dp=1,mbs=16,gbs=16", job=job, max_steps=3)
-    assert single.exit_code == ExitCode.STOPPED, describe(single)
     parallel = launch(tmp_path / "parallel", nproc=4, strategy=strategy, job=job, max_steps=3)
     assert parallel.exit_code == ExitCode.STOPPED, describe(parallel)
-    want, got = step_records(tmp_path / "single", 0), step_records(tmp_path / "parallel", 0)
+    want, got = step_records(one_process(preset, {}), 0), step_records(tmp_path / "parallel", 0)
     for step in (1, 2, 3):
         assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], abs=1e-5), step
