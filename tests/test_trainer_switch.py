@@ -3,16 +3,17 @@
 One run directory goes through a chain of layouts, two optimizer steps each, every segment a new attempt that
 resumes from the previous segment's checkpoint:
 
-    dp4 → dp2·tp2 → dp2·pp2 → dp4 (mbs 4) → dp2·tp2 → tp2·pp2 with gbs 16→32 and mbs 2→4
+    dp2·tp2 → dp2·pp2 → dp4 (mbs 4) → dp2·tp2 → tp2·pp2 with gbs 16→32 and mbs 2→4
 
-which covers (dp4)→(dp2,tp2), (dp2,tp2)→(dp2,pp2), (dp2,pp2)→(dp4) and (tp2,dp2)→(tp2,pp2) together with a gbs
-and mbs change. At every switch the parameters and AdamW state loaded under the new layout equal the saved ones
+which covers (dp2,tp2)→(dp2,pp2), (dp2,pp2)→(dp4), (dp4)→(dp2,tp2) and (tp2,dp2)→(tp2,pp2), mbs changes and a
+gbs change, each switch once (the shortest chain that does: the dp2·tp2 layout is left two ways, so it starts
+there). At every switch the parameters and AdamW state loaded under the new layout equal the saved ones
 exactly. The losses equal those of a run that never switched within 1e-5: the single-process gbs-16 reference
 before the gbs change, and one process resuming from the same checkpoint with gbs 32 after it. The samples
 consumed are exactly the reference's, none lost or repeated (`audit_samples`), across the gbs change too.
 
-Under sequence parallelism the same checks run on a shorter chain, the one made of what sequence parallelism
-changes, the layouts with tp > 1 and the switches into and out of them:
+Under sequence parallelism the same checks run on the chain without its dp4 segment, the layouts that sequence
+parallelism changes (tp > 1) and the switches into and out of them:
 
     dp2·tp2 → dp2·pp2 → dp2·tp2 → tp2·pp2 with gbs 16→32 and mbs 2→4
 """
@@ -34,18 +35,16 @@ except ImportError:  # tests/ is not a package here
 
 STEPS_PER_SEGMENT = 2
 CHAIN = [
-    "dp=4,tp=1,pp=1,mbs=2,gbs=16",
     "dp=2,tp=2,pp=1,mbs=2,gbs=16",
     "dp=2,tp=1,pp=2,mbs=2,gbs=16",
     "dp=4,tp=1,pp=1,mbs=4,gbs=16",
     "dp=2,tp=2,pp=1,mbs=2,gbs=16",
     "dp=1,tp=2,pp=2,mbs=4,gbs=32",
 ]
-# The segments of CHAIN with tp = 1 (dp4, dp2·pp2, dp4 mbs 4) train and save the same with sequence parallelism on
-# (it changes nothing there), so the chain above runs them already. This one starts under tp, leaves it for
-# dp2·pp2 and comes back, then switches from tp to tp·pp across the gbs and mbs change: every layout that sequence
-# parallelism changes is trained from scratch, loaded into from a layout without it and saved for one, and loaded
-# from a layout with it.
+# Sequence parallelism changes nothing where tp = 1, so the dp4 segment would train and save as CHAIN's does. The
+# rest still starts under tp, leaves it for dp2·pp2 and comes back, then switches from tp to tp·pp across the gbs
+# and mbs change: every layout that sequence parallelism changes is trained from scratch, loaded into from a
+# layout without it and saved for one, and loaded from a layout with it.
 SEQUENCE_PARALLEL_CHAIN = [
     "dp=2,tp=2,pp=1,mbs=2,gbs=16",
     "dp=2,tp=1,pp=2,mbs=2,gbs=16",
