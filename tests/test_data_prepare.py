@@ -409,3 +409,20 @@ def test_text_the_tokenizer_leaves_out_is_counted_in_a_warning(tmp_path):
         "tokens.bin; give a tokenizer that covers them if they matter"
     ], result.stderr
     assert json.loads((tmp_path / "out" / "tokens.json").read_text())["dropped_characters"] == 4
+
+
+def test_a_sigterm_whose_raise_python_swallowed_still_stops_the_tokenizer(tmp_path, corpus):
+    """A SIGTERM that landed in an at-fork hook as the worker process started was printed as "Exception ignored" and
+    lost: the run went on and wrote tokens.bin, exit 0. The flag the handler sets first is checked at every chunk
+    and before the final rename, so the partial files go as for a raise that arrived."""
+    from cona.trainer import prepare as prep
+
+    tokenizer_path, docs = corpus
+    out = tmp_path / "out"
+    prep._TERMINATED.set()  # the handler ran; its raise was swallowed
+    try:
+        with pytest.raises(prep._Terminated):
+            prep.prepare(tokenizer_path, docs, out, workers=1, chunk_mb=0.05, progress=False)
+    finally:
+        prep._TERMINATED.clear()
+    assert not out.exists(), sorted(out.iterdir())

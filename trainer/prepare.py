@@ -461,6 +461,7 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
 
             def write_next() -> None:
                 nonlocal total
+                _check_terminated()
                 future, last, done = pending.popleft()
                 ids, left_out = future.result()
                 dropped.update(left_out)
@@ -509,6 +510,7 @@ def prepare(tokenizer_path: Path, input_path: Path | Sequence[Path], out: Path, 
         meta_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         # The old tokens.json goes first: interrupted in between, --out holds a tokens.bin without one, which the
         # trainer refuses, never a token file beside the metadata of another (a uint32 file read as uint16).
+        _check_terminated()  # the last moment a SIGTERM can still leave nothing behind
         meta_path.unlink(missing_ok=True)
         os.replace(tmp, target)
         os.replace(meta_tmp, meta_path)
@@ -750,14 +752,27 @@ class _Terminated(BaseException):  # not Exception: no handler of errors may tak
     partial files, as for Ctrl-C; Python's default action for it ends the process with nothing cleaned up."""
 
 
+_TERMINATED = threading.Event()
+"""Set by `_terminate`: the raise alone can be lost where Python ignores exceptions (a SIGTERM that lands in an
+at-fork hook, as a worker process starts, is printed as "Exception ignored" and the run went on to write tokens.bin)."""
+
+
 def _terminate(signum: int, frame: Any) -> None:
+    _TERMINATED.set()
     raise _Terminated
+
+
+def _check_terminated() -> None:
+    """Raise `_Terminated` for a SIGTERM whose own raise was swallowed (`_TERMINATED`)."""
+    if _TERMINATED.is_set():
+        raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
     import signal
 
     args = parse_args(argv)
+    _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         meta = prepare(args.tokenizer, args.input, args.out, eos=args.eos, workers=args.workers, chunk_mb=args.chunk_mb)
