@@ -381,7 +381,6 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
     if (lost := unlogged_attempts(run_dir, state, events)) is not None:  # else `switches 0` for a run that switched
         print(lost, file=sys.stderr, flush=True)
     switches, aborted = switch_events(events)
-    aborts = {e["attempt"]: e for e in events if e["event"] == "switch-aborted"}
     notices = [e for e in events if e["event"] in NOTICE_EVENTS]
     live = state.live
     current = state.current
@@ -434,7 +433,7 @@ def status_summary(run_dir: RunDir) -> dict[str, Any]:
         # Decided and sent, but the attempt ended without making them (a crash before the switch): not switches.
         "aborted_switches": [
             {"time": e["time"], "from": e["from"], "to": e["to"], "reason": e.get("reason", ""),
-             "aborted": str(aborts[e["attempt"]].get("reason", ""))} for e in aborted
+             "aborted": why} for e, why in aborted
         ],
         "last_decision": state.model.get("last_decision"),
         "reason": reason,

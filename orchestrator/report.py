@@ -296,9 +296,9 @@ def write_report(run_dir: RunDir, *, out_dir: Path | None = None) -> tuple[Path,
         lines.append(f"| {e['attempt']} | {clock(happened_at(e)):.1f} | `{name}` | {mean} | {e.get('reason', '')} |")
     if switches or aborted:
         lines += ["", "## Switch decisions", ""]
-        aborts = {e["attempt"]: e for e in events if e["event"] == "switch-aborted"}
-        for s in sorted(switches + aborted, key=lambda e: e["time"]):
-            why = f"{s.get('reason', '')}" if s in switches else f"aborted, {aborts[s['attempt']].get('reason', '')} (not counted): {s.get('reason', '')}"
+        listed = [(s, s.get("reason", "")) for s in switches]
+        listed += [(s, f"aborted, {how} (not counted): {s.get('reason', '')}") for s, how in aborted]
+        for s, why in sorted(listed, key=lambda item: item[0]["time"]):
             lines.append(f"- {clock(s['time']):.1f} s: `{_short(s['from'])}` → `{_short(s['to'])}` — {why}")
     completed = [e for e in events if e["event"] == "switch-complete"]
     if completed:

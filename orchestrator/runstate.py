@@ -379,17 +379,19 @@ def happened_at(record: dict[str, Any]) -> float:
     return float(record.get("at", record["time"]))
 
 
-def switch_events(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def switch_events(
+    events: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
     """The `switch` events of the switches that went ahead, and those of switches the attempt they were sent to
     ended without making (a crash, a hang, a stop: a `switch-aborted` event of that attempt, which the scheduler
-    logs), each in the file's order. The one reading of which switches a run made, for `cona status`, `cona
+    logs) each with that event's reason, in the file's order. The one reading of which switches a run made, for `cona status`, `cona
     report` and `cona run`'s console: an aborted switch is decided again after the relaunch, and counted with its
     first decision it was listed twice. An attempt is sent at most one switch (the next decision waits for its
     end), so the attempt number pairs them."""
-    aborted = {e["attempt"] for e in events if e.get("event") == "switch-aborted"}
+    aborted = {e["attempt"]: str(e.get("reason", "")) for e in events if e.get("event") == "switch-aborted"}
     switches = [e for e in events if e.get("event") == "switch"]
     return ([e for e in switches if e.get("attempt") not in aborted],
-            [e for e in switches if e.get("attempt") in aborted])  # fmt: skip
+            [(e, aborted[e["attempt"]]) for e in switches if e.get("attempt") in aborted])  # fmt: skip
 
 
 def _usable_events(

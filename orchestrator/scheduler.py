@@ -489,13 +489,12 @@ class Scheduler:
         record = self.run_dir.read_control()
         return record if record is not None and record.command == "stop" and record.attempt is not None else None
 
-    def _drop_unserved_stop(self, attempt: Attempt) -> None:
+    def _drop_unserved_stop(self, attempt: Attempt, record: ExitRecord | None) -> None:
         """`attempt` ended (or went on as the next attempt elsewhere than in place) without serving the stop that
         `cona stop` sent to its trainer while no orchestrator ran (a crash): that stop was for those processes alone
         and ends with them — left in force, it would stop the run after its relaunch's first step. Removed, and
-        said so."""
+        said so. `record`: `attempt`'s exit record."""
         stop = self._addressed_stop()
-        record = self.run_dir.read_exit(attempt.number)
         if stop is None or (record is not None and record.served_stop):
             return
         self.run_dir.control_json.unlink(missing_ok=True)
@@ -506,11 +505,10 @@ class Scheduler:
                   reason=f"attempt {attempt.number}'s trainer ended before it served the stop ({how}); the run goes on")  # fmt: skip
         self._save()
 
-    def _ended_unwatched(self, attempt: Attempt) -> float | None:
-        """When `attempt`'s trainer exited, if that was before this orchestrator took the run up (its exit record's
-        time); None when it ended while watched, or left no record. A run that ended meanwhile ended then, not when
-        an orchestrator came back to see it: the time between trained nothing."""
-        record = self.run_dir.read_exit(attempt.number)
+    def _ended_unwatched(self, record: ExitRecord | None) -> float | None:
+        """When the trainer of an attempt with exit record `record` exited, if that was before this orchestrator took
+        the run up (the record's time); None when it ended while watched, or left no record. A run that ended
+        meanwhile ended then, not when an orchestrator came back to see it: the time between trained nothing."""
         return record.time if record is not None and record.time < self.watching_since else None
 
     def run(self) -> RunState:
@@ -703,8 +701,9 @@ class Scheduler:
     def _handle_end(self, attempt: Attempt, status: AttemptStatus, code: int | None, detail: str) -> Attempt | None:
         log_event(self.run_dir, "attempt-end", attempt=attempt.number, status=status.value, exit_code=code,
                   detail=detail, samples=self.live.samples, step=self.live.step)  # fmt: skip
-        self._drop_unserved_stop(attempt)
-        ended = self._ended_unwatched(attempt)
+        exit_record = self.run_dir.read_exit(attempt.number)  # the attempt has ended: its record is final
+        self._drop_unserved_stop(attempt, exit_record)
+        ended = self._ended_unwatched(exit_record)
         at = {"at": ended} if ended is not None else {}  # END events say when the run ended, if before they were logged
         if status is AttemptStatus.DONE:
             self._finish("done", at=ended)
@@ -714,7 +713,6 @@ class Scheduler:
         if status is AttemptStatus.SWITCHED:
             self.state.restarts_in_row = 0
             requested = self.state.switch_requested
-            exit_record = self.run_dir.read_exit(attempt.number)
             if requested is None and exit_record is not None and exit_record.reason.startswith(HOLD_TIMEOUT_REASON):
                 # The trainer held at a switch point longer than the switch points' wait_s (this orchestrator was
                 # down or slow) and checkpointed there: relaunch at the point under the schedule's strategy.
@@ -746,14 +744,14 @@ class Scheduler:
             # strategy. The reason says which, from what the trainer recorded (`signal SIGUSR1 (4 ranks)`).
             self.state.restarts_in_row = 0
             self._abandon_switch(attempt, why=f"attempt {attempt.number} ended (stopped)", relaunch=True)
-            return self._relaunch(attempt, why=_resume_reason(self.run_dir.read_exit(attempt.number)))
+            return self._relaunch(attempt, why=_resume_reason(exit_record))
         if status is AttemptStatus.DISRUPTED and self.state.hang_cancelled != attempt.number:
             return self._relaunch_disrupted(attempt, detail)
         if status is AttemptStatus.UNSTARTABLE:
             # Relaunching would wait for the same thing again: the user fixes it (the image, a Secret) and resumes.
             self._fail(attempt, f"attempt {attempt.number} could not start: {detail}; once fixed, "
                                 f"{self.backend.resume_hint(detail)}")  # fmt: skip
-        recorded = self.run_dir.read_exit(attempt.number) if status is AttemptStatus.CRASHED else None
+        recorded = exit_record if status is AttemptStatus.CRASHED else None
         if recorded is not None and recorded.exit_code == ExitCode.CONFIG:
             # The trainer refused its input (model.init_from, the data, no loadable checkpoint): every relaunch would
             # refuse it alike, so fail now with the trainer's own line, not after max_restarts backoffs as `exited 2`.
