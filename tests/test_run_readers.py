@@ -526,10 +526,10 @@ def test_a_trainer_that_ended_after_its_orchestrator_is_said_gone_and_not_stoppe
     assert run.read_control() is None
 
     # Alive (this process stands in for the attempt's wrapper), or on another machine: as before.
-    from cona.orchestrator.backends.local.backend import _process_start_time
+    from cona.protocol.procstat import start_time
 
     write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(
-        number=1, strategy=A, backend_id=str(os.getpid()), extra={"start_time": _process_start_time(os.getpid())})]))  # fmt: skip
+        number=1, strategy=A, backend_id=str(os.getpid()), extra={"start_time": start_time(os.getpid())})]))  # fmt: skip
     assert "is gone, but attempt 1's trainer wrote" in status_summary(run)["reason"]
     write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(
         number=1, strategy=A, backend_id=str(gone.pid), extra={"host": "elsewhere"})]))  # fmt: skip

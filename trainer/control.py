@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from cona.protocol import procstat
 from cona.protocol.rundir import ControlRecord, RunDir
 
 
@@ -139,13 +140,9 @@ class ControlState:
 
 
 def _start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid` (field 22 of /proc/pid/stat), None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name (field 2) may hold spaces
-    return None if fields[0] in ("Z", "X") else fields[19]
+    """The kernel's start time of `pid`, None when it is gone or has exited (a zombie is a dead peer here)."""
+    stat = procstat.read(pid)
+    return None if stat is None or stat.exited else stat.start_ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +162,10 @@ class LocalPeers:
         except OSError:
             return cls({})
         for entry in entries:
+            stat = procstat.read(int(entry.name))
+            if stat is None or stat.ppid != parent:
+                continue
             try:
-                stat = (entry / "stat").read_text()
-                if int(stat[stat.rfind(")") + 2 :].split()[1]) != parent:
-                    continue
                 env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
             except (OSError, ValueError, IndexError):
                 continue

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from cona.protocol import procstat
 from cona.protocol.cliargs import OptionParser
 from cona.protocol.rundir import (
     CrashRecord,
@@ -115,17 +116,6 @@ def write_refusal(run_dir: RunDir, attempt: int, error: ConfigError | NotRegular
     run_dir.write_exit(attempt, record)
 
 
-def _process_start_time() -> float | None:
-    """When this process started (time.time() scale), from /proc; None where there is no /proc."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        ticks = int(stat[stat.rfind(")") + 2 :].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
-        return None
-
-
 def _die_with_torchrun() -> None:
     """Have the kernel SIGKILL this worker when torchrun, its parent, dies.
 
@@ -150,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _die_with_torchrun()
 
-    startup: dict[str, float | None] = {"process_start": _process_start_time(), "main_start": time.time()}
+    startup: dict[str, float | None] = {"process_start": procstat.wall_start_time(), "main_start": time.time()}
     restrict_umask()  # launched by hand or by Slurm, not only under `cona run`
     args = parse_args(argv)
     try:

@@ -33,6 +33,7 @@ from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, Bac
 from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
+from cona.protocol import procstat
 from cona.protocol.rundir import NotRegularFile, RunDir, describe_crashes, open_regular
 from cona.protocol.strategy import Strategy
 
@@ -98,29 +99,9 @@ def machine_memory_bytes() -> int | None:
     return min(total, int(limit)) if limit.isdigit() else total
 
 
-def _process_start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid` (field 22 of /proc/pid/stat), to tell a reused PID from ours."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields after the closing parenthesis are fixed.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else None
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (children, grandchildren, ...), from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+    children = procstat.children()
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -167,13 +148,8 @@ def crash_cause(run_dir: RunDir, attempt: int, log: Path) -> str | None:
     return f"rank {root[0]} exited {root[1]}" if root is not None else None
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (an exited child not yet reaped still has a /proc entry)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+process_alive = procstat.alive
+"""Whether a process exists and has not exited (tests and the fault replay ask it too)."""
 
 
 class LocalBackend(Backend):
@@ -359,7 +335,7 @@ class LocalBackend(Backend):
             backend_id=str(proc.pid),
             started_at=time.time(),
             # The host: its PID and start time mean something only in this machine's process table (`gone`).
-            extra={"start_time": _process_start_time(proc.pid), "host": socket.gethostname(), "log": str(log), **chosen},
+            extra={"start_time": procstat.start_time(proc.pid), "host": socket.gethostname(), "log": str(log), **chosen},
         )
 
     supports_in_place_switch = True
@@ -386,7 +362,7 @@ class LocalBackend(Backend):
         if not process_alive(pid):
             return False
         recorded = attempt.extra.get("start_time")
-        return recorded is None or recorded == _process_start_time(pid)
+        return recorded is None or recorded == procstat.start_time(pid)
 
     def gone(self, attempt: Attempt) -> bool:
         """Whether the attempt's wrapper process is gone (or its PID now another process's): torchrun and its workers
@@ -473,10 +449,10 @@ class LocalBackend(Backend):
         # torchrun starts each worker in a session of its own, so signalling the wrapper's group reaches the shell
         # and torchrun only. Note the workers first: once torchrun is gone they belong to init, and a worker stuck
         # in a collective (a hang is why most cancels happen) ignores the SIGTERM that torchrun forwards.
-        tree = {p: _process_start_time(p) for p in _descendants(pid)}
+        tree = {p: procstat.start_time(p) for p in _descendants(pid)}
 
         def still_ours(p: int) -> bool:  # alive, and not a new process that got a recycled PID
-            return process_alive(p) and _process_start_time(p) == tree[p]
+            return process_alive(p) and procstat.start_time(p) == tree[p]
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
