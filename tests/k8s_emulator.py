@@ -78,6 +78,8 @@ class Emulator:
         self._thread = threading.Thread(target=self._run, name="kmock", daemon=True)
         self._controller: JobController | None = None
         self._arrived: list[Any] = []
+        self.pod_logs: dict[str, str] = {}
+        """What a pod's container printed, by pod name, for pods no process runs for (`make_pods`)."""
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -133,13 +135,17 @@ class Emulator:
         return self
 
     def _pod_log(self, request: Any) -> bytes:
-        """The last `tailLines` lines of an emulated pod's output (empty for a pod no process ran for)."""
+        """The last `tailLines` lines of an emulated pod's output: `pod_logs`, else its process's (empty for a pod
+        no process ran for)."""
         pod = request.url.path.rstrip("/").split("/")[-2]
         controller = self._controller
         found = [p for j in (controller.jobs.values() if controller else []) for p in j.pods if p.name == pod]
-        if not found or not found[0].log.exists():
+        if pod in self.pod_logs:
+            lines = self.pod_logs[pod].encode().splitlines(keepends=True)
+        elif not found or not found[0].log.exists():
             return b""
-        lines = found[0].log.read_bytes().splitlines(keepends=True)
+        else:
+            lines = found[0].log.read_bytes().splitlines(keepends=True)
         tail = request.url.query.get("tailLines")
         return b"".join(lines[-int(tail) :] if tail else lines)
 

@@ -598,3 +598,25 @@ def test_the_kubernetes_client_is_imported_only_when_the_backend_is_built():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_rank_killed_by_a_signal_is_named_from_the_pods_logs(k8s, setup):
+    """A rank killed by a signal writes no crash record: the crash line said only that the Job failed. Each pod's
+    torchrun ends its log with its summary; the pods' logs are saved into the attempt's directory when the crash is
+    seen (as `release` saves them), and the summary that saw the failure first names the rank and the signal."""
+    from tests.test_local_backend import torchrun_summary
+
+    backend, run_dir, _ = setup
+    attempt = _launch(backend)
+    pods = k8s.make_pods("exp1-a1", NS, phase="Failed", exit_codes=[1, 1])
+    k8s.set_job_status("exp1-a1", NS, conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}])
+    plain = backend.poll(attempt).detail
+    assert plain == "the Job failed (BackoffLimitExceeded); trainer exit code 1"  # no logs: as before
+    k8s.pod_logs[pods[0]] = "step 7\n" + torchrun_summary(rank=0, code=1, at="20:41:05")
+    k8s.pod_logs[pods[1]] = "step 7\n"
+    assert backend.poll(attempt).detail == f"{plain}: rank 0 exited 1"  # no signal, no record: torchrun's root
+    k8s.pod_logs[pods[1]] = "step 7\n" + torchrun_summary(rank=9, code=-9, at="20:41:04")
+    outcome = backend.poll(attempt)
+    assert (outcome.status, outcome.detail) == (AttemptStatus.CRASHED, f"{plain}: rank 9 killed by SIGKILL")
+    assert (run_dir.attempt_dir(1) / f"pod-{pods[1]}.log").read_text() == k8s.pod_logs[pods[1]]
+

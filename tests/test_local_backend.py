@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
 from cona.orchestrator.backends.base import AttemptStatus
+from cona.orchestrator.backends.crashcause import torchrun_root_cause
 from cona.orchestrator.backends.local import LocalBackend
 from cona.protocol.rundir import RunDir
 from cona.protocol.strategy import Strategy
@@ -204,6 +206,15 @@ Root Cause (first observed failure):
 """
 
 
+
+
+def torchrun_summary(*, rank: int = 3, code: int = -9, at: str = "20:41:04") -> str:
+    """`SUMMARY` naming `rank` with exit `code` (negative: the signal) as the root cause, seen at `at` on 2026-12-07."""
+    name = f"  ({signal.Signals(-code).name})" if code < 0 else ""
+    text = SUMMARY.format(code=code, signal=name).replace("2026-12-07_20:41:04", f"2026-12-07_{at}")
+    return text.replace("rank      : 3 (local_rank: 3)", f"rank      : {rank} (local_rank: {rank % 4})")
+
+
 class CrashingBackend(LocalBackend):
     """Prints `text` (torchrun's output) and exits 1, as torchrun does when a worker failed."""
 
@@ -240,3 +251,30 @@ def test_a_crash_names_the_rank_that_died_and_of_what(tmp_path):
         outcome = _wait(backend, backend.launch(attempt=number, strategy=STRATEGY))
         assert outcome.status is AttemptStatus.CRASHED and outcome.exit_code == 1, outcome
         assert outcome.detail == detail, (number, outcome)
+
+
+def test_of_several_nodes_summaries_the_failure_seen_first_is_the_root_cause(tmp_path):
+    """A multi-node attempt (Slurm, Kubernetes) has one log per node, each ending with its own torchrun's summary:
+    the root cause is the failure seen first, a signal before an exit code in the same second (the killed rank's
+    peers fail of its loss); a log without a summary, or none at all, says nothing."""
+
+    def root(*texts: str | None) -> tuple[int, int] | None:
+        logs = []
+        for index, text in enumerate(texts):
+            logs.append(tmp_path / f"node-{index}.log")
+            logs[-1].unlink(missing_ok=True)
+            if text is not None:
+                logs[-1].write_text(text)
+        found = torchrun_root_cause(logs)
+        return (found.rank, found.exit_code) if found is not None else None
+
+    consequence = torchrun_summary(rank=0, code=1, at="20:41:05")
+    killed = torchrun_summary(rank=6, code=-9, at="20:41:04")
+    assert root(consequence, killed) == (6, -9)
+    assert root(torchrun_summary(rank=0, code=1, at="20:41:04"), killed) == (6, -9)  # the same second
+    assert root(torchrun_summary(rank=0, code=1, at="20:41:03"), killed) == (0, 1)  # seen a second before
+    assert root("training\n", None, killed) == (6, -9)
+    assert root("training\n", None) is None
+    # One log with two summaries (a step run again after a requeue appends to it): the last one.
+    assert root(torchrun_summary(rank=1, code=-15, at="20:40:00") + "requeued\n" + consequence) == (0, 1)
+    assert torchrun_root_cause([]) is None and torchrun_root_cause([tmp_path / "missing.log"]) is None

@@ -786,3 +786,29 @@ def test_a_crash_names_the_rank_that_died_and_of_what(env):
     assert outcome.detail == "exit 1 in job 101: rank 2: ValueError: injected on one rank"
     _exit(run, 1, attempt.extra["submission"], 43, "stop")  # no crash: the records are not said
     assert backend.poll(attempt).detail == "exit 43 in job 101"
+
+
+def test_a_rank_killed_by_a_signal_is_named_from_the_step_node_logs(env):
+    """A rank killed by a signal writes no crash record: the crash line said only `exit 137 in job 101: a node's
+    trainer crashed`. The job-side helper ends each node's log (`node-<i>.log` of the attempt that started the step)
+    with its torchrun's summary; the one that saw the failure first names the rank and the signal, as locally."""
+    from tests.test_local_backend import torchrun_summary
+
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.jobs["101"] = _job("101", "RUNNING")
+    _exit(run, 1, attempt.extra["submission"], 137, "exit", detail="a node's trainer crashed")
+    plain = "exit 137 in job 101: a node's trainer crashed"
+    assert backend.poll(attempt).detail == plain  # no log
+    (run.attempt_dir(1) / "node-0.log").write_text("step 7\n")
+    assert backend.poll(attempt).detail == plain  # a log without a summary
+    (run.attempt_dir(1) / "node-0.log").write_text("step 7\n" + torchrun_summary(rank=0, code=1, at="20:41:05"))
+    (run.attempt_dir(1) / "node-1.log").write_text(torchrun_summary(rank=3, code=-9, at="20:41:04"))
+    outcome = backend.poll(attempt)
+    assert (outcome.status, outcome.detail) == (AttemptStatus.CRASHED, f"{plain}: rank 3 killed by SIGKILL")
+
+    # The step's processes went on in place as attempt 2: its logs stay in attempt 1's directory.
+    second = backend.continued(attempt, number=2, strategy=S4)
+    _exit(run, 2, attempt.extra["submission"], 137, "exit", detail="a node's trainer crashed")
+    assert backend.poll(second).detail == f"{plain}: rank 3 killed by SIGKILL"
+

@@ -866,3 +866,38 @@ def test_helper_next_reads_the_launch_records_once_per_look(tmp_path, monkeypatc
     monkeypatch.setattr(helper.glob, "glob", glob_that_sees_the_hand_off_appear)
     code = helper.cmd_next(["--run-dir", str(run), "--submission", "mine", "--after", "1", "--timeout", "5"])
     assert code == 0 and capsys.readouterr().out.split()[0] == "2"
+
+
+def test_the_agent_ends_its_node_log_with_torchruns_summary(tmp_path, monkeypatch, capsys):
+    """The agent catches torchrun's failure to record the node's exit code, so torchrun's summary (which rank died,
+    of what signal) was never printed and the crash line could not name a rank killed by a signal. It prints it, as
+    torchrun does when nobody catches it: the orchestrator reads it at the end of the node's log."""
+    pytest.importorskip("torch")
+    import signal
+
+    import torch.distributed.run
+    from cona.orchestrator.backends.crashcause import torchrun_root_cause
+    from torch.distributed.elastic.multiprocessing import api as elastic_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def torchrun(args):
+        raise ChildFailedError("cona.trainer", {3: ProcessFailure(local_rank=1, pid=4321, exitcode=-9,
+                                                                  error_file=str(tmp_path / "none.json"))})  # fmt: skip
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun)
+    # What the agent changes in its process, put back for the rest of this one.
+    monkeypatch.setattr(elastic_api, "_terminate_process_handler", elastic_api._terminate_process_handler)
+    for name in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        assert helper.cmd_agent(["--node-dir", str(tmp_path), "--", "--nnodes=2"]) == 128 + 9
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    log = tmp_path / "node-1.log"
+    log.write_text("step 7\n" + capsys.readouterr().err)
+    root = torchrun_root_cause([log])
+    assert root is not None and (root.rank, root.exit_code) == (3, -9), log.read_text()
+    assert json.loads((tmp_path / "1.json").read_text())["ranks"] == {"3": 137}

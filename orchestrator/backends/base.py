@@ -10,12 +10,14 @@ import abc
 import dataclasses
 import enum
 import time
+from pathlib import Path
 from typing import Any
 
+from cona.orchestrator.backends.crashcause import crash_cause
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.orchestrator.switchcost import SwitchKind
-from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir, describe_crashes
+from cona.protocol.rundir import ExitCode, LaunchRecord, RunDir
 from cona.protocol.strategy import Strategy
 
 
@@ -252,13 +254,20 @@ class Backend(abc.ABC):
         run grows when the policy says it pays); None when the backend cannot tell (then it never grows)."""
         return None
 
+    def crash_logs(self, attempt: Attempt) -> list[Path]:
+        """The logs of `attempt` that end with torchrun's failure summary when a worker failed, one per node (the
+        local `torchrun.log`, Slurm's `node-<i>.log`, Kubernetes' `pod-<name>.log`): `crashcause.crash_cause`
+        reads which rank died of what there. Default: none."""
+        return []
+
     def with_crash_cause(self, attempt: Attempt, outcome: Outcome) -> Outcome:
-        """`outcome` with the rank that died and of what (`describe_crashes` of the attempt's crash records) added to
-        a crash's detail: the cluster says a job or pod failed, the ranks' own records say why. Unchanged for any
-        other status, or where no rank left a record (a signal, a lost node)."""
+        """`outcome` with the rank that died and of what (`crashcause.crash_cause`: a signal torchrun's summary in
+        `crash_logs` names, else the attempt's crash records) added to a crash's detail: the cluster says a job or
+        pod failed, torchrun and the ranks' own records say why. Unchanged for any other status, or where nothing
+        says (no summary and no record: a lost node)."""
         if outcome.status is not AttemptStatus.CRASHED:
             return outcome
-        said = describe_crashes(self.run_dir.read_crashes(attempt.number))
+        said = crash_cause(self.run_dir, attempt.number, self.crash_logs(attempt))
         return dataclasses.replace(outcome, detail=f"{outcome.detail}: {said}") if said else outcome
 
     def gone(self, attempt: Attempt) -> bool:

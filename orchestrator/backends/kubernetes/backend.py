@@ -660,13 +660,11 @@ class KubernetesBackend(Backend):
             return Outcome(AttemptStatus.PENDING, None, "no pods yet")
         return Outcome(AttemptStatus.RUNNING)
 
-    def release(self, attempt: Attempt) -> None:
-        """Save each pod's log tail into the attempt's directory (the pods' output lives nowhere else), delete the
-        workload and wait up to `RELEASE_WAIT_S` until it is gone."""
+    def _save_logs(self, attempt: Attempt) -> None:
+        """Save the last `LOG_TAIL_LINES` of each of the attempt's pods' trainer container into the attempt's
+        directory (`pod-<name>.log`): the pods' output lives nowhere else, and goes with them."""
         kind = self._kind(attempt)
-        workload = self._workload(kind)
-        name = attempt.backend_id
-        pods = self._pods(workload, name)
+        pods = self._pods(self._workload(kind), attempt.backend_id)
         core, _ = self._apis()
         directory = self.run_dir.attempt_dir(attempt.number)
         for pod in pods:
@@ -674,6 +672,24 @@ class KubernetesBackend(Backend):
                              self.namespace, container=kind.container, tail_lines=LOG_TAIL_LINES, missing_ok=True)  # fmt: skip
             if isinstance(log, str) and log:
                 (directory / f"pod-{pod.metadata.name}.log").write_text(log)
+
+    def crash_logs(self, attempt: Attempt) -> list[Path]:
+        """The pods' logs, saved now (`_save_logs`, as `release` saves them after the crash line is said), each
+        ending with its pod's torchrun summary when a worker failed. A log that cannot be read goes without: it
+        only explains the crash."""
+        try:
+            self._save_logs(attempt)
+        except (BackendError, OSError) as e:
+            self._warn(f"{e}; the crash line goes without the pods' logs")
+        return sorted(self.run_dir.attempt_dir(attempt.number).glob("pod-*.log"))
+
+    def release(self, attempt: Attempt) -> None:
+        """Save each pod's log tail into the attempt's directory (`_save_logs`), delete the workload and wait up to
+        `RELEASE_WAIT_S` until it is gone."""
+        kind = self._kind(attempt)
+        workload = self._workload(kind)
+        name = attempt.backend_id
+        self._save_logs(attempt)
         self.cancel(attempt)
         # Foreground deletion keeps the workload until its pods are deleted: once it is gone, so are they.
         deadline = time.monotonic() + RELEASE_WAIT_S

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import math
 import os
-import re
 import shlex
 import signal
 import socket
@@ -30,11 +29,12 @@ import time
 from pathlib import Path
 
 from cona.orchestrator.backends.base import Attempt, AttemptStatus, Backend, BackendError, Outcome
+from cona.orchestrator.backends.crashcause import crash_cause
 from cona.orchestrator.elastic import is_elastic, node_range, nodes_of, table_choice
 from cona.orchestrator.job import Job
 from cona.orchestrator.profile import ClusterProfile
 from cona.protocol import procstat
-from cona.protocol.rundir import NotRegularFile, RunDir, describe_crashes, open_regular
+from cona.protocol.rundir import RunDir, open_regular
 from cona.protocol.strategy import Strategy
 
 EXIT_CODE_FILE = "exit_code"
@@ -108,44 +108,6 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
-
-
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\n(?:.*\n){0,6}?\s*rank\s*:\s*(\d+)[^\n]*\n"
-                         r"\s*exitcode\s*:\s*(-?\d+)")
-_LOG_TAIL = 1 << 16
-"""torchrun's failure summary ends its output: the log's last 64 KiB hold it."""
-
-
-def torchrun_root_cause(log: Path) -> tuple[int, int] | None:
-    """(rank, exit code) of the worker torchrun names as the root cause of a failed attempt ("Root Cause (first
-    observed failure)" of its summary at the end of `log`; a negative code is the signal that killed it), or None
-    when the log has no summary. torchrun is the one process that knows how each worker ended: a worker killed by a
-    signal leaves no record of its own."""
-    try:
-        with open_regular(log) as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - _LOG_TAIL))
-            text = f.read().decode(errors="replace")
-    except (OSError, NotRegularFile):  # the detail of a crash line, not worth failing the run over
-        return None
-    found = list(_ROOT_CAUSE.finditer(text))
-    return (int(found[-1][1]), int(found[-1][2])) if found else None
-
-
-def crash_cause(run_dir: RunDir, attempt: int, log: Path) -> str | None:
-    """Which rank of `attempt` died of what, in a few words, or None when nothing says: a rank killed by a signal
-    (torchrun's root cause, `rank 3 killed by SIGKILL`), else the exception the earliest rank recorded
-    (`CrashRecord`, `rank 3: ValueError: …`), else the root cause's exit code."""
-    root = torchrun_root_cause(log)
-    if root is not None and root[1] < 0:
-        try:
-            name = signal.Signals(-root[1]).name
-        except ValueError:
-            name = f"signal {-root[1]}"
-        return f"rank {root[0]} killed by {name}"
-    recorded = describe_crashes(run_dir.read_crashes(attempt))
-    if recorded is not None:
-        return recorded
-    return f"rank {root[0]} exited {root[1]}" if root is not None else None
 
 
 process_alive = procstat.alive
@@ -364,6 +326,10 @@ class LocalBackend(Backend):
         recorded = attempt.extra.get("start_time")
         return recorded is None or recorded == procstat.start_time(pid)
 
+    def crash_logs(self, attempt: Attempt) -> list[Path]:
+        """torchrun's output, in the directory of the attempt that started the processes (`launched_as`)."""
+        return [self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number))) / "torchrun.log"]
+
     def gone(self, attempt: Attempt) -> bool:
         """Whether the attempt's wrapper process is gone (or its PID now another process's): torchrun and its workers
         end before it. Not told for an attempt launched on another machine (a `cona status` from another host of a
@@ -426,7 +392,7 @@ class LocalBackend(Backend):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
         launched = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number)))
-        cause = functools.partial(crash_cause, self.run_dir, attempt.number, launched / "torchrun.log")
+        cause = functools.partial(crash_cause, self.run_dir, attempt.number, self.crash_logs(attempt))
         try:
             with open_regular(launched / EXIT_CODE_FILE) as file:
                 code = int(file.read().strip())

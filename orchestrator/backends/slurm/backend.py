@@ -1045,6 +1045,14 @@ class SlurmBackend(Backend):
         return sum(1 for node, state in states.items()
                    if not node_is_down(state) and "drain" not in state and (node in held or state.startswith("idle")))  # fmt: skip
 
+    def crash_logs(self, attempt: Attempt) -> list[Path]:
+        """The step's output, one `node-<i>.log` per node (the batch script's `srun --output`), in the directory of
+        the attempt that started the step (`launched_as`); the job-side helper ends each with its node's torchrun
+        summary when a worker failed."""
+        directory = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number)))
+        logs = [path for path in directory.glob("node-*.log") if path.stem[5:].isdigit()]
+        return sorted(logs, key=lambda path: int(path.stem[5:]))
+
     def cancel(self, attempt: Attempt) -> None:
         if not attempt.backend_id:
             return

@@ -369,6 +369,10 @@ def cmd_agent(argv):
         try:
             torchrun_main(torchrun_args)
         except ChildFailedError as e:
+            # torchrun's summary of the failure (which rank, what exit code or signal), as torchrun prints it when
+            # nobody catches it: it ends this node's log, where the orchestrator reads the crash's cause from.
+            sys.stderr.write(f"{type(e).__module__}.{type(e).__name__}: {e}\n")
+            sys.stderr.flush()
             first_rank, first = e.get_first_failure()
             code = _code_of(first.exitcode)
             ranks = {str(r): _code_of(f.exitcode) for r, f in e.failures.items()}
