@@ -620,3 +620,44 @@ def test_a_rank_killed_by_a_signal_is_named_from_the_pods_logs(k8s, setup):
     assert (outcome.status, outcome.detail) == (AttemptStatus.CRASHED, f"{plain}: rank 9 killed by SIGKILL")
     assert (run_dir.attempt_dir(1) / f"pod-{pods[1]}.log").read_text() == k8s.pod_logs[pods[1]]
 
+
+def test_gone_tells_an_ended_attempt_by_read_only_gets(k8s, setup, tmp_path):
+    """`cona status` and `cona stop` of a run whose orchestrator is gone ask `gone`: a workload that is gone, has
+    finished or failed, or whose pods have all ended (none to be replaced), is gone; one with a pod running, to come
+    or replacing a disrupted one is not, nor any when the API server cannot be reached. Only GETs."""
+    backend, run_dir, _ = setup
+
+    def attempt_with(number: int, *, phase: str | None = None, codes: list[int] | None = None,
+                     conditions: list[dict] | None = None, job: str | None = None) -> Attempt:  # fmt: skip
+        attempt = _launch(backend, attempt=number)
+        if phase is not None:
+            k8s.make_pods(attempt.backend_id, NS, phase=phase, exit_codes=codes, conditions=conditions)
+        if job is not None:
+            k8s.set_job_status(attempt.backend_id, NS, conditions=[{"type": job, "status": "True"}])
+        return attempt
+
+    disrupted = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+    cases = [
+        (attempt_with(1), False),  # no pods yet
+        (attempt_with(2, phase="Running"), False),
+        (attempt_with(3, phase="Failed", codes=[1, 1]), True),  # the Job controller adds Failed moments later
+        (attempt_with(4, phase="Failed", codes=[137, 137], conditions=disrupted), False),  # replaced, not counted
+        (attempt_with(5, phase="Failed", codes=[1, 1], job="Failed"), True),
+        (attempt_with(6, phase="Succeeded", codes=[0, 0], job="Complete"), True),
+    ]
+    deleted = attempt_with(7, phase="Running")
+    backend.cancel(deleted)
+    cases.append((deleted, True))
+    asked = len(k8s.backend_requests())
+    before = sorted(p.relative_to(run_dir.root) for p in run_dir.root.rglob("*"))
+    for attempt, expected in cases:
+        assert backend.gone(attempt) is expected, attempt.number
+    assert {method for method, _ in k8s.backend_requests()[asked:]} == {"GET"}
+    assert sorted(p.relative_to(run_dir.root) for p in run_dir.root.rglob("*")) == before
+
+    configuration = client.Configuration(host="http://127.0.0.1:9")  # discard port: nothing listens
+    configuration.retries = 0
+    unreachable = KubernetesBackend(run_dir=run_dir, profile=_profile(tmp_path / "runs"),
+                                    api_client=client.ApiClient(configuration))  # fmt: skip
+    assert unreachable.gone(cases[-1][0]) is False
+    assert backend.gone(Attempt(number=8, strategy=TWO_NODES)) is False  # never launched

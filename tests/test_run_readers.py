@@ -545,6 +545,45 @@ def test_a_trainer_that_ended_after_its_orchestrator_is_said_gone_and_not_stoppe
     assert code == 0 and "is stopped already" in out and run.read_control() is None, out
 
 
+def test_a_slurm_trainer_that_ended_after_its_orchestrator_is_said_gone(tmp_path, capsys, monkeypatch):
+    """As on the local backend, with the job's state from Slurm (`SlurmBackend.gone`): a job that crashed after its
+    orchestrator was killed was shown as a trainer that "may train on unattended" for the heartbeat timeout, and
+    `cona stop` wrote a stop the next resume served. A job Slurm still runs, or a Slurm that does not answer: as
+    before."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    answer = bin_dir / "scontrol.out"
+
+    def clients(scontrol: str) -> None:
+        answer.write_text(scontrol)
+        for name, body in (("scontrol", f"cat '{answer}'; grep -q JobId= '{answer}' || exit 1"),
+                           ("sacct", "echo 'sacct: error: Slurm accounting storage is disabled' >&2; exit 1")):  # fmt: skip
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = make_run(tmp_path, profile=PROFILES / "local-slurm.yaml")
+    write_state(run, RunState(status="running", attempts_started=1, attempts=[Attempt(
+        number=1, strategy=A, backend_id="101", extra={"submission": "s1"})]))  # fmt: skip
+    run.lock.write_text("4345")
+    write_beats(run, 1, [beat()])  # written just now
+
+    clients("slurm_load_jobs error: Invalid job id specified\n")  # ended and purged
+    summary = status_summary(run)
+    assert summary["status"] == "not running", summary
+    assert "and so is attempt 1's trainer (its processes are gone, without an exit record)" in summary["reason"]
+    code, out, _ = cona(["stop", str(run.root)], capsys)
+    assert code == 0 and "attempt 1's trainer is gone too" in out and "no stop command written" in out, out
+    assert run.read_control() is None
+    clients("JobId=101 JobName=r JobState=FAILED Reason=NonZeroExitCode Restarts=0 ExitCode=1:0 NodeList=n1\n")
+    assert status_summary(run)["status"] == "not running"
+
+    for scontrol in ("JobId=101 JobName=r JobState=RUNNING Reason=None Restarts=0 ExitCode=0:0 NodeList=n[1-2]\n",
+                     "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"):  # fmt: skip
+        clients(scontrol)
+        assert "is gone, but attempt 1's trainer wrote" in status_summary(run)["reason"], scontrol
+
+
 def test_a_run_without_a_lock_file_or_on_kubernetes_is_not_judged_by_the_lock(tmp_path, capsys):
     """No orchestrator.lock: none ever ran here, or it cannot be told; a Kubernetes run is kept apart by a Lease in
     the API, not by this file. Both are shown and stopped as before."""

@@ -812,3 +812,49 @@ def test_a_rank_killed_by_a_signal_is_named_from_the_step_node_logs(env):
     _exit(run, 2, attempt.extra["submission"], 137, "exit", detail="a node's trainer crashed")
     assert backend.poll(second).detail == f"{plain}: rank 3 killed by SIGKILL"
 
+
+def test_gone_tells_an_ended_job_by_read_only_queries(env):
+    """`cona status` and `cona stop` of a run whose orchestrator is gone ask `gone`: a job Slurm says finished, or
+    no longer knows (and accounting does not say it runs), is gone; a job queued, running or requeued is not, nor
+    one whose state Slurm does not answer. Nothing is submitted, cancelled or written."""
+    backend, fake, run = env
+    attempt = backend.launch(attempt=1, strategy=S4)
+    fake.calls.clear()
+    before = sorted(p.relative_to(run.root) for p in run.root.rglob("*"))
+    cases = [
+        (_job("101", "RUNNING"), None, False),
+        (_job("101", "PENDING", reason="Priority"), None, False),
+        (_job("101", "PENDING", restarts=1, reason="BeginTime"), None, False),  # requeued: its trainer runs again
+        (_job("101", "COMPLETING"), None, False),
+        (_job("101", "FAILED", exit_code="1:0"), None, True),
+        (_job("101", "CANCELLED", exit_code="0:15"), None, True),
+        (_job("101", "NODE_FAIL"), None, True),
+        (None, None, True),  # purged from slurmctld (Invalid job id), no accounting
+        (None, "101|COMPLETED|0:0|n[1-2]\n", True),
+        (None, "101|RUNNING|0:0|n[1-2]\n", False),  # slurmctld forgot it, accounting says it runs: cannot tell
+    ]
+    for job, sacct, expected in cases:
+        fake.jobs.pop("101", None)
+        if job is not None:
+            fake.jobs["101"] = job
+        fake.sacct, backend._use_sacct = sacct, None
+        assert backend.gone(attempt) is expected, (job, sacct)
+    assert {call[0] for call in fake.calls} <= {"scontrol", "sacct"}, fake.calls
+    assert sorted(p.relative_to(run.root) for p in run.root.rglob("*")) == before
+
+    def answers(rc: int, out: str = "", err: str = "", *, raises: BaseException | None = None):
+        def runner(argv, env=None):
+            if raises is not None:
+                raise raises
+            return _cp(rc, out, err)
+
+        return runner
+
+    for runner in (answers(1, err="slurm_load_jobs error: Socket timed out on send/recv operation"),
+                   answers(0, out=""),  # an answer that names no job: not taken for a purged one
+                   answers(0, raises=subprocess.TimeoutExpired(["scontrol"], 30)),
+                   answers(0, raises=FileNotFoundError("scontrol")),
+                   answers(0, raises=PermissionError("scontrol"))):  # fmt: skip
+        backend._runner = runner
+        assert backend.gone(attempt) is False
+    assert backend.gone(Attempt(number=1, strategy=S4)) is False  # never submitted

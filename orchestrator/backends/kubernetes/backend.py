@@ -683,6 +683,28 @@ class KubernetesBackend(Backend):
             self._warn(f"{e}; the crash line goes without the pods' logs")
         return sorted(self.run_dir.attempt_dir(attempt.number).glob("pod-*.log"))
 
+    def gone(self, attempt: Attempt) -> bool:
+        """Whether the attempt's trainer has ended, told by read-only GETs: its workload is gone, or finished (its
+        success or failure condition), or every pod of it has ended (Succeeded or Failed: the Job controller adds
+        the condition moments later) and none is to be replaced — not a disrupted pod, which the Job replaces
+        without counting a failure, nor any pod of a kind whose Jobs retry failed pods (`retries_pods`). False
+        while a pod runs or may come, and whenever the API server cannot be reached or refuses."""
+        if not attempt.backend_id:
+            return False
+        try:
+            kind = self._kind(attempt)
+            workload = self._workload(kind)
+            conditions = workload.conditions(attempt.backend_id)
+            if conditions is None:
+                return True
+            if true_condition(conditions, kind.succeeded) or true_condition(conditions, kind.failed):
+                return True
+            pods = [] if kind.retries_pods else self._pods(workload, attempt.backend_id)
+        except (BackendError, ValueError):  # no API server, no credentials, a kind this version does not know
+            return False
+        ended = all(pod.status is not None and pod.status.phase in ("Succeeded", "Failed") for pod in pods)
+        return bool(pods) and ended and self._disruption(pods) is None
+
     def release(self, attempt: Attempt) -> None:
         """Save each pod's log tail into the attempt's directory (`_save_logs`), delete the workload and wait up to
         `RELEASE_WAIT_S` until it is gone."""

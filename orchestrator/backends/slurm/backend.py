@@ -546,16 +546,21 @@ class SlurmBackend(Backend):
 
             log_event(self.run_dir, "cpu-shortage", attempt=attempt.number, detail=warning)
 
-    def job_info(self, job_id: str) -> SlurmJobInfo | None:
-        """The job as slurmctld knows it (None once it has been purged, MinJobAge after its end)."""
+    def job_info(self, job_id: str, *, strict: bool = False) -> SlurmJobInfo | None:
+        """The job as slurmctld knows it (None once it has been purged, MinJobAge after its end). `strict`: None
+        only when Slurm says so (`Invalid job id`); an answer that names no job is a SlurmError too."""
         if not job_id:
             return None
         result = self._cmd(["scontrol", "show", "job", "-o", str(job_id)])
+        unknown = "Invalid job id" in (result.stderr + result.stdout)
         if result.returncode != 0:
-            if "Invalid job id" in (result.stderr + result.stdout):
+            if unknown:
                 return None
             raise SlurmError(f"scontrol show job {job_id} failed: {(result.stderr or result.stdout).strip()}")
-        return parse_scontrol_job(result.stdout)
+        info = parse_scontrol_job(result.stdout)
+        if info is None and strict and not unknown:
+            raise SlurmError(f"scontrol show job {job_id} named no job: {result.stdout.strip()[:80]!r}")
+        return info
 
     def accounting(self, job_id: str) -> SlurmJobInfo | None:
         """The job's final record from sacct, or None without accounting."""
@@ -1052,6 +1057,21 @@ class SlurmBackend(Backend):
         directory = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number)))
         logs = [path for path in directory.glob("node-*.log") if path.stem[5:].isdigit()]
         return sorted(logs, key=lambda path: int(path.stem[5:]))
+
+    def gone(self, attempt: Attempt) -> bool:
+        """Whether the attempt's job has ended, told by read-only queries: `scontrol show job` says it finished
+        (COMPLETED, FAILED, CANCELLED, TIMEOUT, NODE_FAIL, ...) or no longer knows it (purged from the queue) and
+        `sacct`, where the cluster keeps accounting, does not say it is queued or running. A job pending again
+        (requeued) is not gone: its trainer runs again. False whenever Slurm does not answer."""
+        if not attempt.backend_id:
+            return False
+        try:
+            # Strict: `cona stop` writes no stop for a trainer said gone, so an answer that cannot be read is not
+            # taken for a job that is gone.
+            info = self.job_info(attempt.backend_id, strict=True) or self.accounting(attempt.backend_id)
+        except (SlurmError, OSError, subprocess.SubprocessError):  # slurmctld down or busy, no clients: cannot tell
+            return False
+        return info is None or not info.alive
 
     def cancel(self, attempt: Attempt) -> None:
         if not attempt.backend_id:
