@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,8 @@ def test_a_crashed_worker_a_disrupted_pod_and_a_deleted_pod_are_relaunched_from_
     state = k8s_run.finish()
     ends = k8s_run.events("attempt-end")
     assert [(e["attempt"], e["status"]) for e in ends[:3]] == [(1, "crashed"), (2, "disrupted"), (3, "stopped")], ends
+    # The killed worker is named from the pods' logs (torchrun's summary), not only "the Job failed".
+    assert re.search(r"^the Job failed \(.*\); trainer exit code 1: rank [01] killed by SIGKILL$", ends[0]["detail"]), ends[0]
     assert ends[1]["detail"] == f"pod {evicted}: EvictionByEvictionAPI (Eviction API: evicting)", ends[1]
     assert [e["attempt"] for e in k8s_run.events("failure")] == [1]  # the crash only: not the eviction or deletion
     assert [(e["attempt"], e["detail"]) for e in k8s_run.events("disruption")] == [(2, ends[1]["detail"])]
