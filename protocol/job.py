@@ -368,6 +368,15 @@ class ParallelSpec(StrictModel):
     - `full`: keep only each block's input and recompute the whole block in backward (one extra forward).
 
     Old files' `activation_checkpointing: true/false` still load, as `full`/`none`."""
+    collective_timeout_s: float = Field(600.0, ge=10)
+    """The longest a trainer rank waits in one collective (all-reduce, a pipeline send, a checkpoint's agreement)
+    for its peers once training has started. A peer that hangs (SIGSTOP, a deadlock) or whose node is lost without
+    closing its connections then ends the others with a crash record naming the failed collective, after this
+    long instead of torch's default (30 minutes under gloo); a peer that dies outright ends them at once. It must
+    exceed the longest skew between ranks: a checkpoint's shards on slow storage, rank 0 pruning old checkpoints.
+    The start-up (the process group's rendezvous) is not bounded by it: `policy.startup_timeout_s` watches that.
+    Under `cona run` the orchestrator's `policy.heartbeat_timeout_s` usually ends a hung attempt first; this bounds
+    the wait where nothing watches (a trainer started by hand, an orchestrator that is gone)."""
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from cona.protocol.checkpoint_record import checkpoint_problem
 from cona.protocol.heartbeat_record import HeartbeatEvent
 from cona.protocol.rundir import COMPLETE_MARKER, TRAINER_STATE, RunDir, atomic_write_json, is_checkpoint_name
+from cona.trainer.distributed import communication_error
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -200,7 +201,9 @@ def save_checkpoint(
     A failure on any rank, in any of the three phases, is agreed by all of them (`_agree`) before the next
     collective: a rank that raised alone would leave the others waiting in a collective it never enters until the
     heartbeat timeout, or would meet them in a different one. Every rank then raises the same CheckpointSaveError,
-    and rank 0 removes the partial directory."""
+    and rank 0 removes the partial directory. A communication error (a peer gone or hung) is not agreed on: the
+    group is broken, so each rank that meets one raises CommunicationError at once (`_unless_broken`), and no
+    marker is written."""
     rank = dist.get_rank()
     path = run_dir.checkpoint_dir(step)
     device = _device(parts)
@@ -223,7 +226,7 @@ def save_checkpoint(
         # collective, on that rank alone.
         writer = FileSystemWriter(str(target))
     except Exception as e:
-        error = e
+        error = _unless_broken(e)
     _agree(run_dir, target, error, device)  # also the barrier: rank 0 made the directory before anyone writes to it
     # 2. DCP gathers a failure of any rank's planner or writer into a CheckpointException (a BaseException) on all.
     try:
@@ -235,8 +238,8 @@ def save_checkpoint(
         if rank == 0:
             atomic_write_json(target / TRAINER_STATE, trainer_state)
         own = {p.name: file_crc32(p) for p in target.iterdir() if _shard_rank(p.name) == rank}
-    except (Exception, CheckpointException) as e:
-        error = e
+    except (Exception, CheckpointException) as e:  # a peer lost inside DCP's collectives is no storage error
+        error = _unless_broken(e)
     _agree(run_dir, target, error, device)  # every rank's shards are on storage before the marker says so
     sums: list[dict[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(sums, own)
@@ -253,7 +256,7 @@ def save_checkpoint(
             if resave:
                 _swap_in(target, path)
     except Exception as e:
-        error = e
+        error = _unless_broken(e)
     _agree(run_dir, target, error, device)
     if rank == 0:
         prune_checkpoints(run_dir, keep=keep, newest=path)
@@ -330,6 +333,19 @@ def recover_resaves(run_dir: RunDir) -> list[str]:
             if leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
     return restored
+
+
+def _unless_broken(error: BaseException) -> BaseException:
+    """`error`, for `_agree` to share; but a communication error (a peer died or hung inside DCP's collectives) is
+    raised at once as a CommunicationError: the process group is broken, and the agreement's collective would fail
+    a second time, naming no cause, or hang where the survivors meet in different collectives (one still in DCP's
+    gather, the others in the agreement) until the groups' timeout. The partial directory is left for the next
+    save or resume to clear: removed now, it would fail the writes of ranks that do not know yet, each with an
+    error of its own."""
+    broken = communication_error(error)
+    if broken is not None:
+        raise broken from error
+    return error
 
 
 def _agree(run_dir: RunDir, path: Path, error: BaseException | None, device: torch.device) -> None:

@@ -13,7 +13,9 @@ under torchrun a thread watches for the signal (`signal.set_wakeup_fd` wakes it 
 once SIGTERM has come, a trainer process of this node that is gone means the world is broken — no collective of the
 graceful stop can complete — and the rank exits at once (`LocalPeers`). A preemption, which signals live ranks, is
 not touched: they checkpoint and exit STOPPED as before. Exiting there never makes a checkpoint look whole: the
-COMPLETE marker is written by rank 0 only after every rank has agreed that its shards are written.
+COMPLETE marker is written by rank 0 only after every rank has agreed that its shards are written. A peer on another
+node, or a hung one, is not seen here: the collective then fails (at once, or after `parallel.collective_timeout_s`)
+and the rank ends as a crash without a checkpoint (`cona.trainer.distributed.CommunicationError`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ size does not fit the strategy, 2 bad input (one line on stderr saying what to f
 normal end: the process exits 0 and the exit record says STOPPED (`cona.protocol.rundir.process_exit_status`).
 torchrun itself exits 1 when a worker exits non-zero: read `attempts/<n>/exit.json` or the last heartbeat
 (`event: exit`) for the code. A rank that an exception ends without an exit record writes `attempts/<n>/crash-<rank>.json`
-(`cona.protocol.rundir.CrashRecord`) for the orchestrator's crash line.
+(`cona.protocol.rundir.CrashRecord`) for the orchestrator's crash line. A collective that fails because a peer died
+or hung (`cona.trainer.distributed.CommunicationError`) ends the rank at once with exit 1, that record and one line,
+without a checkpoint: no collective can follow on the broken group.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from cona.trainer.checkpoint import CheckpointSaveError
     from cona.trainer.control import ControlState
-    from cona.trainer.distributed import init_distributed
+    from cona.trainer.distributed import communication_error, init_distributed
     from cona.trainer.train import Trainer, TrainingDiverged
 
     env = init_distributed()
@@ -239,11 +241,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cona trainer: error: training diverged: {e}", file=sys.stderr, flush=True)
         status = 1
     except Exception as e:
-        # Unexplained: this rank's own record of what ended it, for the orchestrator's crash line (`rank 3:
-        # ValueError: …`); torchrun's summary names only an exit code. The traceback follows in the log.
+        broken = communication_error(e)
+        if broken is None:
+            # Unexplained: this rank's own record of what ended it, for the orchestrator's crash line (`rank 3:
+            # ValueError: …`); torchrun's summary names only an exit code. The traceback follows in the log.
+            with contextlib.suppress(OSError):
+                run_dir.write_crash(attempt, CrashRecord.of(env.rank, e))
+            raise
+        # A peer died or hung in a collective: no save, no exit record (nothing collective can follow on a broken
+        # group), only this rank's crash record and one line; a crash (exit 1), relaunched from the last complete
+        # checkpoint. The SIGTERM watcher leaves the rank to end so: it is on its way out, its record being written.
+        control.ending = True
         with contextlib.suppress(OSError):
-            run_dir.write_crash(attempt, CrashRecord.of(env.rank, e))
-        raise
+            run_dir.write_crash(attempt, CrashRecord.of(env.rank, broken))
+        print(f"cona trainer: error: rank {env.rank}: {broken}", file=sys.stderr, flush=True)
+        status = 1
     finally:
         # FSDP2's state and the DTensors of a trainer sit in reference cycles that hold the process groups. Left to
         # the interpreter's teardown, the groups are destroyed there, and a rank can abort after a clean exit record

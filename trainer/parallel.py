@@ -36,7 +36,14 @@ from cona.protocol.job import JobSpec
 from cona.protocol.strategy import Strategy
 from cona.protocol.yamlconfig import ConfigError
 from cona.trainer.data import IGNORE_INDEX
-from cona.trainer.distributed import MESH_DIMS, DistEnv, build_mesh, check_layout, num_virtual_stages
+from cona.trainer.distributed import (
+    MESH_DIMS,
+    DistEnv,
+    bound_collectives,
+    build_mesh,
+    check_layout,
+    num_virtual_stages,
+)
 from cona.trainer.fsdp import apply_fsdp
 from cona.trainer.gradstats import AdamView, GradStats, local_tensor
 from cona.trainer.model import Transformer, build_model, lm_loss_sum, materialize, prune_to_stage
@@ -116,6 +123,9 @@ class ParallelModel:
         if job.model.tie_embeddings and strategy.pp > 1:
             self._tied_group = tied_embedding_group(self.mesh, num_stages=self.num_stages, rank=env.rank)
             self.tied_params = tied_parameters(self.parts, self.stage_ids, num_stages=self.num_stages)
+        # The world's group too: it is created before any job is read, and this model trains on it.
+        bound_collectives([dist.distributed_c10d._get_default_group(), *self.own_process_groups()],
+                          job.parallel.collective_timeout_s)  # fmt: skip
 
     # Construction ---------------------------------------------------------------------------------------------
 

@@ -48,13 +48,16 @@ from cona.protocol.yamlconfig import ConfigError
 from cona.trainer import checkpoint as ckpt
 from cona.trainer.control import Action, ControlState, decide
 from cona.trainer.data import Batcher, Corpus
-from cona.trainer.distributed import DistEnv, check_layout
+from cona.trainer.distributed import DistEnv, check_layout, communication_error
 from cona.trainer.heartbeat import HeartbeatWriter, StepRecord
 from cona.trainer.parallel import ParallelModel
 from torch.profiler import record_function
 
 PROGRESS_INTERVAL_S = 10.0
 HOLD_HEARTBEAT_S = 5.0
+HOLD_ROUND_S = 1.0
+"""The longest the other ranks wait in one all-reduce of a hold for rank 0's news (`Trainer._hold`): far below
+`parallel.collective_timeout_s`, and the most a signal that reached only them waits to end the hold."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -251,6 +254,11 @@ class Trainer:
             except ckpt.CheckpointLoadError as e:  # a corrupt shard: every rank must fall back together
                 failed, data = str(e), None
             except Exception as e:
+                # A peer lost in the load's collectives says nothing of this checkpoint: falling back to an older one
+                # would start another collective on the broken group (`communication_error`).
+                broken = communication_error(e)
+                if broken is not None:
+                    raise broken from e
                 failed, data = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
             flag = torch.tensor([1.0 if failed else 0.0], device=self.env.device)
             dist.all_reduce(flag)
@@ -365,18 +373,22 @@ class Trainer:
 
         Rank 0 says where it stands (a `hold` heartbeat: the orchestrator decides from heartbeats) and polls
         control.json; the others wait in the all-reduce that then shares the command, the signal flags and whether
-        the wait timed out, as a step's does. A signal ends the wait at once (a preemption must not wait for a
-        decision). A `hold` heartbeat every HOLD_HEARTBEAT_S shows a restarted orchestrator a live trainer, not a
-        hung one. A `checkpoint` command (a user's `cona checkpoint`) is served here and the hold goes on: it is no
+        the wait timed out, as a step's does, once a command comes and at least every HOLD_ROUND_S (a round with
+        none goes on holding). A signal ends the wait at once on rank 0, within a round on the others (a preemption
+        must not wait for a decision). A `hold` heartbeat every HOLD_HEARTBEAT_S shows a restarted orchestrator a
+        live trainer, not a hung one. A `checkpoint` command (a user's `cona checkpoint`) is served here and the hold goes on: it is no
         decision, and training on would move the switch off its step. No decision within `wait_s` returns SWITCH
         with `self._hold_timed_out` set: the trainer checkpoints at the point and exits for a relaunch there
         (`HOLD_TIMEOUT_REASON`), never training past it under the old strategy."""
         reason = f"switch point reached at samples {self.state.samples}"
         started = time.monotonic()
+        beat = -math.inf
         while True:
             command, timed_out = Action.NONE, False
             if self.is_rank0:
-                beat = -math.inf
+                # In rounds of HOLD_ROUND_S: the others wait in the all-reduce below meanwhile, and no collective may
+                # wait longer than `parallel.collective_timeout_s` (a decision may take minutes).
+                round_end = time.monotonic() + HOLD_ROUND_S
                 while not self.control.signalled:
                     if time.monotonic() - beat >= HOLD_HEARTBEAT_S:
                         self._heartbeat(event=HeartbeatEvent.HOLD, reason=reason)
@@ -386,6 +398,8 @@ class Trainer:
                         break
                     if time.monotonic() - started > self.switch_points.wait_s:
                         timed_out = True
+                        break
+                    if time.monotonic() >= round_end:
                         break
                     time.sleep(0.05)
             vector = torch.tensor([float(command), *self._signal_flags(), 1.0 if timed_out else 0.0],
@@ -397,10 +411,13 @@ class Trainer:
             if action == Action.CHECKPOINT:  # served without ending the hold (`_act` would settle the decision)
                 self._checkpoint(requested=True)
                 self._checkpointed_in_hold = True
+                beat = -math.inf  # the checkpoint's heartbeat came last: say at once that the hold goes on
                 continue
             if action == Action.NONE and timed_out_v > 0:
                 self._hold_timed_out = True
                 return Action.SWITCH
+            if action == Action.NONE:  # a round without a decision
+                continue
             return action
 
     def _signal_flags(self) -> tuple[float, float]:
