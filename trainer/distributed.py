@@ -86,8 +86,10 @@ def bound_collectives(groups: list[dist.ProcessGroup], timeout_s: float) -> None
     start minutes apart (imports from a shared filesystem, a corpus read), which the orchestrator's
     `policy.startup_timeout_s` watches."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    # The public name where torch has it (newer releases deprecate the private one), the private one before.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_timeout(timeout, group)
 
 
 @dataclasses.dataclass
