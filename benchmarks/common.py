@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -25,8 +24,31 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+_AT_START = {"git_commit": _git_commit(), "load_average": _load_average()}
+"""The commit and load when the benchmark started (this module is imported first): a run of many minutes in a shared
+checkout wrote, at its end, the commit that someone had made meanwhile, not the code that ran."""
+
+
 def machine() -> dict[str, Any]:
-    """The machine and software a result was measured on."""
+    """The machine and software a result was measured on: the commit checked out and the load average when the
+    benchmark started (`git_commit`, `load_average`), and both again when it wrote its result where they differ
+    (`git_commit_at_end`; `load_average_at_end` always, the load being what changes)."""
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
@@ -39,8 +61,8 @@ def machine() -> dict[str, Any]:
         info["cpu_model"] = names[0] if names else None
     except OSError:
         info["cpu_model"] = None
-    with contextlib.suppress(OSError):
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_average"] = _AT_START["load_average"]
+    info["load_average_at_end"] = _load_average()
     try:
         import torch
 
@@ -48,12 +70,10 @@ def machine() -> dict[str, Any]:
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
         pass
-    try:
-        info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        info["git_commit"] = None
+    info["git_commit"] = _AT_START["git_commit"]
+    now = _git_commit()
+    if now != info["git_commit"]:
+        info["git_commit_at_end"] = now
     return info
 
 
@@ -212,7 +232,10 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         table.add_column(Text(column), justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
-    console = Console(width=width)
+    # At least `width`, and as wide as the table needs: a narrower console cut headers ("static@1024/c…", the
+    # standard batch's column) and wrapped cells over two lines.
+    needed = Console(width=100_000).measure(table).maximum
+    console = Console(width=max(width, needed))
     console.print(Text(title))  # above the table, not wrapped to its width
     console.print(table)
 

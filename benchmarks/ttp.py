@@ -725,6 +725,15 @@ def bounded_ratio(stats: dict[str, Any], digits: int = 2) -> str:
     return ("?" if low and high else "≥" if low else "≤" if high else "") + fmt_ratio(stats, digits)
 
 
+def mean_s(stats: dict[str, Any]) -> str:
+    """A mean time over seeds, with how many seeds it is over when some never reached the target (`3 of 4`): the
+    mean of the others alone, printed bare, read as every seed's."""
+    per_seed = stats.get("per_seed") or []
+    reached = sum(v is not None for v in per_seed)
+    shown = fmt_s(stats.get("mean"))
+    return shown if stats.get("mean") is None or reached == len(per_seed) else f"{shown} ({reached} of {len(per_seed)} seeds)"
+
+
 def print_summary(workload: str, summary: dict[str, Any], results: list[dict[str, Any]]) -> None:
     targets = summary["targets"]
     gbs_values = sorted(int(g) for g in results[0]["fixed"])
@@ -741,8 +750,8 @@ def print_summary(workload: str, summary: dict[str, Any], results: list[dict[str
     for target in targets:
         p = summary["per_target"][str(target)]
         ttp = p["ttp_s"]
-        rows.append([f"{target:.2f}", *(fmt_s(ttp["static"][str(g)]["mean"]) for g in gbs_values),
-                     fmt_s(ttp["best_fixed"]["mean"]), fmt_s(ttp["cona"]["mean"]), fmt_s(ttp["oracle"]["mean"])])
+        rows.append([f"{target:.2f}", *(mean_s(ttp["static"][str(g)]) for g in gbs_values),
+                     mean_s(ttp["best_fixed"]), mean_s(ttp["cona"]), mean_s(ttp["oracle"])])
     print_table(f"{workload}: modeled time to target, mean over seeds {seeds} (static@g: the fastest layout at gbs g)",
                 ["target loss", *(f"static@{g}" for g in gbs_values), "best fixed", "cona", "oracle"], rows)
     rows = []
@@ -803,7 +812,7 @@ def plot(workload: str, results: list[dict[str, Any]], targets: list[float], pat
     ax.set_yscale("log")
     ax.set_xlabel("validation loss")
     ax.set_ylabel("preset samples")
-    ax.set_title("noise scale (seed 0)")
+    ax.set_title(f"noise scale (seed {r['seed']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -821,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=list(SCENARIOS), default=None,
                         help="a shipped (profile, preset) pair; results go to ttp[-quick]-<scenario>.json "
                              "(default: the reference pair, ttp[-quick].json)")
-    parser.add_argument("--profile", default=None, help="cluster profile (default: the scenario's)")
+    parser.add_argument("--profile", default=None, help="cluster profile (default: the scenario's; another one's results go to "
+                             "ttp[-quick]-<profile>-<preset>.json)")
     parser.add_argument("--preset", default=None, help="the full-size job whose times are charged (default: the scenario's)")
     parser.add_argument("--restart-s", type=float, default=20.0,
                         help="modeled restart part of a switch: process start, rendezvous, model build (s)")
@@ -856,8 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario_profile, scenario_preset = SCENARIOS[args.scenario or "reference"]
     args.profile = args.profile or scenario_profile
     args.preset = args.preset or scenario_preset
-    if args.out is None and args.scenario not in (None, "reference"):
-        args.out = f"ttp{'-quick' if args.quick else ''}-{args.scenario}.json"
+    if args.out is None:
+        args.out = default_out(args.quick, args.scenario, args.profile, args.preset)
     # `is None`, not `or`: an empty --seeds "" was taken as "the defaults" and started training.
     names = names_arg(parser, "--workloads", ("gpt" if args.quick else "gpt,llama,bert") if args.workloads is None
                       else args.workloads, list(WORKLOADS))  # fmt: skip
@@ -888,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results = map_workers(run_workload_seed, settings, jobs=args.jobs)
     wall = time.time() - started
-    out = results_path(args.out or ("ttp-quick.json" if args.quick else "ttp.json"))
+    out = results_path(args.out)
     raw = out.with_name(out.name + ".raw")
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"wall_s": wall, "results": results}, default=str))  # kept if the summary fails
@@ -906,9 +916,25 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     for r in results:
         r.pop("cluster", None)
-    path = finish(report, args.out or ("ttp-quick.json" if args.quick else "ttp.json"))
+    path = finish(report, args.out)
     raw.unlink(missing_ok=True)
     return 0 if path else 1
+
+
+def default_out(quick: bool, scenario: str | None, profile: str, preset: str) -> str:
+    """The JSON a run writes without `--out`: `ttp[-quick].json` for the reference pair, `ttp[-quick]-<scenario>.json`
+    for another shipped scenario, and named after the profile and preset (their file stems) when either is not the
+    scenario's — such a run wrote the shipped results of the scenario it was not (`--profile X` alone overwrote
+    `ttp-quick.json`)."""
+    scenario_profile, scenario_preset = SCENARIOS[scenario or "reference"]
+    def same(a: str, b: str) -> bool:  # relative to the repository, with ./, or absolute alike
+        return (REPO / a).resolve() == (REPO / b).resolve()
+
+    if not same(profile, scenario_profile) or not same(preset, scenario_preset):
+        parts = [Path(profile).stem, Path(preset).stem]
+    else:
+        parts = [scenario] if scenario not in (None, "reference") else []
+    return "-".join(["ttp" + ("-quick" if quick else ""), *parts]) + ".json"
 
 
 def _previous_runs(path: str, *, args: argparse.Namespace, names: list[str], seeds: list[int]
