@@ -368,7 +368,7 @@ class ParallelSpec(StrictModel):
     - `full`: keep only each block's input and recompute the whole block in backward (one extra forward).
 
     Old files' `activation_checkpointing: true/false` still load, as `full`/`none`."""
-    collective_timeout_s: float = Field(600.0, ge=10)
+    collective_timeout_s: float = Field(600.0, ge=10, le=7 * 24 * 3600)
     """The longest a trainer rank waits in one collective (all-reduce, a pipeline send, a checkpoint's agreement)
     for its peers once training has started. A peer that hangs (SIGSTOP, a deadlock) or whose node is lost without
     closing its connections then ends the others with a crash record naming the failed collective, after this
@@ -376,7 +376,8 @@ class ParallelSpec(StrictModel):
     exceed the longest skew between ranks: a checkpoint's shards on slow storage, rank 0 pruning old checkpoints.
     The start-up (the process group's rendezvous) is not bounded by it: `policy.startup_timeout_s` watches that.
     Under `cona run` the orchestrator's `policy.heartbeat_timeout_s` usually ends a hung attempt first; this bounds
-    the wait where nothing watches (a trainer started by hand, an orchestrator that is gone)."""
+    the wait where nothing watches (a trainer started by hand, an orchestrator that is gone). At most a week (604,800
+    s): a larger number overflowed the timeout's conversion when the trainer built its model, minutes in."""
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -183,6 +183,11 @@ BAD_JOBS = [
     ("name: x\nmodel:\npreset: tiny-gpt\n", "'preset' at the top level after an empty 'model:' section; indent it under 'model:'"),
     ("model: {preset: tiny-gpt}\noptimizer:\nlr: 0.001\nmin_lr: 0.0001\n",
      "'lr', 'min_lr' at the top level after an empty 'optimizer:' section; indent them under 'optimizer:'"),
+    # A timeout past a week overflowed its conversion in the trainer, minutes into the run.
+    ("model: {preset: tiny-gpt}\nparallel: {collective_timeout_s: 1.0e15}\n",
+     "field 'parallel.collective_timeout_s': Input should be less than or equal to 604800"),
+    ("model: {preset: tiny-gpt}\nparallel: {collective_timeout_s: 5}\n",
+     "field 'parallel.collective_timeout_s': Input should be greater than or equal to 10"),
     # Past 2**53 the cost model's float arithmetic overflows (a traceback from 1e309 on).
     ("model: {preset: tiny-gpt, vocab_size: 100000000000000000000}\n", "field 'model.vocab_size': too large (at most 9e+15)"),
 ]
