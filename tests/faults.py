@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cona.orchestrator.backends.local.backend import process_alive
+from cona.protocol.procstat import alive as process_alive
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = {"local": REPO / "slurm" / "profiles" / "local-cpu.yaml", "slurm": REPO / "slurm" / "profiles" / "local-slurm.yaml"}

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cona.orchestrator.backends.local.backend import process_alive
 from cona.orchestrator.job import load_job
 from cona.orchestrator.runstate import read_events, read_state
+from cona.protocol.procstat import alive as process_alive
 from cona.protocol.rundir import RunDir
 from cona.protocol.samples_log import audit_samples
 

@@ -56,9 +56,11 @@ def _trainer(tmp_path: Path, **job_sections: dict) -> Trainer:
     return Trainer(job=job, strategy=ONE, run_dir=RunDir(run), attempt=0, env=init_distributed(), corpus=load_corpus(job))
 
 
-def _collectives_after(monkeypatch, broken: list[bool]) -> list[str]:
-    """The names of the collectives started once `broken[0]` is set (the injected failure happened)."""
+def _peer_lost_in(monkeypatch, dcp_call: str) -> list[str]:
+    """Make DCP's `dcp_call` ("save", "load") raise gloo's error for a lost peer; returns the names of the
+    collectives started after it (filled as they start)."""
     started: list[str] = []
+    broken = [False]
     for name in COLLECTIVES:
         real = getattr(dist, name)
 
@@ -68,6 +70,12 @@ def _collectives_after(monkeypatch, broken: list[bool]) -> list[str]:
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(dist, name, counting)
+
+    def lost(*args, **kwargs):
+        broken[0] = True
+        raise RuntimeError(PEER_GONE)
+
+    monkeypatch.setattr(ckpt.dcp, dcp_call, lost)
     return started
 
 
@@ -79,14 +87,7 @@ def test_a_save_that_loses_a_peer_starts_no_collective_after_it(tmp_path, monkey
     trainer = _trainer(tmp_path)
     trainer.resume()
     trainer.step()
-    broken = [False]
-
-    def save(*args, **kwargs):
-        broken[0] = True
-        raise RuntimeError(PEER_GONE)
-
-    started = _collectives_after(monkeypatch, broken)
-    monkeypatch.setattr(ckpt.dcp, "save", save)
+    started = _peer_lost_in(monkeypatch, "save")
     with pytest.raises(CommunicationError, match=r"Connection closed by peer \[127\.0\.0\.1\]:3468; nothing was saved"):
         trainer.save()
     assert started == []
@@ -102,14 +103,7 @@ def test_a_resume_that_loses_a_peer_does_not_fall_back_to_an_older_checkpoint(tm
     trainer.save()  # step 0
     trainer.step()
     trainer.save()  # step 1
-    broken = [False]
-
-    def load(*args, **kwargs):
-        broken[0] = True
-        raise RuntimeError(PEER_GONE)
-
-    started = _collectives_after(monkeypatch, broken)
-    monkeypatch.setattr(ckpt.dcp, "load", load)
+    started = _peer_lost_in(monkeypatch, "load")
     again = _trainer(tmp_path)
     with pytest.raises(CommunicationError, match="Connection closed by peer"):
         again.resume()
@@ -124,14 +118,8 @@ def test_a_peer_lost_in_a_step_ends_the_rank_as_a_crash_in_one_line(tmp_path, mo
     def step(self):
         raise RuntimeError(PEER_GONE)
 
-    monkeypatch.setattr(Trainer, "step", step)
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    job = helpers.write_job(tmp_path)
-    status = main(["--run-dir", str(run.root), "--job", str(job), "--strategy", "dp=1,tp=1,pp=1,mbs=4,gbs=16",
-                   "--attempt", "2", "--max-steps", "3"])  # fmt: skip
+    run, argv = helpers.one_rank_main(tmp_path, monkeypatch, step=step, attempt=2, extra=("--max-steps", "3"))
+    status = main(argv)
     assert status == 1
     assert run.read_exit(2) is None
     assert not run.checkpoints.exists() or not any(run.checkpoints.iterdir())

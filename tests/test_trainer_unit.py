@@ -491,23 +491,16 @@ def test_recompute_modes_give_the_same_loss_and_gradients(preset):
 def test_a_rank_that_dies_of_an_exception_records_it_for_the_crash_line(tmp_path, monkeypatch):
     """torchrun's summary gives a raising rank's exit code only (`exitcode 1`): the rank writes what ended it,
     `attempts/<n>/crash-<rank>.json`, for the orchestrator's crash line; a traceback follows as before."""
-    from cona.protocol.rundir import RunDir, describe_crashes
+    from cona.protocol.rundir import describe_crashes
     from cona.trainer.main import main
-    from cona.trainer.train import Trainer
 
     import tests.trainer_helpers as helpers
 
     def step(self):
         raise ValueError("a bug in step 1\nthe message's last line")
 
-    monkeypatch.setattr(Trainer, "step", step)
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    job = helpers.write_job(tmp_path)
+    run, argv = helpers.one_rank_main(tmp_path, monkeypatch, step=step, attempt=3)
     with pytest.raises(ValueError, match="a bug in step 1"):
-        main(["--run-dir", str(run.root), "--job", str(job), "--strategy", "dp=1,tp=1,pp=1,mbs=4,gbs=16",
-              "--attempt", "3"])  # fmt: skip
+        main(argv)
     assert run.read_exit(3) is None  # no protocol exit: a crash
     assert describe_crashes(run.read_crashes(3)) == "rank 0: ValueError: the message's last line"

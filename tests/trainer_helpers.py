@@ -137,3 +137,19 @@ def describe(result: Launch) -> str:
     """The tail of a failed launch's output, for assertion messages."""
     lines = [line for line in result.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
     return f"returncode={result.returncode} exit={result.exit}\n" + "\n".join(lines[-40:])
+
+
+def one_rank_main(tmp_path: Path, monkeypatch: Any, *, step: Any, attempt: int, extra: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
+    """A fresh run directory and `cona.trainer.main`'s arguments for one rank in this process (no torchrun
+    environment) whose `Trainer.step` is `step`: how a rank ends when its step raises, without launching torchrun."""
+    from cona.protocol.rundir import RunDir
+    from cona.trainer.train import Trainer
+
+    monkeypatch.setattr(Trainer, "step", step)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    job = write_job(tmp_path)
+    return run, ["--run-dir", str(run.root), "--job", str(job), "--strategy", "dp=1,tp=1,pp=1,mbs=4,gbs=16",
+                 "--attempt", str(attempt), *extra]  # fmt: skip

@@ -157,23 +157,18 @@ class LocalPeers:
     def of_this_process(cls) -> LocalPeers:
         """This process's siblings that torchrun made workers of this run (its `TORCHELASTIC_RUN_ID`, a
         `LOCAL_RANK`): not the helper processes it may also have started. Empty where /proc cannot say."""
-        run_id = f"TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID', '')}".encode()
-        parent, found = os.getppid(), {}
-        try:
-            entries = [e for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()]
-        except OSError:
-            return cls({})
-        for entry in entries:
-            stat = procstat.read(int(entry.name))
-            if stat is None or stat.ppid != parent:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+        found: dict[int, tuple[str, str]] = {}
+        for pid in procstat.children().get(os.getppid(), []):
+            if pid == os.getpid():
                 continue
             try:
-                env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
-            except (OSError, ValueError, IndexError):
+                env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+            except (OSError, ValueError):
                 continue
-            started = _start_time(int(entry.name))
-            if started is not None and run_id.split(b"=", 1)[1] == env.get(b"TORCHELASTIC_RUN_ID") and b"LOCAL_RANK" in env:
-                found[int(entry.name)] = (started, f"rank {env.get(b'RANK', b'?').decode()} (pid {entry.name})")
+            started = _start_time(pid)
+            if started is not None and env.get(b"TORCHELASTIC_RUN_ID") == run_id and b"LOCAL_RANK" in env:
+                found[pid] = (started, f"rank {env.get(b'RANK', b'?').decode()} (pid {pid})")
         return cls(found)
 
     def gone(self) -> str:

@@ -110,10 +110,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-process_alive = procstat.alive
-"""Whether a process exists and has not exited (tests and the fault replay ask it too)."""
-
-
 class LocalBackend(Backend):
     """Runs each attempt as `torchrun --standalone --nproc-per-node=dp·tp·pp -m cona.trainer` on this machine."""
 
@@ -321,14 +317,19 @@ class LocalBackend(Backend):
     def _ours_and_alive(self, attempt: Attempt) -> bool:
         pid = int(attempt.backend_id)
         self._reap(pid)
-        if not process_alive(pid):
+        if not procstat.alive(pid):
             return False
         recorded = attempt.extra.get("start_time")
         return recorded is None or recorded == procstat.start_time(pid)
 
     def crash_logs(self, attempt: Attempt) -> list[Path]:
-        """torchrun's output, in the directory of the attempt that started the processes (`launched_as`)."""
-        return [self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number))) / "torchrun.log"]
+        """torchrun's output, in the directory of the attempt that started the processes."""
+        return [self._launched_dir(attempt) / "torchrun.log"]
+
+    def _launched_dir(self, attempt: Attempt) -> Path:
+        """The directory of the attempt that started `attempt`'s processes (`launched_as`: itself, or the attempt
+        it went on from in place), where their log and exit code lie."""
+        return self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number)))
 
     def gone(self, attempt: Attempt) -> bool:
         """Whether the attempt's wrapper process is gone (or its PID now another process's): torchrun and its workers
@@ -349,7 +350,7 @@ class LocalBackend(Backend):
                     argv = (entry / "cmdline").read_bytes()
                 except OSError:
                     continue
-                if marker in argv and b"cona.trainer" in argv and b"torch.distributed.run" not in argv and process_alive(int(entry.name)):
+                if marker in argv and b"cona.trainer" in argv and b"torch.distributed.run" not in argv and procstat.alive(int(entry.name)):
                     found.append(int(entry.name))
         return found
 
@@ -391,7 +392,7 @@ class LocalBackend(Backend):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
-        launched = self.run_dir.attempt_dir(int(attempt.extra.get("launched_as", attempt.number)))
+        launched = self._launched_dir(attempt)
         cause = functools.partial(crash_cause, self.run_dir, attempt.number, self.crash_logs(attempt))
         try:
             with open_regular(launched / EXIT_CODE_FILE) as file:
@@ -418,7 +419,7 @@ class LocalBackend(Backend):
         tree = {p: procstat.start_time(p) for p in _descendants(pid)}
 
         def still_ours(p: int) -> bool:  # alive, and not a new process that got a recycled PID
-            return process_alive(p) and procstat.start_time(p) == tree[p]
+            return procstat.alive(p) and procstat.start_time(p) == tree[p]
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
